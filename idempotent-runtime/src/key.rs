@@ -1,0 +1,423 @@
+//! Operation keys: a readable prefix, a version and an injective encoding of the parts.
+//!
+//! A key looks like `order:consume:v1:{8:A-100231,3:a17}`:
+//!
+//! - the **prefix** is kept readable so operators can find records with `SCAN` or `LIKE`;
+//! - the **version** lets a team change what a key means on purpose (bump it) instead of by
+//!   accident;
+//! - the **parts** are each written as `<byte length>:<bytes>`, so `("1:2", "3")` and
+//!   `("1", "2:3")` can never produce the same key, whatever bytes the parts contain;
+//! - the parts sit inside `{...}`, a Redis Cluster hash tag, so every Redis key that belongs
+//!   to one record hashes to the same slot;
+//! - when the encoded parts are longer than [`MAX_INLINE_PARTS`] bytes they are replaced by
+//!   `#` and the hex SHA-256 of their encoding, so a key never grows past [`MAX_KEY_LEN`] bytes.
+//!   An inline encoding always starts with a digit, so a hashed key can never equal an inline one.
+//!
+//! Keys are exact bytes: a part may hold any bytes, including invalid UTF-8.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+/// Longest accepted prefix, in bytes.
+pub const MAX_PREFIX_LEN: usize = 128;
+/// Most parts a key may have.
+pub const MAX_PARTS: usize = 16;
+/// Longest accepted single part, in bytes. Longer input is almost always a payload passed by
+/// mistake where a business identifier was meant; use a [`Fingerprint`](crate::Fingerprint)
+/// for payloads.
+pub const MAX_PART_LEN: usize = 4096;
+/// Encoded parts longer than this are stored as their SHA-256 digest.
+pub const MAX_INLINE_PARTS: usize = 128;
+/// Upper bound on the length of any encoded key, in bytes.
+pub const MAX_KEY_LEN: usize = MAX_PREFIX_LEN + ":v4294967295:{}".len() + MAX_INLINE_PARTS;
+
+/// A value that can be one part of an operation key.
+///
+/// Implemented for strings, byte strings, integers, `bool` and `char`, and through
+/// references, `Box`, `Rc`, `Arc` and `Cow`. Implement it for your own identifier types by
+/// writing their canonical bytes.
+///
+/// ```
+/// use idempotent_runtime::KeyPart;
+///
+/// struct OrderId(u64);
+///
+/// impl KeyPart for OrderId {
+///     fn write_key_part(&self, out: &mut Vec<u8>) {
+///         self.0.write_key_part(out)
+///     }
+/// }
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be part of an idempotency key",
+    label = "this is not a key part",
+    note = "key parts are business identifiers: strings, byte strings, integers, `bool`, `char`, or a type that implements `idempotent::KeyPart`"
+)]
+pub trait KeyPart {
+    /// Appends this part's canonical bytes to `out`.
+    ///
+    /// Two values that mean the same business identifier must write the same bytes, and two
+    /// that differ must write different bytes.
+    fn write_key_part(&self, out: &mut Vec<u8>);
+}
+
+impl KeyPart for str {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(self.as_bytes());
+    }
+}
+
+impl KeyPart for String {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(self.as_bytes());
+    }
+}
+
+impl KeyPart for [u8] {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(self);
+    }
+}
+
+impl<const N: usize> KeyPart for [u8; N] {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(self);
+    }
+}
+
+impl KeyPart for Vec<u8> {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(self);
+    }
+}
+
+impl KeyPart for bool {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(if *self { b"true" } else { b"false" });
+    }
+}
+
+impl KeyPart for char {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        let mut buf = [0u8; 4];
+        out.extend_from_slice(self.encode_utf8(&mut buf).as_bytes());
+    }
+}
+
+macro_rules! int_key_part {
+    ($($t:ty)*) => {$(
+        impl KeyPart for $t {
+            fn write_key_part(&self, out: &mut Vec<u8>) {
+                use std::io::Write as _;
+                // Writing into a Vec cannot fail.
+                let _ = write!(out, "{}", self);
+            }
+        }
+    )*};
+}
+int_key_part!(u8 u16 u32 u64 u128 usize i8 i16 i32 i64 i128 isize);
+
+impl<T: KeyPart + ?Sized> KeyPart for &T {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        (**self).write_key_part(out)
+    }
+}
+
+impl<T: KeyPart + ?Sized> KeyPart for &mut T {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        (**self).write_key_part(out)
+    }
+}
+
+impl<T: KeyPart + ?Sized> KeyPart for Box<T> {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        (**self).write_key_part(out)
+    }
+}
+
+impl<T: KeyPart + ?Sized> KeyPart for std::rc::Rc<T> {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        (**self).write_key_part(out)
+    }
+}
+
+impl<T: KeyPart + ?Sized> KeyPart for Arc<T> {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        (**self).write_key_part(out)
+    }
+}
+
+impl<T: KeyPart + ToOwned + ?Sized> KeyPart for Cow<'_, T> {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        self.as_ref().write_key_part(out)
+    }
+}
+
+/// Why a key could not be built. Returned inside [`Error::InvalidKey`](crate::Error::InvalidKey).
+///
+/// A consumer should dead-letter the message: retrying cannot make a bad key good.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The prefix is empty.
+    #[error("the key prefix is empty")]
+    EmptyPrefix,
+    /// The prefix is longer than [`MAX_PREFIX_LEN`] bytes.
+    #[error("the key prefix is {len} bytes long; at most {MAX_PREFIX_LEN} are allowed")]
+    PrefixTooLong {
+        /// The prefix's length in bytes.
+        len: usize,
+    },
+    /// The prefix holds a character that is not allowed (`{`, `}`, white space or a control
+    /// character): braces would break the Redis Cluster hash tag.
+    #[error("the key prefix contains {found:?}; braces, white space and control characters are not allowed")]
+    InvalidPrefix {
+        /// The offending character.
+        found: char,
+    },
+    /// No parts were given.
+    #[error("an idempotency key needs at least one part")]
+    NoParts,
+    /// More than [`MAX_PARTS`] parts were given.
+    #[error("an idempotency key has {count} parts; at most {MAX_PARTS} are allowed")]
+    TooManyParts {
+        /// How many parts were given.
+        count: usize,
+    },
+    /// A part wrote no bytes (an empty string, say): an empty identifier is almost always a
+    /// missing field, and would make every such message a duplicate of the first.
+    #[error("key part {index} is empty")]
+    EmptyPart {
+        /// Zero-based position of the part.
+        index: usize,
+    },
+    /// A part is longer than [`MAX_PART_LEN`] bytes.
+    #[error("key part {index} is {len} bytes long; at most {MAX_PART_LEN} are allowed")]
+    PartTooLong {
+        /// Zero-based position of the part.
+        index: usize,
+        /// The part's length in bytes.
+        len: usize,
+    },
+}
+
+/// An encoded operation key. Cheap to clone.
+///
+/// ```
+/// use idempotent_runtime::Key;
+///
+/// let a = Key::new("order:consume", 1, &[&"1:2", &"3"])?;
+/// let b = Key::new("order:consume", 1, &[&"1", &"2:3"])?;
+/// assert_ne!(a, b);
+/// assert_eq!(a.to_string(), "order:consume:v1:{3:1:2,1:3}");
+/// # Ok::<(), idempotent_runtime::KeyError>(())
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key {
+    bytes: Arc<[u8]>,
+    prefix_len: usize,
+}
+
+impl Key {
+    /// Builds a key from a prefix, a version and the parts, in order.
+    ///
+    /// # Errors
+    ///
+    /// A [`KeyError`] when the prefix or a part breaks a rule listed on that type.
+    pub fn new(prefix: &str, version: u32, parts: &[&dyn KeyPart]) -> Result<Key, KeyError> {
+        validate_prefix(prefix)?;
+        if parts.is_empty() {
+            return Err(KeyError::NoParts);
+        }
+        if parts.len() > MAX_PARTS {
+            return Err(KeyError::TooManyParts { count: parts.len() });
+        }
+        let mut body = Vec::with_capacity(32);
+        let mut scratch = Vec::with_capacity(32);
+        for (index, part) in parts.iter().enumerate() {
+            scratch.clear();
+            part.write_key_part(&mut scratch);
+            if scratch.is_empty() {
+                return Err(KeyError::EmptyPart { index });
+            }
+            if scratch.len() > MAX_PART_LEN {
+                return Err(KeyError::PartTooLong {
+                    index,
+                    len: scratch.len(),
+                });
+            }
+            if index > 0 {
+                body.push(b',');
+            }
+            push_decimal(&mut body, scratch.len() as u64);
+            body.push(b':');
+            body.extend_from_slice(&scratch);
+        }
+
+        let mut bytes = Vec::with_capacity(prefix.len() + 16 + body.len().min(70));
+        bytes.extend_from_slice(prefix.as_bytes());
+        bytes.extend_from_slice(b":v");
+        push_decimal(&mut bytes, u64::from(version));
+        bytes.extend_from_slice(b":{");
+        if body.len() > MAX_INLINE_PARTS {
+            bytes.push(b'#');
+            push_hex(&mut bytes, &Sha256::digest(&body));
+        } else {
+            bytes.extend_from_slice(&body);
+        }
+        bytes.push(b'}');
+        Ok(Key {
+            bytes: bytes.into(),
+            prefix_len: prefix.len(),
+        })
+    }
+
+    /// The encoded key, as stored.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// The readable prefix the key was built with.
+    pub fn prefix(&self) -> &str {
+        // The prefix was validated as a `&str` and is stored unchanged at the front.
+        std::str::from_utf8(&self.bytes[..self.prefix_len]).unwrap_or_default()
+    }
+
+    /// Whether the parts were long enough to be replaced by their digest.
+    pub fn is_hashed(&self) -> bool {
+        self.bytes
+            .iter()
+            .position(|&b| b == b'{')
+            .is_some_and(|at| self.bytes.get(at + 1) == Some(&b'#'))
+    }
+}
+
+impl fmt::Display for Key {
+    /// Writes the key with non-printable bytes escaped, for logs.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.bytes.escape_ascii(), f)
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Key(\"{}\")", self.bytes.escape_ascii())
+    }
+}
+
+fn validate_prefix(prefix: &str) -> Result<(), KeyError> {
+    if prefix.is_empty() {
+        return Err(KeyError::EmptyPrefix);
+    }
+    if prefix.len() > MAX_PREFIX_LEN {
+        return Err(KeyError::PrefixTooLong { len: prefix.len() });
+    }
+    if let Some(found) = prefix
+        .chars()
+        .find(|c| matches!(c, '{' | '}') || c.is_whitespace() || c.is_control())
+    {
+        return Err(KeyError::InvalidPrefix { found });
+    }
+    Ok(())
+}
+
+fn push_decimal(out: &mut Vec<u8>, n: u64) {
+    use std::io::Write as _;
+    let _ = write!(out, "{n}");
+}
+
+pub(crate) fn push_hex(out: &mut Vec<u8>, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for b in bytes {
+        out.push(HEX[usize::from(b >> 4)]);
+        out.push(HEX[usize::from(b & 0x0f)]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn separator_inside_parts_does_not_collide() {
+        let a = Key::new("p", 1, &[&"1:2", &"3"]).unwrap();
+        let b = Key::new("p", 1, &[&"1", &"2:3"]).unwrap();
+        let c = Key::new("p", 1, &[&"1,2:3"]).unwrap();
+        assert_ne!(a, b);
+        assert_ne!(a, c);
+        assert_ne!(b, c);
+    }
+
+    #[test]
+    fn version_and_prefix_are_part_of_the_key() {
+        let v1 = Key::new("p", 1, &[&7u32]).unwrap();
+        let v2 = Key::new("p", 2, &[&7u32]).unwrap();
+        let q = Key::new("q", 1, &[&7u32]).unwrap();
+        assert_ne!(v1, v2);
+        assert_ne!(v1, q);
+        assert_eq!(v1.prefix(), "p");
+        assert_eq!(v1.to_string(), "p:v1:{1:7}");
+    }
+
+    #[test]
+    fn long_parts_are_hashed_and_bounded() {
+        let long = "x".repeat(MAX_PART_LEN);
+        let key = Key::new("order", 1, &[&long, &long]).unwrap();
+        assert!(key.is_hashed());
+        assert!(key.as_bytes().len() <= MAX_KEY_LEN);
+        assert!(key.to_string().starts_with("order:v1:{#"));
+        let other = Key::new("order", 1, &[&long, &"y".repeat(MAX_PART_LEN)]).unwrap();
+        assert_ne!(key, other);
+    }
+
+    #[test]
+    fn bad_input_is_a_typed_error() {
+        assert_eq!(Key::new("", 1, &[&1u8]), Err(KeyError::EmptyPrefix));
+        assert_eq!(
+            Key::new("a{b", 1, &[&1u8]),
+            Err(KeyError::InvalidPrefix { found: '{' })
+        );
+        assert_eq!(
+            Key::new("a b", 1, &[&1u8]),
+            Err(KeyError::InvalidPrefix { found: ' ' })
+        );
+        assert_eq!(
+            Key::new(&"p".repeat(MAX_PREFIX_LEN + 1), 1, &[&1u8]),
+            Err(KeyError::PrefixTooLong {
+                len: MAX_PREFIX_LEN + 1
+            })
+        );
+        assert_eq!(Key::new("p", 1, &[]), Err(KeyError::NoParts));
+        assert_eq!(
+            Key::new("p", 1, &[&"a", &""]),
+            Err(KeyError::EmptyPart { index: 1 })
+        );
+        let big = vec![0u8; MAX_PART_LEN + 1];
+        assert_eq!(
+            Key::new("p", 1, &[&big]),
+            Err(KeyError::PartTooLong {
+                index: 0,
+                len: MAX_PART_LEN + 1
+            })
+        );
+        let many: Vec<&dyn KeyPart> = vec![&1u8; MAX_PARTS + 1];
+        assert_eq!(
+            Key::new("p", 1, &many),
+            Err(KeyError::TooManyParts {
+                count: MAX_PARTS + 1
+            })
+        );
+    }
+
+    #[test]
+    fn non_utf8_bytes_are_kept_exactly() {
+        let a = Key::new("p", 1, &[&[0xffu8, 0x00]]).unwrap();
+        let b = Key::new("p", 1, &[&[0xfeu8, 0x00]]).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(&a.as_bytes()[..8], b"p:v1:{2:");
+        assert_eq!(a.to_string(), "p:v1:{2:\\xff\\x00}");
+    }
+}

@@ -1,0 +1,50 @@
+//! The runtime behind the `#[idempotent]` attribute: key encoding, the [`Store`] trait and
+//! its backends, and the claim → run → complete / release engine.
+//!
+//! Most users depend on the `idempotent` crate, which re-exports this one together with the
+//! attribute. Use this crate directly for the guard API ([`Guard`], [`Operation`]) or to
+//! write a backend.
+//!
+//! ```
+//! use std::{sync::Arc, time::Duration};
+//! use idempotent_runtime::{Error, Guard, Key, MemoryStore};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Error> {
+//! let guard = Guard::new(Duration::from_secs(3600)).store(Arc::new(MemoryStore::new()));
+//! let key = Key::new("order:consume", 1, &[&"A-1001", &"spring-sale"])?;
+//! let effect: Result<&str, Error> = guard.run(key, async { Ok("consumed") }).await;
+//! assert_eq!(effect?, "consumed");
+//! # Ok(()) }
+//! ```
+//!
+//! # Features
+//!
+//! - `memory` (default): [`MemoryStore`], the embedded store.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod codec;
+mod default_store;
+mod error;
+pub mod key;
+mod operation;
+mod policy;
+pub mod store;
+
+#[doc(hidden)]
+#[path = "private.rs"]
+pub mod __private;
+
+pub use default_store::{default_store, set_default_store, AlreadySet};
+pub use error::{Action, Error, StoreError, StoreErrorKind};
+pub use key::{Key, KeyError, KeyPart};
+pub use operation::{Done, DoneCheck, Guard, HandlerResult, NoDone, Operation};
+pub use policy::{InProgress, OnError, OnStoreError};
+pub use store::{
+    BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, IntoStore, Record, RecordState,
+    SharedStore, Store, Token,
+};
+
+#[cfg(feature = "memory")]
+#[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
+pub use store::memory::{self, MemoryStore};

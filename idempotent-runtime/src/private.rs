@@ -1,0 +1,59 @@
+//! What the `#[idempotent]` expansion calls. Not a public API: it may change in any release.
+
+use std::time::Duration;
+
+pub use crate::operation::HandlerResult;
+use crate::operation::{from_spec, Guard, Operation};
+pub use crate::policy::{InProgress, OnError, OnStoreError};
+use crate::store::{IntoStore, SharedStore};
+use crate::KeyPart;
+
+/// The attribute's constant settings.
+#[derive(Debug, Clone, Copy)]
+pub struct Spec {
+    /// `prefix = "..."`.
+    pub prefix: &'static str,
+    /// `version = N`.
+    pub version: u32,
+    /// `ttl = N`, in seconds.
+    pub ttl_secs: u64,
+    /// `lease = N`, in seconds; 0 for the default.
+    pub lease_secs: u64,
+    /// `on_in_progress = ...`.
+    pub in_progress: InProgress,
+    /// `on_store_error = ...`.
+    pub on_store_error: OnStoreError,
+}
+
+/// One call of an annotated handler.
+pub fn operation<R: HandlerResult>(
+    spec: Spec,
+    store: Option<SharedStore>,
+    parts: &[&dyn KeyPart],
+) -> Operation<R> {
+    let mut guard = Guard::new(Duration::from_secs(spec.ttl_secs))
+        .on_in_progress(spec.in_progress)
+        .on_store_error(spec.on_store_error);
+    if spec.lease_secs > 0 {
+        guard = guard.lease(Duration::from_secs(spec.lease_secs));
+    }
+    if let Some(store) = store {
+        guard = guard.store(store);
+    }
+    from_spec(guard, spec.prefix, spec.version, parts)
+}
+
+/// A key part, type-checked where the user wrote it.
+pub fn part<P: KeyPart>(part: &P) -> &dyn KeyPart {
+    part
+}
+
+/// `store = <expr>`.
+pub fn store<S: IntoStore + Clone>(store: &S) -> SharedStore {
+    store.clone().into_store()
+}
+
+/// `on_error = hold`.
+pub fn hold<E>(_: &E) -> OnError {
+    OnError::Hold
+}

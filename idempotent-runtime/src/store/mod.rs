@@ -1,0 +1,370 @@
+//! The [`Store`] trait: a few atomic, owner-checked primitives that every backend provides.
+//!
+//! A store keeps one record per operation [`Key`]:
+//!
+//! - `InProgress { token, fence, lease_until }` while an owner runs the handler;
+//! - `Completed { token, fence, result? }` once the owner completed it;
+//! - `Released { fence }` after the owner gave the claim back (the fence is kept so the next
+//!   owner's fence is still higher).
+//!
+//! Every record expires `ttl` after it was written. Times are the store's own clock, never
+//! the caller's. There is no public get-then-set pair: a claim is one atomic operation and
+//! every later write checks the caller's token.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::StoreError;
+use crate::key::{Key, KeyPart};
+
+#[cfg(feature = "memory")]
+pub mod memory;
+
+/// A boxed, sendable future, as returned by [`Store`] methods.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A store shared by handlers.
+pub type SharedStore = Arc<dyn Store>;
+
+/// The atomic primitives an idempotency backend provides.
+///
+/// Implementations must make each method one atomic operation on the store (a Redis script,
+/// one SQL statement, one critical section) and use the store's own clock for leases and
+/// expiry. The conformance suite in the repository's `tests/` checks every rule; run it
+/// against a new backend before trusting it.
+///
+/// ```
+/// use std::sync::Arc;
+/// use idempotent_runtime::{Claim, ClaimRequest, Key, MemoryStore, Store, Token};
+/// use std::time::Duration;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = MemoryStore::new();
+/// let req = ClaimRequest {
+///     key: Key::new("doc", 1, &[&"a"])?,
+///     token: Token::generate(),
+///     lease: Duration::from_secs(10),
+///     ttl: Duration::from_secs(60),
+///     fingerprint: None,
+/// };
+/// assert!(matches!(store.claim(&req).await?, Claim::Acquired { fence: 1 }));
+/// assert!(matches!(store.claim(&ClaimRequest { token: Token::generate(), ..req.clone() }).await?,
+///                  Claim::InProgress { fence: 1 }));
+/// # Ok(()) }
+/// ```
+pub trait Store: Send + Sync + 'static {
+    /// Claims `req.key` for `req.token`, atomically:
+    ///
+    /// - no live record, or a `Released` one: write `InProgress` with fence + 1, expiring
+    ///   `ttl` from now, and return [`Claim::Acquired`];
+    /// - an `InProgress` record whose lease has run out: take it over the same way (fence + 1,
+    ///   new token), unless its fingerprint differs from `req`'s ([`Claim::Mismatch`]);
+    /// - a live `InProgress` record: [`Claim::InProgress`], or [`Claim::Mismatch`] when both
+    ///   fingerprints are set and differ;
+    /// - a `Completed` record: [`Claim::Completed`] with its stored result, or
+    ///   [`Claim::Mismatch`] when both fingerprints are set and differ.
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>>;
+
+    /// Marks the record `Completed` with `completion.result`, expiring `completion.ttl` from
+    /// now, if `token` still owns it (the record is `InProgress` with this token, whether or
+    /// not its lease ran out). Returns `true` when the record is completed by `token` (also when
+    /// it already was, so a retried completion is harmless) and `false` when someone else owns
+    /// the key now.
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Gives the claim back if `token` still owns it: the record becomes `Released` (keeping
+    /// its fence) so the next claim acquires at once. Returns `false`, changing nothing, when
+    /// `token` is not the owner: no one else's claim is ever removed.
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Extends the lease of `token`'s `InProgress` record to `lease` from now (and the
+    /// record's expiry, if the lease would outlive it). Returns `false` when `token` no
+    /// longer owns the key.
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Reads the record, for resolving a lost reply by token and for inspection. Never use
+    /// it to decide whether to write: claims are atomic on their own.
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
+}
+
+impl<S: Store + ?Sized> Store for Arc<S> {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        (**self).claim(req)
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        (**self).complete(key, token, completion)
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        (**self).release(key, token)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        (**self).renew(key, token, lease)
+    }
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        (**self).read(key)
+    }
+}
+
+/// Converts a store handle into a [`SharedStore`]. Implemented for `Arc<S>` of any store,
+/// for [`SharedStore`] itself, and for references to either.
+///
+/// ```
+/// use std::sync::Arc;
+/// use idempotent_runtime::{IntoStore, MemoryStore, SharedStore};
+///
+/// let store = Arc::new(MemoryStore::new());
+/// let shared: SharedStore = (&store).into_store();
+/// # let _ = shared;
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an idempotency store handle",
+    note = "pass an `Arc` of a store, e.g. `Arc<MemoryStore>` or `idempotent::SharedStore`"
+)]
+pub trait IntoStore {
+    /// The shared handle.
+    fn into_store(self) -> SharedStore;
+}
+
+impl<S: Store> IntoStore for Arc<S> {
+    fn into_store(self) -> SharedStore {
+        self
+    }
+}
+
+impl IntoStore for SharedStore {
+    fn into_store(self) -> SharedStore {
+        self
+    }
+}
+
+impl<T: IntoStore + Clone> IntoStore for &T {
+    fn into_store(self) -> SharedStore {
+        self.clone().into_store()
+    }
+}
+
+/// A claim's owner token: random per claim, never reused.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Token([u8; 16]);
+
+static TOKEN_SALT: LazyLock<u64> = LazyLock::new(|| {
+    let mut buf = [0u8; 8];
+    if getrandom::fill(&mut buf).is_err() {
+        // No OS randomness: mix the clock and the process id so two processes still differ.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or_default();
+        buf = (nanos ^ (u64::from(std::process::id()) << 32)).to_le_bytes();
+    }
+    u64::from_le_bytes(buf)
+});
+static TOKEN_COUNTER: AtomicU64 = AtomicU64::new(1);
+
+impl Token {
+    /// A fresh token: a random per-process salt and a per-process counter, so tokens never
+    /// repeat within a process and collide across processes with probability 2^-64.
+    pub fn generate() -> Token {
+        let n = TOKEN_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&TOKEN_SALT.to_le_bytes());
+        bytes[8..].copy_from_slice(&n.to_le_bytes());
+        Token(bytes)
+    }
+
+    /// A token from its 16 bytes, as read back from a store.
+    pub fn from_bytes(bytes: [u8; 16]) -> Token {
+        Token(bytes)
+    }
+
+    /// The token's bytes, as written to a store.
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut hex = Vec::with_capacity(32);
+        crate::key::push_hex(&mut hex, &self.0);
+        write!(f, "Token({})", String::from_utf8_lossy(&hex))
+    }
+}
+
+/// A digest of a request's payload, stored with the claim so that a duplicate key with a
+/// different payload is refused ([`Error::PayloadMismatch`](crate::Error::PayloadMismatch)).
+///
+/// It is the first 16 bytes of the SHA-256 of the parts' injective encoding: stable across
+/// processes, platforms and releases.
+///
+/// ```
+/// use idempotent_runtime::Fingerprint;
+///
+/// let a = Fingerprint::of(&[&"EUR", &1250u64]);
+/// let b = Fingerprint::of(&[&"EUR", &1251u64]);
+/// assert_ne!(a, b);
+/// assert_eq!(a, Fingerprint::of(&[&"EUR", &1250u64]));
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 16]);
+
+impl Fingerprint {
+    /// The fingerprint of some values, in order.
+    pub fn of(parts: &[&dyn KeyPart]) -> Fingerprint {
+        let mut hasher = Sha256::new();
+        let mut scratch = Vec::new();
+        for part in parts {
+            scratch.clear();
+            part.write_key_part(&mut scratch);
+            hasher.update((scratch.len() as u64).to_le_bytes());
+            hasher.update(&scratch);
+        }
+        Fingerprint::truncate(&hasher.finalize())
+    }
+
+    /// The fingerprint of a raw payload (a request body, say).
+    pub fn of_bytes(payload: &[u8]) -> Fingerprint {
+        Fingerprint::truncate(&Sha256::digest(payload))
+    }
+
+    /// A fingerprint from its 16 bytes, as read back from a store.
+    pub fn from_bytes(bytes: [u8; 16]) -> Fingerprint {
+        Fingerprint(bytes)
+    }
+
+    /// The fingerprint's bytes, as written to a store.
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+
+    fn truncate(digest: &[u8]) -> Fingerprint {
+        let mut bytes = [0u8; 16];
+        bytes.copy_from_slice(&digest[..16]);
+        Fingerprint(bytes)
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut hex = Vec::with_capacity(32);
+        crate::key::push_hex(&mut hex, &self.0);
+        write!(f, "Fingerprint({})", String::from_utf8_lossy(&hex))
+    }
+}
+
+/// What [`Store::claim`] is asked to do.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// The operation key.
+    pub key: Key,
+    /// The new owner's token.
+    pub token: Token,
+    /// How long the claim stays live without renewal.
+    pub lease: Duration,
+    /// How long the record is kept.
+    pub ttl: Duration,
+    /// The payload's fingerprint, if the caller checks payloads.
+    pub fingerprint: Option<Fingerprint>,
+}
+
+/// The outcome of [`Store::claim`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Claim {
+    /// The caller owns the key now. `fence` grows by one on every acquisition of the key.
+    Acquired {
+        /// The new fence.
+        fence: u64,
+    },
+    /// The operation was completed before; `result` is what the first run stored.
+    Completed {
+        /// The fence of the completed run.
+        fence: u64,
+        /// The stored result, if any.
+        result: Option<Vec<u8>>,
+    },
+    /// Another owner holds a live lease.
+    InProgress {
+        /// The fence of the live claim.
+        fence: u64,
+    },
+    /// The key's record carries a different payload fingerprint.
+    Mismatch {
+        /// The fence of the existing record.
+        fence: u64,
+    },
+}
+
+/// What [`Store::complete`] writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The result to replay to duplicates, opaque to the store.
+    pub result: Option<Vec<u8>>,
+    /// How long the completed record is kept.
+    pub ttl: Duration,
+}
+
+/// The state of a stored record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecordState {
+    /// An owner holds (or held, if the lease ran out) the claim.
+    InProgress {
+        /// Time left on the lease; zero when it has run out.
+        lease_left: Duration,
+    },
+    /// The operation completed.
+    Completed,
+    /// The owner gave the claim back.
+    Released,
+}
+
+/// A record as returned by [`Store::read`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// The record's state.
+    pub state: RecordState,
+    /// The token of the record's last owner.
+    pub token: Token,
+    /// The record's fence.
+    pub fence: u64,
+    /// The fingerprint stored with the claim.
+    pub fingerprint: Option<Fingerprint>,
+    /// The stored result, for a completed record.
+    pub result: Option<Vec<u8>>,
+}
