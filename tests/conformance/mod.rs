@@ -1,0 +1,1150 @@
+//! The conformance suite: every rule of the semantics (design.md section 2), written once,
+//! generic over the store. Each backend's test file instantiates it with
+//! `conformance_suite!(make_backend)`, where `make_backend` is an async fn returning a
+//! [`Backend`].
+//!
+//! Every case uses its own key prefix, so backends that share a server (Redis, SQL) can run
+//! cases in parallel; the backend cleans its prefix up when dropped.
+//!
+//! Two wrappers inject faults a healthy store never produces on demand: [`Down`] (the store
+//! refuses every command) and [`LostReplies`] (the store applies a command and the reply is
+//! lost). Each backend's own test file also produces these cases with the real server
+//! (killing it, cutting the connection) where that is possible.
+
+#![allow(
+    dead_code,
+    unreachable_pub,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic
+)]
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotent::{
+    BoxFuture, Claim, ClaimRequest, Completion, Error, Guard, InProgress, Key, OnError,
+    OnStoreError, Record, RecordState, SharedStore, Store, StoreError, StoreErrorKind, Token,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Barrier, Notify};
+
+/// A backend under test.
+pub trait Backend: Send + Sync + 'static {
+    /// The store under test.
+    fn store(&self) -> SharedStore;
+    /// Loses every record of this test, as a restarted server without persistence would.
+    fn lose_data(&self) -> BoxFuture<'_, ()>;
+}
+
+/// The handler error used by the suite.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]
+pub enum AppError {
+    #[error("idempotency: {0}")]
+    #[serde(skip)]
+    Idem(String),
+    #[error("business: {0}")]
+    Business(String),
+}
+
+/// Keeps the framework's error inspectable in assertions.
+#[derive(Debug, thiserror::Error)]
+pub enum TestError {
+    #[error(transparent)]
+    Idem(#[from] Error),
+    #[error("business: {0}")]
+    Business(String),
+}
+
+impl From<Error> for AppError {
+    fn from(e: Error) -> Self {
+        AppError::Idem(format!("{e:?}"))
+    }
+}
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// A prefix no other case (or earlier run) uses.
+pub fn unique_prefix(case: &str) -> String {
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let token = format!("{:?}", Token::generate());
+    let salt = &token[token.len() - 9..token.len() - 1];
+    format!("conf:{case}:{salt}{n}")
+}
+
+pub fn key(prefix: &str, parts: &[&dyn idempotent::KeyPart]) -> Key {
+    Key::new(prefix, 1, parts).unwrap()
+}
+
+fn guard(store: &SharedStore) -> Guard {
+    Guard::new(Duration::from_secs(60)).store(store.clone())
+}
+
+fn req(key: &Key, lease: Duration) -> ClaimRequest {
+    ClaimRequest {
+        key: key.clone(),
+        token: Token::generate(),
+        lease,
+        ttl: Duration::from_secs(60),
+        fingerprint: None,
+    }
+}
+
+/// Reads until `pred` holds, for effects that a store applies on a background task (a
+/// release after cancellation). Fails after five seconds.
+async fn eventually(store: &SharedStore, key: &Key, pred: impl Fn(&Option<Record>) -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let record = store.read(key).await.unwrap();
+        if pred(&record) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition never held; last record: {record:?}"
+        );
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule 1: claim is one atomic operation; fences grow by one per acquisition.
+
+pub async fn concurrent_duplicates_run_the_handler_exactly_once(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix("hundred");
+    let k = key(&prefix, &[&"order-1", &"activity-9"]);
+    let executions = Arc::new(AtomicUsize::new(0));
+    let start = Arc::new(Barrier::new(100));
+    let finished_others = Arc::new(Notify::new());
+    let others_done = Arc::new(AtomicUsize::new(0));
+
+    let mut tasks = Vec::new();
+    for _ in 0..100 {
+        let (g, k) = (guard(&store), k.clone());
+        let (executions, start) = (executions.clone(), start.clone());
+        let (finished_others, others_done) = (finished_others.clone(), others_done.clone());
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            let out: Result<(), TestError> = g
+                .run(k, async {
+                    executions.fetch_add(1, Ordering::SeqCst);
+                    // Hold the claim until all 99 others have been turned away, so every one
+                    // of them meets a live claim.
+                    let wait = finished_others.notified();
+                    if others_done.load(Ordering::SeqCst) < 99 {
+                        wait.await;
+                    }
+                    Ok(())
+                })
+                .await;
+            if out.is_err() && others_done.fetch_add(1, Ordering::SeqCst) + 1 == 99 {
+                finished_others.notify_one();
+            }
+            out
+        }));
+    }
+    let mut ok = 0;
+    let mut in_progress = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(()) => ok += 1,
+            Err(TestError::Idem(Error::InProgress { fence: 1, .. })) => in_progress += 1,
+            Err(other) => panic!("unexpected outcome: {other:?}"),
+        }
+    }
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+    assert_eq!((ok, in_progress), (1, 99));
+
+    let again: Result<(), TestError> = guard(&store).run(k, async { Ok(()) }).await;
+    assert!(matches!(
+        again,
+        Err(TestError::Idem(Error::Duplicate { .. }))
+    ));
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+}
+
+pub async fn concurrent_store_claims_acquire_exactly_once(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix("raw-claims");
+    for round in 0..20u32 {
+        let k = key(&prefix, &[&round]);
+        let start = Arc::new(Barrier::new(32));
+        let tasks: Vec<_> = (0..32)
+            .map(|_| {
+                let (store, k, start) = (store.clone(), k.clone(), start.clone());
+                tokio::spawn(async move {
+                    start.wait().await;
+                    store
+                        .claim(&req(&k, Duration::from_secs(30)))
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        let mut acquired = 0;
+        for t in tasks {
+            match t.await.unwrap() {
+                Claim::Acquired { fence: 1 } => acquired += 1,
+                Claim::InProgress { fence: 1 } => {}
+                other => panic!("unexpected claim: {other:?}"),
+            }
+        }
+        assert_eq!(acquired, 1, "round {round}");
+    }
+}
+
+pub async fn fence_grows_by_one_on_every_acquisition(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("fence"), &[&1u8]);
+    for expected in 1..=5u64 {
+        let r = req(&k, Duration::from_secs(30));
+        assert_eq!(
+            store.claim(&r).await.unwrap(),
+            Claim::Acquired { fence: expected }
+        );
+        assert!(store.release(&k, &r.token).await.unwrap());
+    }
+    let r = req(&k, Duration::from_secs(30));
+    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 6 });
+    let record = store.read(&k).await.unwrap().unwrap();
+    assert_eq!((record.fence, record.token), (6, r.token));
+}
+
+pub async fn completed_key_is_a_duplicate_and_replays_its_result(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("replay"), &[&"pay-1"]);
+    let executions = AtomicUsize::new(0);
+    let run = |amount: u64| {
+        let (g, k, executions) = (guard(&store), k.clone(), &executions);
+        async move {
+            g.operation(k)
+                .replay()
+                .run(async move {
+                    executions.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, TestError>(format!("receipt for {amount}"))
+                })
+                .await
+        }
+    };
+    assert_eq!(run(10).await.unwrap(), "receipt for 10");
+    // The duplicate gets the first run's result, not its own.
+    assert_eq!(run(99).await.unwrap(), "receipt for 10");
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+
+    // Without replay, the duplicate is reported as such.
+    let plain: Result<String, TestError> =
+        guard(&store).run(k.clone(), async { Ok("x".into()) }).await;
+    assert!(matches!(
+        plain,
+        Err(TestError::Idem(Error::Duplicate { .. }))
+    ));
+
+    let claim = store.claim(&req(&k, Duration::from_secs(1))).await.unwrap();
+    assert!(matches!(
+        claim,
+        Claim::Completed {
+            fence: 1,
+            result: Some(_)
+        }
+    ));
+}
+
+pub async fn expired_lease_is_taken_over_with_the_next_fence(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("takeover"), &[&"order-7"]);
+    let lease = Duration::from_millis(300);
+    let old = req(&k, lease);
+    assert_eq!(
+        store.claim(&old).await.unwrap(),
+        Claim::Acquired { fence: 1 }
+    );
+
+    // While the lease is live, a claim meets it.
+    let early = req(&k, lease);
+    assert_eq!(
+        store.claim(&early).await.unwrap(),
+        Claim::InProgress { fence: 1 }
+    );
+
+    // The old owner stops renewing (crashed); once the lease ran out, the key is taken over.
+    tokio::time::sleep(lease * 2).await;
+    let new = req(&k, lease);
+    assert_eq!(
+        store.claim(&new).await.unwrap(),
+        Claim::Acquired { fence: 2 }
+    );
+
+    // The old owner's writes are all refused; the new owner's record is untouched.
+    let done = Completion {
+        result: None,
+        ttl: Duration::from_secs(60),
+    };
+    assert!(!store.complete(&k, &old.token, &done).await.unwrap());
+    assert!(!store.release(&k, &old.token).await.unwrap());
+    assert!(!store.renew(&k, &old.token, lease).await.unwrap());
+    let record = store.read(&k).await.unwrap().unwrap();
+    assert_eq!((record.fence, record.token), (2, new.token));
+    assert!(matches!(record.state, RecordState::InProgress { .. }));
+    assert!(store.complete(&k, &new.token, &done).await.unwrap());
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule 2: the watchdog renews while the handler runs; a handler that outlives its lease
+// without renewal loses ownership and its completion is refused.
+
+pub async fn watchdog_keeps_a_slow_handler_owner(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("watchdog"), &[&"slow"]);
+    let lease = Duration::from_millis(600);
+    let g = guard(&store).lease(lease);
+    let probe = {
+        let (store, k) = (store.clone(), k.clone());
+        async move {
+            let mut seen = Vec::new();
+            for _ in 0..4 {
+                tokio::time::sleep(lease / 2).await;
+                seen.push(store.claim(&req(&k, lease)).await.unwrap());
+            }
+            seen
+        }
+    };
+    let handler = g.run(k.clone(), async {
+        // Runs for three leases; only renewal keeps the claim alive.
+        tokio::time::sleep(lease * 3).await;
+        Ok::<_, TestError>("done")
+    });
+    let (out, seen) = tokio::join!(handler, probe);
+    assert_eq!(out.unwrap(), "done");
+    assert!(
+        seen.iter().all(|c| *c == Claim::InProgress { fence: 1 }),
+        "the live claim was taken over: {seen:?}"
+    );
+}
+
+pub async fn handler_that_outlives_its_lease_loses_ownership(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("lost"), &[&"order-3"]);
+    let lease = Duration::from_millis(300);
+    let (release_old, blocked) = std::sync::mpsc::channel::<()>();
+    let old_started = Arc::new(Notify::new());
+
+    // The old owner blocks its worker thread (a stop-the-world pause): its watchdog cannot
+    // run, so its lease runs out.
+    let old = {
+        let (g, k, started) = (guard(&store).lease(lease), k.clone(), old_started.clone());
+        tokio::spawn(async move {
+            g.run(k, async move {
+                started.notify_one();
+                blocked.recv_timeout(Duration::from_secs(20)).unwrap();
+                Ok::<_, TestError>("old")
+            })
+            .await
+        })
+    };
+    old_started.notified().await;
+
+    // A redelivery waits for the lease to run out, takes over with fence 2 and completes.
+    let new: Result<&str, TestError> = guard(&store)
+        .lease(lease)
+        .on_in_progress(InProgress::Wait(Duration::from_secs(10)))
+        .run(k.clone(), async { Ok("new") })
+        .await;
+    assert_eq!(new.unwrap(), "new");
+    release_old.send(()).unwrap();
+
+    match old.await.unwrap() {
+        Err(TestError::Idem(Error::LostOwnership { fence: 1, .. })) => {}
+        other => panic!("the old owner's completion was accepted: {other:?}"),
+    }
+    let record = store.read(&k).await.unwrap().unwrap();
+    assert_eq!((record.fence, record.state), (2, RecordState::Completed));
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule 3: complete is compare-and-set on the token.
+
+pub async fn complete_and_renew_check_the_token(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("cas"), &[&"x"]);
+    let owner = req(&k, Duration::from_secs(30));
+    store.claim(&owner).await.unwrap();
+    let stranger = Token::generate();
+    let done = Completion {
+        result: Some(b"r".to_vec()),
+        ttl: Duration::from_secs(60),
+    };
+    assert!(!store.complete(&k, &stranger, &done).await.unwrap());
+    assert!(!store
+        .renew(&k, &stranger, Duration::from_secs(30))
+        .await
+        .unwrap());
+    assert!(store
+        .renew(&k, &owner.token, Duration::from_secs(30))
+        .await
+        .unwrap());
+    assert!(store.complete(&k, &owner.token, &done).await.unwrap());
+    // A retried completion by the same owner is harmless.
+    assert!(store.complete(&k, &owner.token, &done).await.unwrap());
+    // A completed record cannot be released or renewed.
+    assert!(!store.release(&k, &owner.token).await.unwrap());
+    assert!(!store
+        .renew(&k, &owner.token, Duration::from_secs(30))
+        .await
+        .unwrap());
+    let record = store.read(&k).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Completed);
+    assert_eq!(record.result.as_deref(), Some(&b"r"[..]));
+}
+
+pub async fn completing_a_missing_record_is_refused(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("missing"), &[&"x"]);
+    let done = Completion {
+        result: None,
+        ttl: Duration::from_secs(60),
+    };
+    assert!(!store.complete(&k, &Token::generate(), &done).await.unwrap());
+    assert!(store.read(&k).await.unwrap().is_none());
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule 4: an error releases the claim (only if still ours) and the retry runs.
+
+pub async fn error_releases_and_the_retry_runs(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("release"), &[&"order-2"]);
+    let executions = AtomicUsize::new(0);
+    let first: Result<(), TestError> = guard(&store)
+        .run(k.clone(), async {
+            executions.fetch_add(1, Ordering::SeqCst);
+            Err(TestError::Business("stock service timed out".into()))
+        })
+        .await;
+    assert!(matches!(first, Err(TestError::Business(_))));
+    let record = store.read(&k).await.unwrap().unwrap();
+    assert_eq!((record.state, record.fence), (RecordState::Released, 1));
+
+    let retry: Result<(), TestError> = guard(&store)
+        .run(k.clone(), async {
+            executions.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .await;
+    retry.unwrap();
+    assert_eq!(executions.load(Ordering::SeqCst), 2);
+    let record = store.read(&k).await.unwrap().unwrap();
+    assert_eq!((record.state, record.fence), (RecordState::Completed, 2));
+}
+
+pub async fn release_never_removes_another_owners_claim(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("foreign"), &[&"x"]);
+    let lease = Duration::from_millis(200);
+    let old = req(&k, lease);
+    store.claim(&old).await.unwrap();
+    tokio::time::sleep(lease * 2).await;
+    let new = req(&k, Duration::from_secs(30));
+    assert_eq!(
+        store.claim(&new).await.unwrap(),
+        Claim::Acquired { fence: 2 }
+    );
+    assert!(!store.release(&k, &old.token).await.unwrap());
+    assert_eq!(
+        store.claim(&req(&k, lease)).await.unwrap(),
+        Claim::InProgress { fence: 2 }
+    );
+}
+
+pub async fn held_error_blocks_the_key(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("hold"), &[&"pay-9"]);
+    let first: Result<(), TestError> = guard(&store)
+        .operation(k.clone())
+        .on_error(|_| OnError::Hold)
+        .run(async {
+            Err(TestError::Business(
+                "gateway answered 500 after charging".into(),
+            ))
+        })
+        .await;
+    assert!(matches!(first, Err(TestError::Business(_))));
+    let executions = AtomicUsize::new(0);
+    let again: Result<(), TestError> = guard(&store)
+        .run(k, async {
+            executions.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .await;
+    assert!(matches!(again, Err(TestError::Idem(Error::Held { .. }))));
+    assert_eq!(executions.load(Ordering::SeqCst), 0);
+}
+
+pub async fn stored_error_is_replayed(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("store-err"), &[&"req-1"]);
+    let run = |msg: &'static str| {
+        let (g, k) = (guard(&store), k.clone());
+        async move {
+            g.operation(k)
+                .store_errors()
+                .run(async move { Err::<(), _>(AppError::Business(msg.into())) })
+                .await
+        }
+    };
+    assert_eq!(
+        run("amount must be positive").await,
+        Err(AppError::Business("amount must be positive".into()))
+    );
+    assert_eq!(
+        run("other").await,
+        Err(AppError::Business("amount must be positive".into()))
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule 5: store errors fail closed; fail open is an opt-in.
+
+pub async fn store_outage_fails_closed(b: impl Backend) {
+    let store: SharedStore = Arc::new(Down::new(b.store()));
+    let k = key(&unique_prefix("down"), &[&"order-5"]);
+    let executions = AtomicUsize::new(0);
+    let out: Result<(), TestError> = guard(&store)
+        .run(k.clone(), async {
+            executions.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .await;
+    match out {
+        Err(TestError::Idem(err @ Error::Store(_))) => {
+            assert_eq!(err.action(), idempotent::Action::Redeliver)
+        }
+        other => panic!("expected a store error, got {other:?}"),
+    }
+    assert_eq!(executions.load(Ordering::SeqCst), 0);
+
+    // Fail open runs the handler, unguarded.
+    let open: Result<(), TestError> = guard(&store)
+        .on_store_error(OnStoreError::FailOpen)
+        .run(k, async {
+            executions.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .await;
+    open.unwrap();
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+}
+
+pub async fn store_outage_releases_nothing(b: impl Backend) {
+    let inner = b.store();
+    let k = key(&unique_prefix("down-release"), &[&"order-6"]);
+    // A live claim by someone else, then the store goes down for our call.
+    let other = req(&k, Duration::from_secs(30));
+    inner.claim(&other).await.unwrap();
+    let down: SharedStore = Arc::new(Down::new(inner.clone()));
+    let out: Result<(), TestError> = guard(&down)
+        .run(k.clone(), async {
+            Err(TestError::Business("never runs".into()))
+        })
+        .await;
+    assert!(matches!(out, Err(TestError::Idem(Error::Store(_)))));
+    let record = inner.read(&k).await.unwrap().unwrap();
+    assert_eq!(record.token, other.token);
+    assert!(matches!(record.state, RecordState::InProgress { .. }));
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule 6: the business-status fallback keeps effects exactly-once when the store lost data.
+
+/// A business table: the set of orders whose effect is applied.
+#[derive(Default, Clone)]
+pub struct Ledger(Arc<Mutex<HashSet<String>>>);
+
+impl Ledger {
+    fn apply(&self, order: &str) -> bool {
+        self.0.lock().unwrap().insert(order.to_string())
+    }
+    async fn is_applied(&self, order: &str) -> Result<bool, TestError> {
+        Ok(self.0.lock().unwrap().contains(order))
+    }
+}
+
+pub async fn done_fallback_survives_lost_store_data(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix("done");
+    let ledger = Ledger::default();
+    let executions = AtomicUsize::new(0);
+    let consume = |order: &'static str| {
+        let (g, k, ledger, executions) = (
+            guard(&store),
+            key(&prefix, &[&order]),
+            ledger.clone(),
+            &executions,
+        );
+        async move {
+            g.operation(k)
+                .done(|| ledger.is_applied(order))
+                .run(async {
+                    executions.fetch_add(1, Ordering::SeqCst);
+                    assert!(ledger.apply(order), "effect applied twice");
+                    Ok::<_, TestError>(())
+                })
+                .await
+        }
+    };
+    consume("A-1").await.unwrap();
+    b.lose_data().await;
+    assert!(store
+        .read(&key(&prefix, &[&"A-1"]))
+        .await
+        .unwrap()
+        .is_none());
+
+    // The store forgot the key; the business check catches the duplicate.
+    match consume("A-1").await {
+        Err(TestError::Idem(Error::Duplicate { .. })) => {}
+        other => panic!("expected a filtered duplicate, got {other:?}"),
+    }
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+    // ... and marked the record completed, so the next duplicate is filtered by the store.
+    let record = store.read(&key(&prefix, &[&"A-1"])).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Completed);
+
+    // A new order still runs.
+    consume("A-2").await.unwrap();
+    assert_eq!(executions.load(Ordering::SeqCst), 2);
+}
+
+pub async fn done_fallback_answers_an_in_progress_claim(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix("done-in-progress");
+    let k = key(&prefix, &[&"A-3"]);
+    // An owner that crashed after applying the effect: its lease is still live.
+    let crashed = req(&k, Duration::from_secs(30));
+    store.claim(&crashed).await.unwrap();
+    let ledger = Ledger::default();
+    ledger.apply("A-3");
+
+    let out: Result<(), TestError> = guard(&store)
+        .operation(k.clone())
+        .done(|| ledger.is_applied("A-3"))
+        .run(async { panic!("the handler must not run") })
+        .await;
+    assert!(matches!(out, Err(TestError::Idem(Error::Duplicate { .. }))));
+
+    // Without the fallback the same call is an in-progress duplicate.
+    let out: Result<(), TestError> = guard(&store).run(k, async { Ok(()) }).await;
+    assert!(matches!(
+        out,
+        Err(TestError::Idem(Error::InProgress { fence: 1, .. }))
+    ));
+}
+
+pub async fn failing_done_check_runs_nothing(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("done-fails"), &[&"A-4"]);
+    let out: Result<(), TestError> = guard(&store)
+        .operation(k.clone())
+        .done(|| async { Err(TestError::Business("orders database down".into())) })
+        .run(async { panic!("the handler must not run") })
+        .await;
+    assert!(matches!(out, Err(TestError::Business(_))));
+    // The claim was given back: the redelivery can run.
+    let record = store.read(&k).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Released);
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule 7: a duplicate key with a different payload is refused.
+
+pub async fn payload_mismatch_is_refused(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("fingerprint"), &[&"pay-3"]);
+    let call = |amount: u64| {
+        let (g, k) = (guard(&store), k.clone());
+        async move {
+            g.operation(k)
+                .fingerprint(&[&"EUR", &amount])
+                .replay()
+                .run(async move { Ok::<_, TestError>(amount) })
+                .await
+        }
+    };
+    assert_eq!(call(1250).await.unwrap(), 1250);
+    assert_eq!(call(1250).await.unwrap(), 1250);
+    match call(9999).await {
+        Err(TestError::Idem(err @ Error::PayloadMismatch { .. })) => {
+            assert_eq!(err.action(), idempotent::Action::DeadLetter)
+        }
+        other => panic!("someone else's result was replayed: {other:?}"),
+    }
+}
+
+pub async fn payload_mismatch_is_refused_while_in_progress(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("fingerprint-live"), &[&"pay-4"]);
+    let mut first = req(&k, Duration::from_secs(30));
+    first.fingerprint = Some(idempotent::Fingerprint::of(&[&1u8]));
+    assert_eq!(
+        store.claim(&first).await.unwrap(),
+        Claim::Acquired { fence: 1 }
+    );
+    let mut same = req(&k, Duration::from_secs(30));
+    same.fingerprint = first.fingerprint;
+    assert_eq!(
+        store.claim(&same).await.unwrap(),
+        Claim::InProgress { fence: 1 }
+    );
+    let mut other = req(&k, Duration::from_secs(30));
+    other.fingerprint = Some(idempotent::Fingerprint::of(&[&2u8]));
+    assert_eq!(
+        store.claim(&other).await.unwrap(),
+        Claim::Mismatch { fence: 1 }
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule 8: a dropped handler future gives its claim back.
+
+pub async fn dropped_future_gives_its_claim_back(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("cancel"), &[&"order-8"]);
+    let entered = Arc::new(Notify::new());
+    let call = {
+        let (g, k, entered) = (guard(&store), k.clone(), entered.clone());
+        tokio::spawn(async move {
+            g.run(k, async move {
+                entered.notify_one();
+                std::future::pending::<()>().await;
+                Ok::<_, TestError>(())
+            })
+            .await
+        })
+    };
+    entered.notified().await;
+    assert!(matches!(
+        store.read(&k).await.unwrap().map(|r| r.state),
+        Some(RecordState::InProgress { .. })
+    ));
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    eventually(&store, &k, |r| {
+        r.as_ref().is_some_and(|r| r.state == RecordState::Released)
+    })
+    .await;
+
+    // The redelivery runs at once, with the next fence.
+    let retry: Result<(), TestError> = guard(&store).run(k.clone(), async { Ok(()) }).await;
+    retry.unwrap();
+    assert_eq!(store.read(&k).await.unwrap().unwrap().fence, 2);
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule 9: a lost reply is resolved by reading the record back by token.
+
+pub async fn lost_claim_reply_is_resolved_as_ours(b: impl Backend) {
+    let inner = b.store();
+    let lossy = Arc::new(LostReplies::new(inner.clone()));
+    lossy.lose_next_claim_reply();
+    let store: SharedStore = lossy.clone();
+    let k = key(&unique_prefix("lost-claim"), &[&"order-9"]);
+    let executions = AtomicUsize::new(0);
+    let out: Result<(), TestError> = guard(&store)
+        .run(k.clone(), async {
+            executions.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .await;
+    out.unwrap();
+    assert_eq!(lossy.lost(), 1, "the fault was not injected");
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+    let record = inner.read(&k).await.unwrap().unwrap();
+    assert_eq!((record.state, record.fence), (RecordState::Completed, 1));
+}
+
+pub async fn lost_complete_reply_is_resolved_as_completed(b: impl Backend) {
+    let inner = b.store();
+    let lossy = Arc::new(LostReplies::new(inner.clone()));
+    lossy.lose_next_complete_reply();
+    let store: SharedStore = lossy.clone();
+    let k = key(&unique_prefix("lost-complete"), &[&"order-10"]);
+    let out: Result<u32, TestError> = guard(&store)
+        .operation(k.clone())
+        .replay()
+        .run(async { Ok(7) })
+        .await;
+    assert_eq!(out.unwrap(), 7);
+    assert_eq!(lossy.lost(), 1, "the fault was not injected");
+    let replay: Result<u32, TestError> = guard(&store)
+        .operation(k)
+        .replay()
+        .run(async { Ok(8) })
+        .await;
+    assert_eq!(replay.unwrap(), 7);
+}
+
+// ---------------------------------------------------------------------------------------
+// In-progress policies and expiry.
+
+pub async fn wait_policy_returns_the_owners_result(b: impl Backend) {
+    let observed = Arc::new(Observed::new(b.store()));
+    let store: SharedStore = observed.clone();
+    let k = key(&unique_prefix("wait"), &[&"req-2"]);
+    let release = Arc::new(Notify::new());
+    let entered = Arc::new(Notify::new());
+    let first = {
+        let (g, k, release, entered) = (guard(&store), k.clone(), release.clone(), entered.clone());
+        tokio::spawn(async move {
+            g.operation(k)
+                .replay()
+                .run(async move {
+                    entered.notify_one();
+                    release.notified().await;
+                    Ok::<_, TestError>(41)
+                })
+                .await
+        })
+    };
+    entered.notified().await;
+    let waiter = {
+        let (g, k) = (guard(&store), k.clone());
+        tokio::spawn(async move {
+            g.on_in_progress(InProgress::Wait(Duration::from_secs(10)))
+                .operation(k)
+                .replay()
+                .run(async { Ok::<_, TestError>(0) })
+                .await
+        })
+    };
+    // Let the owner finish only once the waiter has met its live claim.
+    observed.claims_reached(2).await;
+    release.notify_one();
+    assert_eq!(first.await.unwrap().unwrap(), 41);
+    assert_eq!(waiter.await.unwrap().unwrap(), 41);
+}
+
+pub async fn wait_policy_gives_up_after_its_bound(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("wait-bound"), &[&"req-3"]);
+    store
+        .claim(&req(&k, Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let out: Result<(), TestError> = guard(&store)
+        .on_in_progress(InProgress::Wait(Duration::from_millis(200)))
+        .run(k, async { Ok(()) })
+        .await;
+    assert!(matches!(
+        out,
+        Err(TestError::Idem(Error::InProgress { fence: 1, .. }))
+    ));
+    assert!(started.elapsed() >= Duration::from_millis(200));
+}
+
+pub async fn skip_policy_drops_the_duplicate(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("skip"), &[&"req-4"]);
+    store
+        .claim(&req(&k, Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let out: Result<(), TestError> = guard(&store)
+        .on_in_progress(InProgress::Skip)
+        .run(k, async { panic!("the handler must not run") })
+        .await;
+    match out {
+        Err(TestError::Idem(err @ Error::Skipped { .. })) => {
+            assert_eq!(err.action(), idempotent::Action::Ack)
+        }
+        other => panic!("expected a skip, got {other:?}"),
+    }
+}
+
+pub async fn completed_record_expires_after_its_ttl(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix("ttl"), &[&"order-11"]);
+    let ttl = Duration::from_secs(1);
+    let g = Guard::new(ttl)
+        .lease(Duration::from_millis(300))
+        .store(store.clone());
+    let executions = AtomicUsize::new(0);
+    let run = || {
+        g.run(k.clone(), async {
+            executions.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, TestError>(())
+        })
+    };
+    run().await.unwrap();
+    assert!(matches!(
+        run().await,
+        Err(TestError::Idem(Error::Duplicate { .. }))
+    ));
+    tokio::time::sleep(ttl + Duration::from_millis(500)).await;
+    assert!(store.read(&k).await.unwrap().is_none());
+    run().await.unwrap();
+    assert_eq!(executions.load(Ordering::SeqCst), 2);
+}
+
+pub async fn keys_with_separators_stay_distinct(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix("separator");
+    let executions = AtomicUsize::new(0);
+    for parts in [["1:2", "3"], ["1", "2:3"], ["1,2", ":3"], ["1}", "{2"]] {
+        let k = key(&prefix, &[&parts[0], &parts[1]]);
+        let out: Result<(), TestError> = guard(&store)
+            .run(k, async {
+                executions.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            })
+            .await;
+        out.unwrap();
+    }
+    assert_eq!(executions.load(Ordering::SeqCst), 4);
+}
+
+// ---------------------------------------------------------------------------------------
+// Fault injection over a real store.
+
+/// A store that is down: every command fails before reaching the inner store.
+pub struct Down {
+    inner: SharedStore,
+}
+
+impl Down {
+    pub fn new(inner: SharedStore) -> Down {
+        Down { inner }
+    }
+    fn refuse<T: Send + 'static>(&self) -> BoxFuture<'_, Result<T, StoreError>> {
+        let _ = &self.inner;
+        Box::pin(async {
+            Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "connection refused",
+            ))
+        })
+    }
+}
+
+impl Store for Down {
+    fn claim<'a>(&'a self, _: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        self.refuse()
+    }
+    fn complete<'a>(
+        &'a self,
+        _: &'a Key,
+        _: &'a Token,
+        _: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.refuse()
+    }
+    fn release<'a>(&'a self, _: &'a Key, _: &'a Token) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.refuse()
+    }
+    fn renew<'a>(
+        &'a self,
+        _: &'a Key,
+        _: &'a Token,
+        _: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.refuse()
+    }
+    fn read<'a>(&'a self, _: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.refuse()
+    }
+}
+
+/// A store that counts claims, so a case can wait for a caller to reach the store.
+pub struct Observed {
+    inner: SharedStore,
+    claims: AtomicUsize,
+    changed: Notify,
+}
+
+impl Observed {
+    pub fn new(inner: SharedStore) -> Observed {
+        Observed {
+            inner,
+            claims: AtomicUsize::new(0),
+            changed: Notify::new(),
+        }
+    }
+    /// Returns once at least `n` claims have been answered.
+    pub async fn claims_reached(&self, n: usize) {
+        loop {
+            let changed = self.changed.notified();
+            if self.claims.load(Ordering::SeqCst) >= n {
+                return;
+            }
+            changed.await;
+        }
+    }
+}
+
+impl Store for Observed {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(async move {
+            let claim = self.inner.claim(req).await;
+            self.claims.fetch_add(1, Ordering::SeqCst);
+            self.changed.notify_waiters();
+            claim
+        })
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.complete(key, token, completion)
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.release(key, token)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.renew(key, token, lease)
+    }
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.inner.read(key)
+    }
+}
+
+/// A store whose next claim or complete reply is lost after the inner store applied it.
+pub struct LostReplies {
+    inner: SharedStore,
+    lose_claim: std::sync::atomic::AtomicBool,
+    lose_complete: std::sync::atomic::AtomicBool,
+    lost: AtomicUsize,
+}
+
+impl LostReplies {
+    pub fn new(inner: SharedStore) -> LostReplies {
+        LostReplies {
+            inner,
+            lose_claim: false.into(),
+            lose_complete: false.into(),
+            lost: AtomicUsize::new(0),
+        }
+    }
+    pub fn lose_next_claim_reply(&self) {
+        self.lose_claim.store(true, Ordering::SeqCst);
+    }
+    pub fn lose_next_complete_reply(&self) {
+        self.lose_complete.store(true, Ordering::SeqCst);
+    }
+    pub fn lost(&self) -> usize {
+        self.lost.load(Ordering::SeqCst)
+    }
+    fn lost_reply<T>(
+        &self,
+        flag: &std::sync::atomic::AtomicBool,
+        applied: T,
+    ) -> Result<T, StoreError> {
+        if flag.swap(false, Ordering::SeqCst) {
+            self.lost.fetch_add(1, Ordering::SeqCst);
+            drop(applied);
+            Err(StoreError::new(
+                StoreErrorKind::OutcomeUnknown,
+                "reply lost",
+            ))
+        } else {
+            Ok(applied)
+        }
+    }
+}
+
+impl Store for LostReplies {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(async move {
+            let applied = self.inner.claim(req).await?;
+            self.lost_reply(&self.lose_claim, applied)
+        })
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let applied = self.inner.complete(key, token, completion).await?;
+            self.lost_reply(&self.lose_complete, applied)
+        })
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.release(key, token)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.renew(key, token, lease)
+    }
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.inner.read(key)
+    }
+}
+
+/// Instantiates every conformance case for a backend: `conformance_suite!(make)` where
+/// `make` is an async fn returning an `impl Backend`.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($make:path) => {
+        $crate::conformance_suite!(@cases $make;
+            concurrent_duplicates_run_the_handler_exactly_once,
+            concurrent_store_claims_acquire_exactly_once,
+            fence_grows_by_one_on_every_acquisition,
+            completed_key_is_a_duplicate_and_replays_its_result,
+            expired_lease_is_taken_over_with_the_next_fence,
+            watchdog_keeps_a_slow_handler_owner,
+            handler_that_outlives_its_lease_loses_ownership,
+            complete_and_renew_check_the_token,
+            completing_a_missing_record_is_refused,
+            error_releases_and_the_retry_runs,
+            release_never_removes_another_owners_claim,
+            held_error_blocks_the_key,
+            stored_error_is_replayed,
+            store_outage_fails_closed,
+            store_outage_releases_nothing,
+            done_fallback_survives_lost_store_data,
+            done_fallback_answers_an_in_progress_claim,
+            failing_done_check_runs_nothing,
+            payload_mismatch_is_refused,
+            payload_mismatch_is_refused_while_in_progress,
+            dropped_future_gives_its_claim_back,
+            lost_claim_reply_is_resolved_as_ours,
+            lost_complete_reply_is_resolved_as_completed,
+            wait_policy_returns_the_owners_result,
+            wait_policy_gives_up_after_its_bound,
+            skip_policy_drops_the_duplicate,
+            completed_record_expires_after_its_ttl,
+            keys_with_separators_stay_distinct,
+        );
+    };
+    (@cases $make:path; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $case() {
+                conformance::$case($make().await).await;
+            }
+        )*
+    };
+}

@@ -1,0 +1,31 @@
+#![allow(dead_code)]
+
+use idempotent::idempotent;
+
+#[derive(Debug)]
+struct AppError;
+
+impl From<idempotent::Error> for AppError {
+    fn from(_: idempotent::Error) -> Self {
+        AppError
+    }
+}
+
+struct OrderMessage {
+    order_id: String,
+    activity_id: u64,
+}
+
+#[derive(Debug)]
+struct DbError;
+
+async fn is_consumed(_: &str) -> Result<bool, DbError> {
+    Ok(false)
+}
+
+#[idempotent(prefix = "order:consume", keys = [msg.order_id], ttl = 3600, done = is_consumed(&msg.order_id))]
+async fn on_order(msg: &OrderMessage) -> Result<u64, AppError> {
+    Ok(msg.activity_id)
+}
+
+fn main() {}

@@ -1,0 +1,30 @@
+#![allow(dead_code)]
+
+use idempotent::idempotent;
+
+#[derive(Debug)]
+struct AppError;
+
+impl From<idempotent::Error> for AppError {
+    fn from(_: idempotent::Error) -> Self {
+        AppError
+    }
+}
+
+struct OrderMessage {
+    order_id: String,
+    activity_id: u64,
+}
+
+struct Receipt {
+    order_id: String,
+}
+
+#[idempotent(prefix = "order:consume", keys = [msg.order_id], ttl = 3600, replay)]
+async fn on_order(msg: &OrderMessage) -> Result<Receipt, AppError> {
+    Ok(Receipt {
+        order_id: msg.order_id.clone(),
+    })
+}
+
+fn main() {}

@@ -1,0 +1,27 @@
+#![allow(dead_code)]
+
+use idempotent::idempotent;
+
+#[derive(Debug)]
+struct AppError;
+
+impl From<idempotent::Error> for AppError {
+    fn from(_: idempotent::Error) -> Self {
+        AppError
+    }
+}
+
+struct OrderMessage {
+    order_id: String,
+    activity_id: u64,
+}
+
+#[derive(Debug)]
+struct PlainError;
+
+#[idempotent(prefix = "order:consume", keys = [msg.order_id], ttl = 3600)]
+async fn on_order(msg: &OrderMessage) -> Result<u64, PlainError> {
+    Ok(msg.activity_id)
+}
+
+fn main() {}
