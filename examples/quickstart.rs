@@ -1,0 +1,165 @@
+//! Quickstart: one attribute makes a message consumer and a request handler safe against
+//! duplicates.
+//!
+//! What it shows, on the embedded in-memory store (no server needed):
+//! 1. a first delivery that runs the handler;
+//! 2. a duplicate delivery (same order and activity, new message id) that is filtered;
+//! 3. a request handler whose duplicate gets the first run's result replayed;
+//! 4. a failure that gives the claim back, and the redelivery that then succeeds.
+//!
+//! Run it with:
+//!
+//! ```text
+//! cargo run --example quickstart
+//! ```
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+
+use idempotent::{idempotent, Action, MemoryStore};
+use serde::{Deserialize, Serialize};
+
+/// A message from the order service: "cook this free-meal order for this activity".
+#[derive(Debug)]
+struct OrderMessage {
+    message_id: &'static str,
+    order_id: &'static str,
+    activity_id: &'static str,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum AppError {
+    #[error(transparent)]
+    Idempotency(#[from] idempotent::Error),
+    #[error("the kitchen service timed out")]
+    KitchenTimeout,
+}
+
+/// The business side effect we must apply exactly once per order and activity.
+#[derive(Default)]
+struct Kitchen {
+    meals_cooked: AtomicU32,
+    fail_next: AtomicBool,
+}
+
+impl Kitchen {
+    async fn cook(&self, order_id: &str) -> Result<u32, AppError> {
+        if self.fail_next.swap(false, Ordering::SeqCst) {
+            return Err(AppError::KitchenTimeout);
+        }
+        let n = self.meals_cooked.fetch_add(1, Ordering::SeqCst) + 1;
+        println!("      kitchen: cooking order {order_id} (meal #{n})");
+        Ok(n)
+    }
+}
+
+/// The consumer. The key is the business unit (order + activity), not the message id: a
+/// producer retry carries a new message id but is the same business action.
+#[idempotent(prefix = "order:consume", keys = [msg.order_id, msg.activity_id], ttl = 3600)]
+async fn on_order(msg: &OrderMessage, kitchen: &Kitchen) -> Result<(), AppError> {
+    kitchen.cook(msg.order_id).await?;
+    Ok(())
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Coupon {
+    code: String,
+}
+
+/// A request handler: a duplicate (a double click, a client retry) gets the same coupon back.
+#[idempotent(prefix = "coupon:grant", keys = [user_id, campaign], ttl = 86400, replay)]
+async fn grant_coupon(
+    user_id: u64,
+    campaign: &str,
+    issued: &AtomicU32,
+) -> Result<Coupon, AppError> {
+    let n = issued.fetch_add(1, Ordering::SeqCst) + 1;
+    Ok(Coupon {
+        code: format!("{campaign}-{user_id}-{n:04}"),
+    })
+}
+
+/// What a consumer would do with the message, from the handler's outcome.
+fn settle(outcome: &Result<(), AppError>) -> String {
+    match outcome {
+        Ok(()) => "handler ran -> ack".to_string(),
+        Err(AppError::Idempotency(e)) => format!("{e} -> {}", action(e.action())),
+        Err(e) => format!("handler failed ({e}); claim released -> nack, redeliver"),
+    }
+}
+
+fn action(action: Action) -> &'static str {
+    match action {
+        Action::Ack => "ack",
+        Action::Redeliver => "nack, redeliver",
+        Action::DeadLetter => "dead-letter",
+        _ => "see the docs",
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Set once at start-up: handlers use it unless their attribute names a store.
+    idempotent::set_default_store(Arc::new(MemoryStore::new()))?;
+    let kitchen = Kitchen::default();
+
+    println!("1. first delivery");
+    let first = OrderMessage {
+        message_id: "msg-1",
+        order_id: "A-1001",
+        activity_id: "free-meal-2026",
+    };
+    println!(
+        "   {} -> {}",
+        first.message_id,
+        settle(&on_order(&first, &kitchen).await)
+    );
+
+    println!("2. duplicate delivery (producer retry, new message id)");
+    let retry = OrderMessage {
+        message_id: "msg-2",
+        ..first
+    };
+    println!(
+        "   {} -> {}",
+        retry.message_id,
+        settle(&on_order(&retry, &kitchen).await)
+    );
+
+    println!("3. replayed result");
+    let issued = AtomicU32::new(0);
+    let coupon = grant_coupon(7, "spring", &issued).await?;
+    println!("   first request:   coupon {}", coupon.code);
+    let again = grant_coupon(7, "spring", &issued).await?;
+    println!(
+        "   double click:    coupon {} (replayed, not issued again)",
+        again.code
+    );
+
+    println!("4. failure releases the claim; the redelivery succeeds");
+    let order = OrderMessage {
+        message_id: "msg-3",
+        order_id: "A-1002",
+        activity_id: "free-meal-2026",
+    };
+    kitchen.fail_next.store(true, Ordering::SeqCst);
+    println!(
+        "   {} -> {}",
+        order.message_id,
+        settle(&on_order(&order, &kitchen).await)
+    );
+    println!(
+        "   {} (redelivered) -> {}",
+        order.message_id,
+        settle(&on_order(&order, &kitchen).await)
+    );
+
+    let meals = kitchen.meals_cooked.load(Ordering::SeqCst);
+    let coupons = issued.load(Ordering::SeqCst);
+    println!();
+    println!("meals cooked: {meals} (2 orders), coupons issued: {coupons} (1 request)");
+    if meals != 2 || coupons != 1 {
+        return Err("an effect was applied more than once".into());
+    }
+    Ok(())
+}
