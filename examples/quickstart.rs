@@ -1,7 +1,8 @@
 //! Quickstart: one attribute makes a message consumer and a request handler safe against
 //! duplicates.
 //!
-//! What it shows, on the embedded in-memory store (no server needed):
+//! What it shows, on the embedded in-memory store (no server needed), or on any backend named
+//! by `IDEMPOTENT_STORE_URL` (`redis://127.0.0.1:6379`, ...) with no change to the handlers:
 //! 1. a first delivery that runs the handler;
 //! 2. a duplicate delivery (same order and activity, new message id) that is filtered;
 //! 3. a request handler whose duplicate gets the first run's result replayed;
@@ -11,19 +12,19 @@
 //!
 //! ```text
 //! cargo run --example quickstart
+//! IDEMPOTENT_STORE_URL=redis://127.0.0.1:6379 cargo run --example quickstart
 //! ```
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::Arc;
 
-use idempotent::{idempotent, Action, MemoryStore};
+use idempotent::{idempotent, Action};
 use serde::{Deserialize, Serialize};
 
 /// A message from the order service: "cook this free-meal order for this activity".
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct OrderMessage {
     message_id: &'static str,
-    order_id: &'static str,
+    order_id: String,
     activity_id: &'static str,
 }
 
@@ -57,7 +58,7 @@ impl Kitchen {
 /// producer retry carries a new message id but is the same business action.
 #[idempotent(prefix = "order:consume", keys = [msg.order_id, msg.activity_id], ttl = 3600)]
 async fn on_order(msg: &OrderMessage, kitchen: &Kitchen) -> Result<(), AppError> {
-    kitchen.cook(msg.order_id).await?;
+    kitchen.cook(&msg.order_id).await?;
     Ok(())
 }
 
@@ -100,13 +101,20 @@ fn action(action: Action) -> &'static str {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Set once at start-up: handlers use it unless their attribute names a store.
-    idempotent::set_default_store(Arc::new(MemoryStore::new()))?;
+    let url = std::env::var("IDEMPOTENT_STORE_URL").unwrap_or_else(|_| "memory:".into());
+    idempotent::set_default_store(idempotent::connect(&url).await?)?;
+    println!("store: {url}");
+    // A tag per run, so a run against a persistent store does not meet the last run's records.
+    let run = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis()
+        % 1_000_000;
     let kitchen = Kitchen::default();
 
     println!("1. first delivery");
     let first = OrderMessage {
         message_id: "msg-1",
-        order_id: "A-1001",
+        order_id: format!("A-1001-{run}"),
         activity_id: "free-meal-2026",
     };
     println!(
@@ -118,7 +126,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("2. duplicate delivery (producer retry, new message id)");
     let retry = OrderMessage {
         message_id: "msg-2",
-        ..first
+        ..first.clone()
     };
     println!(
         "   {} -> {}",
@@ -128,9 +136,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     println!("3. replayed result");
     let issued = AtomicU32::new(0);
-    let coupon = grant_coupon(7, "spring", &issued).await?;
+    let campaign = format!("spring-{run}");
+    let coupon = grant_coupon(7, &campaign, &issued).await?;
     println!("   first request:   coupon {}", coupon.code);
-    let again = grant_coupon(7, "spring", &issued).await?;
+    let again = grant_coupon(7, &campaign, &issued).await?;
     println!(
         "   double click:    coupon {} (replayed, not issued again)",
         again.code
@@ -139,7 +148,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("4. failure releases the claim; the redelivery succeeds");
     let order = OrderMessage {
         message_id: "msg-3",
-        order_id: "A-1002",
+        order_id: format!("A-1002-{run}"),
         activity_id: "free-meal-2026",
     };
     kitchen.fail_next.store(true, Ordering::SeqCst);

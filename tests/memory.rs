@@ -17,10 +17,13 @@ use idempotent::{
 struct Memory(Arc<MemoryStore>);
 
 impl conformance::Backend for Memory {
+    fn namespace(&self) -> &str {
+        "memory"
+    }
     fn store(&self) -> SharedStore {
         self.0.clone()
     }
-    fn lose_data(&self) -> BoxFuture<'_, ()> {
+    fn lose_data<'a>(&'a self, _prefix: &'a str) -> BoxFuture<'a, ()> {
         self.0.clear();
         Box::pin(async {})
     }

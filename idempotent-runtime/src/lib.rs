@@ -21,6 +21,10 @@
 //! # Features
 //!
 //! - `memory` (default): [`MemoryStore`], the embedded store.
+//! - `redis`: `RedisStore`, on a standalone Redis or a Redis Cluster.
+//! - `postgres`, `mysql`, `sqlite`: SQL stores through sqlx.
+//!
+//! [`connect`] builds any of them from a URL.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod codec;
@@ -48,3 +52,13 @@ pub use store::{
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use store::memory::{self, MemoryStore};
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use store::redis::{self, RedisStore};
+#[cfg(feature = "sql")]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite")))
+)]
+pub use store::sql;
+pub use store::{connect, ConnectError};

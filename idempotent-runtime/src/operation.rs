@@ -6,7 +6,7 @@
 //! expands to exactly this.
 
 use std::future::{poll_fn, Future};
-use std::pin::pin;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
@@ -121,6 +121,152 @@ impl Guard {
     /// One call on `key`, to refine and [`run`](Operation::run).
     pub fn operation<R: HandlerResult>(&self, key: Key) -> Operation<R> {
         Operation::new(self.clone(), Ok(key))
+    }
+
+    /// Runs `handler` for a batch of items, claiming all their keys with one
+    /// [`Store::claim_many`] (one round trip on Redis), and settles each item by its own
+    /// outcome: results come back in input order, each what [`Operation::run`] would have
+    /// returned for that item alone. Acquired items run concurrently, each under its own lease
+    /// renewal; items held by a live owner follow the guard's in-progress policy (with
+    /// [`InProgress::Wait`] they are claimed again one by one).
+    ///
+    /// Batches have no fingerprint, replay or business check; use [`Operation`] per item
+    /// where those are needed.
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use idempotent_runtime::{Error, Guard, Key, MemoryStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let guard = Guard::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    /// let batch = |ids: &[u32]| {
+    ///     ids.iter().map(|id| (Key::new("order", 1, &[id]).unwrap(), *id)).collect::<Vec<_>>()
+    /// };
+    /// let first: Vec<Result<u32, Error>> =
+    ///     guard.run_batch(batch(&[1, 2]), |id| async move { Ok(id) }).await;
+    /// assert_eq!(first.into_iter().collect::<Result<Vec<_>, _>>().unwrap(), [1, 2]);
+    ///
+    /// let second: Vec<Result<u32, Error>> =
+    ///     guard.run_batch(batch(&[2, 3]), |id| async move { Ok(id) }).await;
+    /// assert!(matches!(second[0], Err(Error::Duplicate { .. })));
+    /// assert_eq!(second[1].as_ref().unwrap(), &3);
+    /// # }
+    /// ```
+    pub async fn run_batch<T, F, Fut, R>(&self, items: Vec<(Key, T)>, handler: F) -> Vec<R>
+    where
+        F: Fn(T) -> Fut,
+        Fut: Future<Output = R>,
+        R: HandlerResult,
+    {
+        let Some(store) = self.store.clone().or_else(default_store) else {
+            return items
+                .iter()
+                .map(|_| R::from_result(Err(Error::NoStore.into())))
+                .collect();
+        };
+        let lease = self.lease_duration();
+        let reqs: Vec<ClaimRequest> = items
+            .iter()
+            .map(|(key, _)| ClaimRequest {
+                key: key.clone(),
+                token: Token::generate(),
+                lease,
+                ttl: self.ttl,
+                fingerprint: None,
+            })
+            .collect();
+        let claims = store.claim_many(&reqs).await;
+        let handler = &handler;
+        let runs = items
+            .into_iter()
+            .zip(reqs)
+            .zip(claims)
+            .map(|(((_, item), req), first)| {
+                let store = store.clone();
+                let span = tracing::debug_span!(
+                    "idempotent",
+                    key = %req.key,
+                    fence = tracing::field::Empty,
+                    outcome = tracing::field::Empty,
+                );
+                async move {
+                    R::from_result(self.settle_claimed(store, req, first, item, handler).await)
+                }
+                .instrument(span)
+            });
+        join_all(runs.map(Box::pin).collect()).await
+    }
+
+    /// One batch item, from its claim's outcome to its result.
+    async fn settle_claimed<T, F, Fut, R>(
+        &self,
+        store: SharedStore,
+        req: ClaimRequest,
+        first: Result<Claim, StoreError>,
+        item: T,
+        handler: &F,
+    ) -> Result<R::Ok, R::Err>
+    where
+        F: Fn(T) -> Fut,
+        Fut: Future<Output = R>,
+        R: HandlerResult,
+    {
+        let span = tracing::Span::current();
+        let claim = match resolve_claim(&*store, &req, first).await {
+            Ok(claim) => claim,
+            Err(err) => {
+                return match self.on_store_error {
+                    OnStoreError::FailOpen => {
+                        tracing::warn!(error = %err, "store failed; running unguarded (fail open)");
+                        handler(item).await.into_result()
+                    }
+                    _ => {
+                        span.record("outcome", "store_error");
+                        Err(Error::Store(err).into())
+                    }
+                }
+            }
+        };
+        match claim {
+            Claim::Acquired { fence } => {
+                span.record("fence", fence);
+                let owner = Owner {
+                    store,
+                    key: req.key,
+                    token: req.token,
+                    armed: true,
+                };
+                let settle = Settle::<R>::default();
+                own(
+                    owner,
+                    fence,
+                    req.lease,
+                    req.ttl,
+                    &mut NoDone,
+                    &settle,
+                    handler(item),
+                )
+                .await
+            }
+            Claim::Completed { result, .. } => {
+                span.record("outcome", "completed");
+                completed(req.key, result, &Settle::<R>::default())
+            }
+            Claim::Mismatch { .. } => Err(Error::PayloadMismatch { key: req.key }.into()),
+            Claim::InProgress { fence } => match self.in_progress {
+                InProgress::Skip => Err(Error::Skipped { key: req.key }.into()),
+                InProgress::Wait(_) => self.run(req.key, handler(item)).await.into_result(),
+                _ => {
+                    span.record("outcome", "in_progress");
+                    Err(Error::InProgress {
+                        key: req.key,
+                        fence,
+                    }
+                    .into())
+                }
+            },
+        }
     }
 
     /// Runs `body` at most once for `key`, with this guard's settings: a shorthand for
@@ -238,10 +384,25 @@ pub struct Operation<R: HandlerResult, D = NoDone> {
     guard: Guard,
     key: Result<Key, KeyError>,
     fingerprint: Option<Fingerprint>,
+    settle: Settle<R>,
+    done: D,
+}
+
+/// How a run's outcome is stored: replay codecs and the error policy.
+struct Settle<R: HandlerResult> {
     replay: Option<Codec<R::Ok>>,
     errors: Option<Codec<R::Err>>,
     on_error: Option<fn(&R::Err) -> OnError>,
-    done: D,
+}
+
+impl<R: HandlerResult> Default for Settle<R> {
+    fn default() -> Self {
+        Settle {
+            replay: None,
+            errors: None,
+            on_error: None,
+        }
+    }
 }
 
 impl<R: HandlerResult> Operation<R> {
@@ -250,9 +411,7 @@ impl<R: HandlerResult> Operation<R> {
             guard,
             key,
             fingerprint: None,
-            replay: None,
-            errors: None,
-            on_error: None,
+            settle: Settle::default(),
             done: NoDone,
         }
     }
@@ -279,7 +438,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     where
         R::Ok: Serialize + DeserializeOwned,
     {
-        self.replay = Some(Codec {
+        self.settle.replay = Some(Codec {
             encode: |value| codec::encode(codec::OK, value),
             decode: codec::decode,
         });
@@ -289,7 +448,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     /// Decides, per handler error, what happens to the claim. Without it every error
     /// releases the claim ([`OnError::Release`]).
     pub fn on_error(mut self, classify: fn(&R::Err) -> OnError) -> Self {
-        self.on_error = Some(classify);
+        self.settle.on_error = Some(classify);
         self
     }
 
@@ -299,12 +458,12 @@ impl<R: HandlerResult, D> Operation<R, D> {
     where
         R::Err: Serialize + DeserializeOwned,
     {
-        self.errors = Some(Codec {
+        self.settle.errors = Some(Codec {
             encode: |err| codec::encode(codec::ERR, err),
             decode: codec::decode,
         });
-        if self.on_error.is_none() {
-            self.on_error = Some(|_| OnError::Store);
+        if self.settle.on_error.is_none() {
+            self.settle.on_error = Some(|_| OnError::Store);
         }
         self
     }
@@ -327,9 +486,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
             guard: self.guard,
             key: self.key,
             fingerprint: self.fingerprint,
-            replay: self.replay,
-            errors: self.errors,
-            on_error: self.on_error,
+            settle: self.settle,
             done: Done(check),
         }
     }
@@ -365,18 +522,16 @@ where
         F: Future<Output = R>,
     {
         let Operation {
-            guard,
+            mut guard,
             key,
             fingerprint,
-            replay,
-            errors,
-            on_error,
+            settle,
             mut done,
         } = self;
         let span = tracing::Span::current();
         let key = key.map_err(Error::from)?;
         span.record("key", tracing::field::display(&key));
-        let Some(store) = guard.store.clone().or_else(default_store) else {
+        let Some(store) = guard.store.take().or_else(default_store) else {
             return Err(Error::NoStore.into());
         };
         let lease = guard.lease_duration();
@@ -415,7 +570,7 @@ where
                 Claim::Completed { result, fence } => {
                     span.record("fence", fence);
                     span.record("outcome", "completed");
-                    return completed(req.key, result, &replay, &errors);
+                    return completed(req.key, result, &settle);
                 }
                 Claim::Mismatch { fence } => {
                     span.record("fence", fence);
@@ -456,118 +611,138 @@ where
         };
         span.record("fence", fence);
 
-        let mut owner = Owner {
+        let owner = Owner {
             store,
             key: req.key,
             token: req.token,
             armed: true,
         };
+        own(owner, fence, lease, ttl, &mut done, &settle, body).await
+    }
+}
 
-        if let Some(check) = done.start() {
-            match watch(check, &owner, lease).await {
-                Ok(true) => {
-                    span.record("outcome", "done");
-                    let completion = Completion { result: None, ttl };
-                    if let Err(err) = owner.complete(&completion).await {
-                        tracing::warn!(error = %err, "could not mark a done operation completed");
-                    }
-                    owner.armed = false;
-                    return Err(Error::Duplicate {
-                        key: owner.key.clone(),
-                    }
-                    .into());
+/// After an acquired claim: the business check, the handler under the watchdog, then
+/// completion or release.
+#[allow(clippy::too_many_arguments)]
+async fn own<R, D, F>(
+    mut owner: Owner,
+    fence: u64,
+    lease: Duration,
+    ttl: Duration,
+    done: &mut D,
+    settle: &Settle<R>,
+    body: F,
+) -> Result<R::Ok, R::Err>
+where
+    R: HandlerResult,
+    D: DoneCheck,
+    R::Err: From<D::Error>,
+    F: Future<Output = R>,
+{
+    let span = tracing::Span::current();
+    if let Some(check) = done.start() {
+        match watch(check, &owner, lease).await {
+            Ok(true) => {
+                span.record("outcome", "done");
+                let completion = Completion { result: None, ttl };
+                if let Err(err) = owner.complete(&completion).await {
+                    tracing::warn!(error = %err, "could not mark a done operation completed");
                 }
-                Ok(false) => {}
+                owner.armed = false;
+                return Err(Error::Duplicate {
+                    key: owner.key.clone(),
+                }
+                .into());
+            }
+            Ok(false) => {}
+            Err(err) => {
+                span.record("outcome", "done_check_failed");
+                owner.release().await;
+                return Err(err.into());
+            }
+        }
+    }
+
+    match watch(body, &owner, lease).await.into_result() {
+        Ok(value) => {
+            let result = match &settle.replay {
+                None => None,
+                Some(codec) => match (codec.encode)(&value) {
+                    Ok(bytes) => Some(bytes),
+                    Err(err) => {
+                        tracing::error!(error = %err, "result could not be stored for replay");
+                        None
+                    }
+                },
+            };
+            match owner.complete(&Completion { result, ttl }).await {
+                Ok(true) => {
+                    span.record("outcome", "executed");
+                    Ok(value)
+                }
+                Ok(false) => {
+                    span.record("outcome", "lost_ownership");
+                    tracing::warn!("lost ownership before completing");
+                    Err(Error::LostOwnership {
+                        key: owner.key.clone(),
+                        fence,
+                    }
+                    .into())
+                }
                 Err(err) => {
-                    span.record("outcome", "done_check_failed");
-                    owner.release().await;
-                    return Err(err.into());
+                    // The effect is applied: reporting failure would make the broker
+                    // redeliver and run it again. The record stays in progress until its
+                    // lease runs out.
+                    span.record("outcome", "executed_unrecorded");
+                    tracing::error!(error = %err, "effect applied but its completion could not be recorded");
+                    Ok(value)
                 }
             }
         }
-
-        match watch(body, &owner, lease).await.into_result() {
-            Ok(value) => {
-                let result = match &replay {
-                    None => None,
-                    Some(codec) => match (codec.encode)(&value) {
-                        Ok(bytes) => Some(bytes),
-                        Err(err) => {
-                            tracing::error!(error = %err, "result could not be stored for replay");
-                            None
-                        }
-                    },
-                };
-                match owner.complete(&Completion { result, ttl }).await {
-                    Ok(true) => {
-                        span.record("outcome", "executed");
-                        Ok(value)
+        Err(err) => {
+            let policy = settle.on_error.map_or(OnError::Release, |f| f(&err));
+            let stored = match (policy, &settle.errors) {
+                (OnError::Release, _) => None,
+                (OnError::Store, Some(codec)) => Some((codec.encode)(&err).unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "handler error could not be stored; holding the key");
+                    vec![codec::HELD]
+                })),
+                (OnError::Hold, _) | (OnError::Store, None) => Some(vec![codec::HELD]),
+            };
+            match stored {
+                None => {
+                    span.record("outcome", "released");
+                    owner.release().await;
+                }
+                Some(result) => {
+                    span.record("outcome", "failed_stored");
+                    let completion = Completion {
+                        result: Some(result),
+                        ttl,
+                    };
+                    if let Err(e) = owner.complete(&completion).await {
+                        tracing::warn!(error = %e, "could not store the failure");
                     }
-                    Ok(false) => {
-                        span.record("outcome", "lost_ownership");
-                        tracing::warn!("lost ownership before completing");
-                        Err(Error::LostOwnership {
-                            key: owner.key.clone(),
-                            fence,
-                        }
-                        .into())
-                    }
-                    Err(err) => {
-                        // The effect is applied: reporting failure would make the broker
-                        // redeliver and run it again. The record stays in progress until its
-                        // lease runs out.
-                        span.record("outcome", "executed_unrecorded");
-                        tracing::error!(error = %err, "effect applied but its completion could not be recorded");
-                        Ok(value)
-                    }
+                    owner.armed = false;
                 }
             }
-            Err(err) => {
-                let policy = on_error.map_or(OnError::Release, |f| f(&err));
-                let stored = match (policy, &errors) {
-                    (OnError::Release, _) => None,
-                    (OnError::Store, Some(codec)) => Some((codec.encode)(&err).unwrap_or_else(|e| {
-                        tracing::error!(error = %e, "handler error could not be stored; holding the key");
-                        vec![codec::HELD]
-                    })),
-                    (OnError::Hold, _) | (OnError::Store, None) => Some(vec![codec::HELD]),
-                };
-                match stored {
-                    None => {
-                        span.record("outcome", "released");
-                        owner.release().await;
-                    }
-                    Some(result) => {
-                        span.record("outcome", "failed_stored");
-                        let completion = Completion {
-                            result: Some(result),
-                            ttl,
-                        };
-                        if let Err(e) = owner.complete(&completion).await {
-                            tracing::warn!(error = %e, "could not store the failure");
-                        }
-                        owner.armed = false;
-                    }
-                }
-                Err(err)
-            }
+            Err(err)
         }
     }
 }
 
 /// The answer for a key whose record is completed.
-fn completed<T, E: From<Error>>(
+fn completed<R: HandlerResult>(
     key: Key,
     result: Option<Vec<u8>>,
-    replay: &Option<Codec<T>>,
-    errors: &Option<Codec<E>>,
-) -> Result<T, E> {
+    settle: &Settle<R>,
+) -> Result<R::Ok, R::Err> {
     match result.as_deref().and_then(<[u8]>::split_first) {
-        Some((&codec::OK, body)) => match replay {
+        Some((&codec::OK, body)) => match &settle.replay {
             Some(codec) => Ok((codec.decode)(body)?),
             None => Err(Error::Duplicate { key }.into()),
         },
-        Some((&codec::ERR, body)) => match errors {
+        Some((&codec::ERR, body)) => match &settle.errors {
             Some(codec) => Err((codec.decode)(body)?),
             None => Err(Error::Duplicate { key }.into()),
         },
@@ -579,7 +754,16 @@ fn completed<T, E: From<Error>>(
 /// Claims, resolving a lost reply by reading the record back by token: a claim that was
 /// applied but whose reply was lost is ours, never a duplicate.
 async fn claim(store: &dyn Store, req: &ClaimRequest) -> Result<Claim, StoreError> {
-    match store.claim(req).await {
+    resolve_claim(store, req, store.claim(req).await).await
+}
+
+/// Resolves a claim's lost reply (see [`claim`]).
+async fn resolve_claim(
+    store: &dyn Store,
+    req: &ClaimRequest,
+    first: Result<Claim, StoreError>,
+) -> Result<Claim, StoreError> {
+    match first {
         Err(err) if err.is_outcome_unknown() => {
             tracing::debug!(error = %err, "claim reply lost; reading the record back");
             match store.read(&req.key).await? {
@@ -681,6 +865,29 @@ impl Drop for Owner {
         }
         tracing::debug!(key = %self.key, "claim given back after cancellation");
     }
+}
+
+/// Polls every future to completion, concurrently, and returns their outputs in order.
+async fn join_all<F: Future + Unpin>(mut futures: Vec<F>) -> Vec<F::Output> {
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if output.is_none() {
+                match Pin::new(future).poll(cx) {
+                    Poll::Ready(value) => *output = Some(value),
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().flatten().collect()
 }
 
 /// Drives `fut` while renewing the owner's lease every third of it.

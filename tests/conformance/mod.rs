@@ -33,10 +33,14 @@ use tokio::sync::{Barrier, Notify};
 
 /// A backend under test.
 pub trait Backend: Send + Sync + 'static {
+    /// A key prefix that only this backend instance uses; the backend deletes everything
+    /// under it when dropped.
+    fn namespace(&self) -> &str;
     /// The store under test.
     fn store(&self) -> SharedStore;
-    /// Loses every record of this test, as a restarted server without persistence would.
-    fn lose_data(&self) -> BoxFuture<'_, ()>;
+    /// Loses every record whose key starts with `prefix`, as a restarted server without
+    /// persistence would.
+    fn lose_data<'a>(&'a self, prefix: &'a str) -> BoxFuture<'a, ()>;
 }
 
 /// The handler error used by the suite.
@@ -66,12 +70,16 @@ impl From<Error> for AppError {
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
-/// A prefix no other case (or earlier run) uses.
-pub fn unique_prefix(case: &str) -> String {
+/// A prefix no other case uses, under the backend's namespace.
+pub fn unique_prefix(b: &impl Backend, case: &str) -> String {
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{}:{case}:{n}", b.namespace())
+}
+
+/// A namespace no other backend instance (in this run or another) uses.
+pub fn unique_namespace() -> String {
     let token = format!("{:?}", Token::generate());
-    let salt = &token[token.len() - 9..token.len() - 1];
-    format!("conf:{case}:{salt}{n}")
+    format!("conf:{}", &token[6..token.len() - 1])
 }
 
 pub fn key(prefix: &str, parts: &[&dyn idempotent::KeyPart]) -> Key {
@@ -115,7 +123,7 @@ async fn eventually(store: &SharedStore, key: &Key, pred: impl Fn(&Option<Record
 
 pub async fn concurrent_duplicates_run_the_handler_exactly_once(b: impl Backend) {
     let store = b.store();
-    let prefix = unique_prefix("hundred");
+    let prefix = unique_prefix(&b, "hundred");
     let k = key(&prefix, &[&"order-1", &"activity-9"]);
     let executions = Arc::new(AtomicUsize::new(0));
     let start = Arc::new(Barrier::new(100));
@@ -169,7 +177,7 @@ pub async fn concurrent_duplicates_run_the_handler_exactly_once(b: impl Backend)
 
 pub async fn concurrent_store_claims_acquire_exactly_once(b: impl Backend) {
     let store = b.store();
-    let prefix = unique_prefix("raw-claims");
+    let prefix = unique_prefix(&b, "raw-claims");
     for round in 0..20u32 {
         let k = key(&prefix, &[&round]);
         let start = Arc::new(Barrier::new(32));
@@ -199,7 +207,7 @@ pub async fn concurrent_store_claims_acquire_exactly_once(b: impl Backend) {
 
 pub async fn fence_grows_by_one_on_every_acquisition(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("fence"), &[&1u8]);
+    let k = key(&unique_prefix(&b, "fence"), &[&1u8]);
     for expected in 1..=5u64 {
         let r = req(&k, Duration::from_secs(30));
         assert_eq!(
@@ -216,7 +224,7 @@ pub async fn fence_grows_by_one_on_every_acquisition(b: impl Backend) {
 
 pub async fn completed_key_is_a_duplicate_and_replays_its_result(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("replay"), &[&"pay-1"]);
+    let k = key(&unique_prefix(&b, "replay"), &[&"pay-1"]);
     let executions = AtomicUsize::new(0);
     let run = |amount: u64| {
         let (g, k, executions) = (guard(&store), k.clone(), &executions);
@@ -255,7 +263,7 @@ pub async fn completed_key_is_a_duplicate_and_replays_its_result(b: impl Backend
 
 pub async fn expired_lease_is_taken_over_with_the_next_fence(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("takeover"), &[&"order-7"]);
+    let k = key(&unique_prefix(&b, "takeover"), &[&"order-7"]);
     let lease = Duration::from_millis(300);
     let old = req(&k, lease);
     assert_eq!(
@@ -298,7 +306,7 @@ pub async fn expired_lease_is_taken_over_with_the_next_fence(b: impl Backend) {
 
 pub async fn watchdog_keeps_a_slow_handler_owner(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("watchdog"), &[&"slow"]);
+    let k = key(&unique_prefix(&b, "watchdog"), &[&"slow"]);
     let lease = Duration::from_millis(600);
     let g = guard(&store).lease(lease);
     let probe = {
@@ -327,25 +335,27 @@ pub async fn watchdog_keeps_a_slow_handler_owner(b: impl Backend) {
 
 pub async fn handler_that_outlives_its_lease_loses_ownership(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("lost"), &[&"order-3"]);
+    let k = key(&unique_prefix(&b, "lost"), &[&"order-3"]);
     let lease = Duration::from_millis(300);
-    let (release_old, blocked) = std::sync::mpsc::channel::<()>();
-    let old_started = Arc::new(Notify::new());
+    let started = Arc::new(Notify::new());
+    let resume = Arc::new(Notify::new());
 
-    // The old owner blocks its worker thread (a stop-the-world pause): its watchdog cannot
-    // run, so its lease runs out.
-    let old = {
-        let (g, k, started) = (guard(&store).lease(lease), k.clone(), old_started.clone());
-        tokio::spawn(async move {
-            g.run(k, async move {
-                started.notify_one();
-                blocked.recv_timeout(Duration::from_secs(20)).unwrap();
-                Ok::<_, TestError>("old")
-            })
-            .await
-        })
+    // The old owner's future is not polled between `started` and `resume`: a paused process
+    // (a stop-the-world stall, a suspended VM). Its watchdog lives in that future, so its
+    // lease runs out.
+    let old_guard = guard(&store).lease(lease);
+    let mut old = {
+        let (started, resume) = (started.clone(), resume.clone());
+        Box::pin(old_guard.run(k.clone(), async move {
+            started.notify_one();
+            resume.notified().await;
+            Ok::<_, TestError>("old")
+        }))
     };
-    old_started.notified().await;
+    tokio::select! {
+        out = &mut old => panic!("the old owner finished before its pause: {out:?}"),
+        () = started.notified() => {}
+    }
 
     // A redelivery waits for the lease to run out, takes over with fence 2 and completes.
     let new: Result<&str, TestError> = guard(&store)
@@ -354,9 +364,9 @@ pub async fn handler_that_outlives_its_lease_loses_ownership(b: impl Backend) {
         .run(k.clone(), async { Ok("new") })
         .await;
     assert_eq!(new.unwrap(), "new");
-    release_old.send(()).unwrap();
 
-    match old.await.unwrap() {
+    resume.notify_one();
+    match old.await {
         Err(TestError::Idem(Error::LostOwnership { fence: 1, .. })) => {}
         other => panic!("the old owner's completion was accepted: {other:?}"),
     }
@@ -369,7 +379,7 @@ pub async fn handler_that_outlives_its_lease_loses_ownership(b: impl Backend) {
 
 pub async fn complete_and_renew_check_the_token(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("cas"), &[&"x"]);
+    let k = key(&unique_prefix(&b, "cas"), &[&"x"]);
     let owner = req(&k, Duration::from_secs(30));
     store.claim(&owner).await.unwrap();
     let stranger = Token::generate();
@@ -402,7 +412,7 @@ pub async fn complete_and_renew_check_the_token(b: impl Backend) {
 
 pub async fn completing_a_missing_record_is_refused(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("missing"), &[&"x"]);
+    let k = key(&unique_prefix(&b, "missing"), &[&"x"]);
     let done = Completion {
         result: None,
         ttl: Duration::from_secs(60),
@@ -416,7 +426,7 @@ pub async fn completing_a_missing_record_is_refused(b: impl Backend) {
 
 pub async fn error_releases_and_the_retry_runs(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("release"), &[&"order-2"]);
+    let k = key(&unique_prefix(&b, "release"), &[&"order-2"]);
     let executions = AtomicUsize::new(0);
     let first: Result<(), TestError> = guard(&store)
         .run(k.clone(), async {
@@ -442,7 +452,7 @@ pub async fn error_releases_and_the_retry_runs(b: impl Backend) {
 
 pub async fn release_never_removes_another_owners_claim(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("foreign"), &[&"x"]);
+    let k = key(&unique_prefix(&b, "foreign"), &[&"x"]);
     let lease = Duration::from_millis(200);
     let old = req(&k, lease);
     store.claim(&old).await.unwrap();
@@ -461,7 +471,7 @@ pub async fn release_never_removes_another_owners_claim(b: impl Backend) {
 
 pub async fn held_error_blocks_the_key(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("hold"), &[&"pay-9"]);
+    let k = key(&unique_prefix(&b, "hold"), &[&"pay-9"]);
     let first: Result<(), TestError> = guard(&store)
         .operation(k.clone())
         .on_error(|_| OnError::Hold)
@@ -485,7 +495,7 @@ pub async fn held_error_blocks_the_key(b: impl Backend) {
 
 pub async fn stored_error_is_replayed(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("store-err"), &[&"req-1"]);
+    let k = key(&unique_prefix(&b, "store-err"), &[&"req-1"]);
     let run = |msg: &'static str| {
         let (g, k) = (guard(&store), k.clone());
         async move {
@@ -510,7 +520,7 @@ pub async fn stored_error_is_replayed(b: impl Backend) {
 
 pub async fn store_outage_fails_closed(b: impl Backend) {
     let store: SharedStore = Arc::new(Down::new(b.store()));
-    let k = key(&unique_prefix("down"), &[&"order-5"]);
+    let k = key(&unique_prefix(&b, "down"), &[&"order-5"]);
     let executions = AtomicUsize::new(0);
     let out: Result<(), TestError> = guard(&store)
         .run(k.clone(), async {
@@ -540,7 +550,7 @@ pub async fn store_outage_fails_closed(b: impl Backend) {
 
 pub async fn store_outage_releases_nothing(b: impl Backend) {
     let inner = b.store();
-    let k = key(&unique_prefix("down-release"), &[&"order-6"]);
+    let k = key(&unique_prefix(&b, "down-release"), &[&"order-6"]);
     // A live claim by someone else, then the store goes down for our call.
     let other = req(&k, Duration::from_secs(30));
     inner.claim(&other).await.unwrap();
@@ -574,7 +584,7 @@ impl Ledger {
 
 pub async fn done_fallback_survives_lost_store_data(b: impl Backend) {
     let store = b.store();
-    let prefix = unique_prefix("done");
+    let prefix = unique_prefix(&b, "done");
     let ledger = Ledger::default();
     let executions = AtomicUsize::new(0);
     let consume = |order: &'static str| {
@@ -596,7 +606,7 @@ pub async fn done_fallback_survives_lost_store_data(b: impl Backend) {
         }
     };
     consume("A-1").await.unwrap();
-    b.lose_data().await;
+    b.lose_data(&prefix).await;
     assert!(store
         .read(&key(&prefix, &[&"A-1"]))
         .await
@@ -620,7 +630,7 @@ pub async fn done_fallback_survives_lost_store_data(b: impl Backend) {
 
 pub async fn done_fallback_answers_an_in_progress_claim(b: impl Backend) {
     let store = b.store();
-    let prefix = unique_prefix("done-in-progress");
+    let prefix = unique_prefix(&b, "done-in-progress");
     let k = key(&prefix, &[&"A-3"]);
     // An owner that crashed after applying the effect: its lease is still live.
     let crashed = req(&k, Duration::from_secs(30));
@@ -645,7 +655,7 @@ pub async fn done_fallback_answers_an_in_progress_claim(b: impl Backend) {
 
 pub async fn failing_done_check_runs_nothing(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("done-fails"), &[&"A-4"]);
+    let k = key(&unique_prefix(&b, "done-fails"), &[&"A-4"]);
     let out: Result<(), TestError> = guard(&store)
         .operation(k.clone())
         .done(|| async { Err(TestError::Business("orders database down".into())) })
@@ -662,7 +672,7 @@ pub async fn failing_done_check_runs_nothing(b: impl Backend) {
 
 pub async fn payload_mismatch_is_refused(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("fingerprint"), &[&"pay-3"]);
+    let k = key(&unique_prefix(&b, "fingerprint"), &[&"pay-3"]);
     let call = |amount: u64| {
         let (g, k) = (guard(&store), k.clone());
         async move {
@@ -685,7 +695,7 @@ pub async fn payload_mismatch_is_refused(b: impl Backend) {
 
 pub async fn payload_mismatch_is_refused_while_in_progress(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("fingerprint-live"), &[&"pay-4"]);
+    let k = key(&unique_prefix(&b, "fingerprint-live"), &[&"pay-4"]);
     let mut first = req(&k, Duration::from_secs(30));
     first.fingerprint = Some(idempotent::Fingerprint::of(&[&1u8]));
     assert_eq!(
@@ -711,7 +721,7 @@ pub async fn payload_mismatch_is_refused_while_in_progress(b: impl Backend) {
 
 pub async fn dropped_future_gives_its_claim_back(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("cancel"), &[&"order-8"]);
+    let k = key(&unique_prefix(&b, "cancel"), &[&"order-8"]);
     let entered = Arc::new(Notify::new());
     let call = {
         let (g, k, entered) = (guard(&store), k.clone(), entered.clone());
@@ -750,7 +760,7 @@ pub async fn lost_claim_reply_is_resolved_as_ours(b: impl Backend) {
     let lossy = Arc::new(LostReplies::new(inner.clone()));
     lossy.lose_next_claim_reply();
     let store: SharedStore = lossy.clone();
-    let k = key(&unique_prefix("lost-claim"), &[&"order-9"]);
+    let k = key(&unique_prefix(&b, "lost-claim"), &[&"order-9"]);
     let executions = AtomicUsize::new(0);
     let out: Result<(), TestError> = guard(&store)
         .run(k.clone(), async {
@@ -770,7 +780,7 @@ pub async fn lost_complete_reply_is_resolved_as_completed(b: impl Backend) {
     let lossy = Arc::new(LostReplies::new(inner.clone()));
     lossy.lose_next_complete_reply();
     let store: SharedStore = lossy.clone();
-    let k = key(&unique_prefix("lost-complete"), &[&"order-10"]);
+    let k = key(&unique_prefix(&b, "lost-complete"), &[&"order-10"]);
     let out: Result<u32, TestError> = guard(&store)
         .operation(k.clone())
         .replay()
@@ -792,7 +802,7 @@ pub async fn lost_complete_reply_is_resolved_as_completed(b: impl Backend) {
 pub async fn wait_policy_returns_the_owners_result(b: impl Backend) {
     let observed = Arc::new(Observed::new(b.store()));
     let store: SharedStore = observed.clone();
-    let k = key(&unique_prefix("wait"), &[&"req-2"]);
+    let k = key(&unique_prefix(&b, "wait"), &[&"req-2"]);
     let release = Arc::new(Notify::new());
     let entered = Arc::new(Notify::new());
     let first = {
@@ -828,7 +838,7 @@ pub async fn wait_policy_returns_the_owners_result(b: impl Backend) {
 
 pub async fn wait_policy_gives_up_after_its_bound(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("wait-bound"), &[&"req-3"]);
+    let k = key(&unique_prefix(&b, "wait-bound"), &[&"req-3"]);
     store
         .claim(&req(&k, Duration::from_secs(30)))
         .await
@@ -847,7 +857,7 @@ pub async fn wait_policy_gives_up_after_its_bound(b: impl Backend) {
 
 pub async fn skip_policy_drops_the_duplicate(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("skip"), &[&"req-4"]);
+    let k = key(&unique_prefix(&b, "skip"), &[&"req-4"]);
     store
         .claim(&req(&k, Duration::from_secs(30)))
         .await
@@ -866,7 +876,7 @@ pub async fn skip_policy_drops_the_duplicate(b: impl Backend) {
 
 pub async fn completed_record_expires_after_its_ttl(b: impl Backend) {
     let store = b.store();
-    let k = key(&unique_prefix("ttl"), &[&"order-11"]);
+    let k = key(&unique_prefix(&b, "ttl"), &[&"order-11"]);
     let ttl = Duration::from_secs(1);
     let g = Guard::new(ttl)
         .lease(Duration::from_millis(300))
@@ -891,7 +901,7 @@ pub async fn completed_record_expires_after_its_ttl(b: impl Backend) {
 
 pub async fn keys_with_separators_stay_distinct(b: impl Backend) {
     let store = b.store();
-    let prefix = unique_prefix("separator");
+    let prefix = unique_prefix(&b, "separator");
     let executions = AtomicUsize::new(0);
     for parts in [["1:2", "3"], ["1", "2:3"], ["1,2", ":3"], ["1}", "{2"]] {
         let k = key(&prefix, &[&parts[0], &parts[1]]);
@@ -904,6 +914,119 @@ pub async fn keys_with_separators_stay_distinct(b: impl Backend) {
         out.unwrap();
     }
     assert_eq!(executions.load(Ordering::SeqCst), 4);
+}
+
+// ---------------------------------------------------------------------------------------
+// Batches and retried claims.
+
+pub async fn retried_claim_by_the_same_owner_is_acquired_again(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix(&b, "retry-claim"), &[&"x"]);
+    let r = req(&k, Duration::from_secs(30));
+    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+    assert_eq!(
+        store
+            .claim(&req(&k, Duration::from_secs(30)))
+            .await
+            .unwrap(),
+        Claim::InProgress { fence: 1 }
+    );
+}
+
+pub async fn batch_settles_each_item_by_its_own_outcome(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix(&b, "batch");
+    let g = guard(&store);
+    // Item 1 is completed, item 2 is held by a live owner, items 3 and 4 are new.
+    let done: Result<(), TestError> = g.run(key(&prefix, &[&1u32]), async { Ok(()) }).await;
+    done.unwrap();
+    store
+        .claim(&req(&key(&prefix, &[&2u32]), Duration::from_secs(30)))
+        .await
+        .unwrap();
+
+    let executions = AtomicUsize::new(0);
+    let items: Vec<(Key, u32)> = (1..=4u32).map(|id| (key(&prefix, &[&id]), id)).collect();
+    let results: Vec<Result<u32, TestError>> = g
+        .run_batch(items, |id| {
+            let executions = &executions;
+            async move {
+                executions.fetch_add(1, Ordering::SeqCst);
+                if id == 4 {
+                    Err(TestError::Business("stock service down".into()))
+                } else {
+                    Ok(id)
+                }
+            }
+        })
+        .await;
+    assert!(
+        matches!(results[0], Err(TestError::Idem(Error::Duplicate { .. }))),
+        "{results:?}"
+    );
+    assert!(
+        matches!(
+            results[1],
+            Err(TestError::Idem(Error::InProgress { fence: 1, .. }))
+        ),
+        "{results:?}"
+    );
+    assert_eq!(results[2].as_ref().unwrap(), &3);
+    assert!(
+        matches!(results[3], Err(TestError::Business(_))),
+        "{results:?}"
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 2);
+    let three = store.read(&key(&prefix, &[&3u32])).await.unwrap().unwrap();
+    assert_eq!(three.state, RecordState::Completed);
+    let four = store.read(&key(&prefix, &[&4u32])).await.unwrap().unwrap();
+    assert_eq!(four.state, RecordState::Released);
+}
+
+pub async fn concurrent_overlapping_batches_run_each_key_once(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix(&b, "batches");
+    let executions = Arc::new(AtomicUsize::new(0));
+    let start = Arc::new(Barrier::new(8));
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (g, prefix, executions, start) = (
+                guard(&store),
+                prefix.clone(),
+                executions.clone(),
+                start.clone(),
+            );
+            tokio::spawn(async move {
+                let items: Vec<(Key, u32)> =
+                    (0..50u32).map(|id| (key(&prefix, &[&id]), id)).collect();
+                start.wait().await;
+                let results: Vec<Result<u32, TestError>> = g
+                    .run_batch(items, |id| {
+                        let executions = executions.clone();
+                        async move {
+                            executions.fetch_add(1, Ordering::SeqCst);
+                            tokio::task::yield_now().await;
+                            Ok(id)
+                        }
+                    })
+                    .await;
+                results
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        for r in t.await.unwrap() {
+            match r {
+                Ok(_) => ok += 1,
+                Err(TestError::Idem(Error::Duplicate { .. } | Error::InProgress { .. })) => {}
+                Err(other) => panic!("unexpected: {other:?}"),
+            }
+        }
+    }
+    assert_eq!(ok, 50);
+    assert_eq!(executions.load(Ordering::SeqCst), 50);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1103,12 +1226,11 @@ impl Store for LostReplies {
     }
 }
 
-/// Instantiates every conformance case for a backend: `conformance_suite!(make)` where
-/// `make` is an async fn returning an `impl Backend`.
+/// Calls `$callback!($($args)*; <every case name>)`: the one list of the suite's cases.
 #[macro_export]
-macro_rules! conformance_suite {
-    ($make:path) => {
-        $crate::conformance_suite!(@cases $make;
+macro_rules! conformance_cases {
+    ($callback:ident!($($args:tt)*)) => {
+        $crate::$callback!($($args)*;
             concurrent_duplicates_run_the_handler_exactly_once,
             concurrent_store_claims_acquire_exactly_once,
             fence_grows_by_one_on_every_acquisition,
@@ -1137,14 +1259,51 @@ macro_rules! conformance_suite {
             skip_policy_drops_the_duplicate,
             completed_record_expires_after_its_ttl,
             keys_with_separators_stay_distinct,
+            retried_claim_by_the_same_owner_is_acquired_again,
+            batch_settles_each_item_by_its_own_outcome,
+            concurrent_overlapping_batches_run_each_key_once
         );
     };
-    (@cases $make:path; $($case:ident),* $(,)?) => {
+}
+
+/// One `#[tokio::test]` per conformance case: `conformance_suite!(make)` where `make` is an
+/// async fn returning an `impl Backend`.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($make:path) => {
+        $crate::conformance_cases!(conformance_tests!($make));
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:path; $($case:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $case() {
                 conformance::$case($make().await).await;
             }
+        )*
+    };
+}
+
+/// Every conformance case, one after another, inside one async context: for backends whose
+/// server is expensive to start (a cluster), started once for the whole sequence.
+#[macro_export]
+macro_rules! conformance_sequence {
+    ($make:expr) => {
+        $crate::conformance_cases!(conformance_sequence_of!($make));
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! conformance_sequence_of {
+    ($make:expr; $($case:ident),* $(,)?) => {
+        $(
+            eprintln!("conformance case: {}", stringify!($case));
+            conformance::$case($make.await).await;
         )*
     };
 }

@@ -227,6 +227,10 @@ impl MemoryStore {
         let previous_fence = match shard.live(&req.key, now) {
             None => 0,
             Some(entry) => match &entry.state {
+                // The same owner claiming again (a retry after a lost reply).
+                State::InProgress { .. } if entry.token == req.token => {
+                    return Claim::Acquired { fence: entry.fence }
+                }
                 State::Completed { result } if !mismatch(entry) => {
                     return Claim::Completed {
                         fence: entry.fence,

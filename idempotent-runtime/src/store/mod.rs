@@ -25,6 +25,15 @@ use crate::key::{Key, KeyPart};
 
 #[cfg(feature = "memory")]
 pub mod memory;
+#[cfg(feature = "redis")]
+pub mod redis;
+#[cfg(feature = "sql")]
+pub mod sql;
+mod tiered;
+mod url;
+
+pub use tiered::TieredStore;
+pub use url::{connect, ConnectError};
 
 /// A boxed, sendable future, as returned by [`Store`] methods.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -70,7 +79,26 @@ pub trait Store: Send + Sync + 'static {
     ///   fingerprints are set and differ;
     /// - a `Completed` record: [`Claim::Completed`] with its stored result, or
     ///   [`Claim::Mismatch`] when both fingerprints are set and differ.
+    ///
+    /// A claim by the token that already holds the live claim returns `Acquired` with the same
+    /// fence, so a claim retried after a lost reply is harmless.
     fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>>;
+
+    /// Claims several keys, each as [`claim`](Store::claim) would, in as few round trips as the
+    /// backend allows (one pipeline on Redis). Each outcome is independent and comes back in
+    /// the order of `reqs`. The default claims them one after another.
+    fn claim_many<'a>(
+        &'a self,
+        reqs: &'a [ClaimRequest],
+    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
+        Box::pin(async move {
+            let mut claims = Vec::with_capacity(reqs.len());
+            for req in reqs {
+                claims.push(self.claim(req).await);
+            }
+            claims
+        })
+    }
 
     /// Marks the record `Completed` with `completion.result`, expiring `completion.ttl` from
     /// now, if `token` still owns it (the record is `InProgress` with this token, whether or
@@ -111,6 +139,12 @@ pub trait Store: Send + Sync + 'static {
 impl<S: Store + ?Sized> Store for Arc<S> {
     fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
         (**self).claim(req)
+    }
+    fn claim_many<'a>(
+        &'a self,
+        reqs: &'a [ClaimRequest],
+    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
+        (**self).claim_many(reqs)
     }
     fn complete<'a>(
         &'a self,

@@ -1,0 +1,136 @@
+//! The in-memory store, on one core: how many claim + complete cycles per second the store
+//! does on its own, through the guard API, and through the attribute, side by side in one
+//! process (one current-thread runtime, alternating passes, medians of 5).
+//!
+//! It needs nothing but this repository. Run it with:
+//!
+//! ```text
+//! cargo bench --bench memory
+//! ```
+//!
+//! The last lines are `store_cycles_per_s`, `guard_cycles_per_s`, `attribute_cycles_per_s`,
+//! `attribute_over_guard` (the attribute's cost over calling the runtime by hand; 1.0 is none)
+//! and `duplicate_claims_per_s`.
+
+// A measurement program: failing loudly on a broken setup is the right behaviour.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idempotent::{
+    idempotent, Claim, ClaimRequest, Completion, Error, Guard, Key, MemoryStore, Store, Token,
+};
+
+const OPS: u32 = 400_000;
+const ROUNDS: usize = 5;
+
+#[idempotent(prefix = "bench:attr", keys = [round, id], ttl = 3600, store = store)]
+async fn handler(store: &Arc<MemoryStore>, round: u32, id: u32) -> Result<u32, Error> {
+    Ok(id)
+}
+
+async fn store_pass(store: &MemoryStore, round: u32) -> Duration {
+    let started = Instant::now();
+    let done = Completion {
+        result: None,
+        ttl: Duration::from_secs(3600),
+    };
+    for id in 0..OPS {
+        let req = ClaimRequest {
+            key: Key::new("bench:store", 1, &[&round, &id]).unwrap(),
+            token: Token::generate(),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+            fingerprint: None,
+        };
+        let Claim::Acquired { .. } = store.claim(&req).await.unwrap() else {
+            panic!("fresh key not acquired")
+        };
+        assert!(store.complete(&req.key, &req.token, &done).await.unwrap());
+    }
+    started.elapsed()
+}
+
+async fn guard_pass(guard: &Guard, round: u32) -> Duration {
+    let started = Instant::now();
+    for id in 0..OPS {
+        let key = Key::new("bench:guard", 1, &[&round, &id]).unwrap();
+        let out: Result<u32, Error> = guard.run(key, async { Ok(id) }).await;
+        out.unwrap();
+    }
+    started.elapsed()
+}
+
+async fn attribute_pass(store: &Arc<MemoryStore>, round: u32) -> Duration {
+    let started = Instant::now();
+    for id in 0..OPS {
+        handler(store, round, id).await.unwrap();
+    }
+    started.elapsed()
+}
+
+async fn duplicate_pass(store: &Arc<MemoryStore>, round: u32) -> Duration {
+    let started = Instant::now();
+    for id in 0..OPS {
+        assert!(matches!(
+            handler(store, round, id).await,
+            Err(Error::Duplicate { .. })
+        ));
+    }
+    started.elapsed()
+}
+
+fn per_s(d: Duration) -> f64 {
+    f64::from(OPS) / d.as_secs_f64()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (mut s, mut g, mut a, mut d) = (vec![], vec![], vec![], vec![]);
+        for round in 0..=ROUNDS as u32 {
+            // A fresh store per pass, so every pass starts from an empty map; guard and
+            // attribute passes take turns going first.
+            let fresh = || Arc::new(MemoryStore::new());
+            let store_rate = per_s(store_pass(&fresh(), round).await);
+            let guard_store = fresh();
+            let guard = Guard::new(Duration::from_secs(3600)).store(guard_store.clone());
+            let attribute_store = fresh();
+            let (guard_rate, attribute_rate) = if round % 2 == 0 {
+                let g = per_s(guard_pass(&guard, round).await);
+                (g, per_s(attribute_pass(&attribute_store, round).await))
+            } else {
+                let a = per_s(attribute_pass(&attribute_store, round).await);
+                (per_s(guard_pass(&guard, round).await), a)
+            };
+            let duplicate_rate = per_s(duplicate_pass(&attribute_store, round).await);
+            let passes = [store_rate, guard_rate, attribute_rate, duplicate_rate];
+            println!(
+                "round {round}: store {:.0}/s, guard {:.0}/s, attribute {:.0}/s, duplicates {:.0}/s",
+                passes[0], passes[1], passes[2], passes[3]
+            );
+            if round > 0 {
+                // Round 0 warms up.
+                s.push(passes[0]);
+                g.push(passes[1]);
+                a.push(passes[2]);
+                d.push(passes[3]);
+            }
+        }
+        let (s, g, a, d) = (median(s), median(g), median(a), median(d));
+        println!("store_cycles_per_s={s:.0}");
+        println!("guard_cycles_per_s={g:.0}");
+        println!("attribute_cycles_per_s={a:.0}");
+        println!("attribute_over_guard={:.3}", a / g);
+        println!("duplicate_claims_per_s={d:.0}");
+    });
+}

@@ -1,0 +1,259 @@
+//! The part of the SQL store that differs per database, behind a sealed trait: SQL texts,
+//! how a pool is opened, how the claim statement reports its outcome, error codes.
+//!
+//! Everything else (the store, the transactional API, purging, migrations, error kinds, the
+//! reading of a claim's outcome) is written once in the parent module.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::error::DatabaseError;
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::pool::PoolOptions;
+use sqlx::{Database, Pool};
+
+use crate::store::sql::error::DbFailure;
+use crate::store::sql::record::{RecordRow, Step};
+use crate::store::sql::table::TableName;
+use crate::store::{BoxFuture, ClaimRequest};
+
+/// A value bound to a statement parameter.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg<'a> {
+    /// Bytes (a key, a token).
+    Bytes(&'a [u8]),
+    /// Bytes or NULL (a result).
+    MaybeBytes(Option<&'a [u8]>),
+    /// An integer (a duration in the dialect's tick, a batch size).
+    Int(i64),
+}
+
+/// The SQL of one dialect, written for the default table `idempotent_records`.
+#[derive(Debug, Clone, Copy)]
+pub struct Templates {
+    /// The claim statement.
+    pub claim: &'static str,
+    /// Reads a record for a claim that did not take it (may lock it, in a transaction).
+    pub seen: &'static str,
+    /// Completes: parameters `result, ttl, key, token`.
+    pub complete: &'static str,
+    /// Releases: parameters `key, token`.
+    pub release: &'static str,
+    /// Renews: parameters `lease, lease, key, token`.
+    pub renew: &'static str,
+    /// Reads a live record: parameter `key`.
+    pub read: &'static str,
+    /// Deletes at most a batch of expired records: parameter `batch`.
+    pub purge: &'static str,
+}
+
+/// The SQL of one store: the templates, rendered for its table.
+#[derive(Debug)]
+pub struct Statements {
+    pub(crate) claim: Arc<str>,
+    // PostgreSQL's claim statement reports the record itself.
+    #[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
+    pub(crate) seen: Arc<str>,
+    pub(crate) complete: Arc<str>,
+    pub(crate) release: Arc<str>,
+    pub(crate) renew: Arc<str>,
+    pub(crate) read: Arc<str>,
+    pub(crate) purge: Arc<str>,
+}
+
+impl Statements {
+    pub(crate) fn render(templates: &Templates, table: &TableName) -> Statements {
+        let render = |sql: &str| Arc::from(table.render(sql));
+        Statements {
+            claim: render(templates.claim),
+            seen: render(templates.seen),
+            complete: render(templates.complete),
+            release: render(templates.release),
+            renew: render(templates.renew),
+            read: render(templates.read),
+            purge: render(templates.purge),
+        }
+    }
+
+    /// The claim statement: one atomic statement that takes the key when its record is free.
+    pub fn claim(&self) -> &str {
+        &self.claim
+    }
+
+    /// The completion statement (owner-checked).
+    pub fn complete(&self) -> &str {
+        &self.complete
+    }
+
+    /// The release statement (owner-checked).
+    pub fn release(&self) -> &str {
+        &self.release
+    }
+
+    /// The lease renewal statement (owner-checked).
+    pub fn renew(&self) -> &str {
+        &self.renew
+    }
+
+    /// The statement that reads a live record.
+    pub fn read(&self) -> &str {
+        &self.read
+    }
+
+    /// The statement that deletes one batch of expired records.
+    pub fn purge(&self) -> &str {
+        &self.purge
+    }
+}
+
+/// A database the SQL store speaks. Sealed: implemented for sqlx's `Postgres`, `MySql` and
+/// `Sqlite` only.
+#[allow(unreachable_pub)] // reachable as the supertrait of `Dialect`, but not nameable
+pub trait Driver: Database {
+    /// Whether a table name may be `schema.table`.
+    const SCHEMA_QUALIFIED: bool;
+    /// The unit of durations in statements and of `lease_left` in record rows.
+    const TICK: Duration;
+    /// The statements.
+    const SQL: Templates;
+    /// The migrations, oldest first: version, description, SQL for `idempotent_records`.
+    const MIGRATIONS: &'static [(i64, &'static str, &'static str)];
+
+    /// Opens a pool on `url` with `options` (tuned for the database where it needs it).
+    fn open(
+        options: PoolOptions<Self>,
+        url: &str,
+    ) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>>;
+
+    /// Sends the claim statement for `req` and reports what it did.
+    fn claim<'c>(
+        conn: &'c mut Self::Connection,
+        sql: &'c Statements,
+        req: &'c ClaimRequest,
+    ) -> BoxFuture<'c, Result<Step, sqlx::Error>>;
+
+    /// Executes a statement; returns the rows it matched.
+    fn execute<'c>(
+        conn: &'c mut Self::Connection,
+        sql: &'c Arc<str>,
+        args: &'c [Arg<'c>],
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
+
+    /// Fetches at most one record row.
+    fn fetch<'c>(
+        conn: &'c mut Self::Connection,
+        sql: &'c Arc<str>,
+        args: &'c [Arg<'c>],
+    ) -> BoxFuture<'c, Result<Option<RecordRow>, sqlx::Error>>;
+
+    /// Runs `migrator` on `conn`.
+    fn migrate<'c>(
+        conn: &'c mut Self::Connection,
+        migrator: &'c Migrator,
+    ) -> BoxFuture<'c, Result<(), MigrateError>>;
+
+    /// What a database error says about the failed statement.
+    fn classify(err: &dyn DatabaseError) -> DbFailure;
+}
+
+/// A duration in `tick`s, rounded up (a lease is never shortened to zero) and capped at a
+/// century, so that `now + duration` stays within every database's time range.
+pub(crate) fn ticks(duration: Duration, tick: Duration) -> i64 {
+    const CENTURY: Duration = Duration::from_secs(100 * 366 * 24 * 3600);
+    let nanos = duration.min(CENTURY).as_nanos();
+    let tick = tick.as_nanos().max(1);
+    i64::try_from(nanos.div_ceil(tick)).unwrap_or(i64::MAX)
+}
+
+/// Binds `args` to `query`, in order.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(dead_code)
+)]
+pub(crate) fn bind<'q, DB>(
+    mut query: sqlx::query::Query<'q, DB, DB::Arguments>,
+    args: &[Arg<'_>],
+) -> sqlx::query::Query<'q, DB, DB::Arguments>
+where
+    DB: Database,
+    for<'t> &'t [u8]: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> Option<&'t [u8]>: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    i64: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+{
+    for arg in args {
+        query = match *arg {
+            Arg::Bytes(bytes) => query.bind(bytes),
+            Arg::MaybeBytes(bytes) => query.bind(bytes),
+            Arg::Int(n) => query.bind(n),
+        };
+    }
+    query
+}
+
+/// The `Driver` methods that are the same text for every database (their types differ):
+/// `execute`, `fetch` and `migrate`, for a connection type.
+macro_rules! statement_fns {
+    ($conn:ty) => {
+        fn execute<'c>(
+            conn: &'c mut $conn,
+            sql: &'c std::sync::Arc<str>,
+            args: &'c [$crate::store::sql::driver::Arg<'c>],
+        ) -> $crate::store::BoxFuture<'c, Result<u64, sqlx::Error>> {
+            Box::pin(async move {
+                let query = $crate::store::sql::driver::bind(
+                    sqlx::query(sqlx::AssertSqlSafe(sql.clone())),
+                    args,
+                );
+                Ok(query.execute(conn).await?.rows_affected())
+            })
+        }
+
+        fn fetch<'c>(
+            conn: &'c mut $conn,
+            sql: &'c std::sync::Arc<str>,
+            args: &'c [$crate::store::sql::driver::Arg<'c>],
+        ) -> $crate::store::BoxFuture<
+            'c,
+            Result<Option<$crate::store::sql::record::RecordRow>, sqlx::Error>,
+        > {
+            Box::pin(async move {
+                let query = $crate::store::sql::driver::bind(
+                    sqlx::query(sqlx::AssertSqlSafe(sql.clone())),
+                    args,
+                );
+                let row = query.fetch_optional(conn).await?;
+                row.as_ref()
+                    .map($crate::store::sql::record::RecordRow::decode)
+                    .transpose()
+            })
+        }
+
+        fn migrate<'c>(
+            conn: &'c mut $conn,
+            migrator: &'c sqlx::migrate::Migrator,
+        ) -> $crate::store::BoxFuture<'c, Result<(), sqlx::migrate::MigrateError>> {
+            Box::pin(migrator.run_direct(None, conn, false))
+        }
+    };
+}
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(unused_imports)
+)]
+pub(crate) use statement_fns;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_round_up_to_ticks() {
+        let micro = Duration::from_micros(1);
+        let milli = Duration::from_millis(1);
+        assert_eq!(ticks(Duration::from_millis(300), micro), 300_000);
+        assert_eq!(ticks(Duration::from_nanos(1), micro), 1);
+        assert_eq!(ticks(Duration::from_micros(1500), milli), 2);
+        assert_eq!(ticks(Duration::ZERO, milli), 0);
+        assert!(ticks(Duration::MAX, micro) < i64::MAX);
+    }
+}

@@ -1,0 +1,147 @@
+//! PostgreSQL: the claim is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE <free>` inside a
+//! statement that also reports the record when the claim did not take it.
+
+use std::time::Duration;
+
+use sqlx::error::DatabaseError;
+use sqlx::pool::PoolOptions;
+use sqlx::postgres::{PgConnection, Postgres};
+use sqlx::{AssertSqlSafe, Pool};
+
+use crate::store::sql::driver::{statement_fns, ticks, Driver, Statements, Templates};
+use crate::store::sql::error::{sqlstate, DbFailure};
+use crate::store::sql::record::{RecordRow, Step};
+use crate::store::{BoxFuture, ClaimRequest};
+
+/// Takes the key when its record is free (absent, expired, released, or in progress with a
+/// run-out lease and no other payload), and reports the record either way.
+///
+/// `ON CONFLICT DO UPDATE` locks the conflicting row and evaluates `WHERE` on its latest
+/// committed version, so exactly one of any number of concurrent claims takes a free record.
+/// When it does not take it, `taken` is empty and the second branch reports the record as
+/// of the statement's snapshot; `settle` sends the statement again in the rare case that
+/// the snapshot shows a free record (it changed while the statement waited for the lock).
+const CLAIM: &str = "\
+WITH taken AS (
+    INSERT INTO idempotent_records AS r
+        (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
+         created_at, updated_at, expires_at)
+    VALUES ($1, $2, $3, 1, 'in_progress', statement_timestamp() + $4 * INTERVAL '1 microsecond',
+            NULL, $5, statement_timestamp(), statement_timestamp(),
+            statement_timestamp() + $6 * INTERVAL '1 microsecond')
+    ON CONFLICT (record_key) DO UPDATE SET
+        token = EXCLUDED.token,
+        fence = CASE WHEN r.expires_at <= statement_timestamp() THEN 1 ELSE r.fence + 1 END,
+        state = 'in_progress',
+        lease_until = EXCLUDED.lease_until,
+        result = NULL,
+        fingerprint = EXCLUDED.fingerprint,
+        created_at = CASE WHEN r.expires_at <= statement_timestamp()
+                          THEN EXCLUDED.created_at ELSE r.created_at END,
+        updated_at = EXCLUDED.updated_at,
+        expires_at = EXCLUDED.expires_at
+    WHERE r.expires_at <= statement_timestamp()
+       OR r.state = 'released'
+       OR (r.state = 'in_progress' AND r.lease_until <= statement_timestamp()
+           AND NOT (r.fingerprint IS NOT NULL AND EXCLUDED.fingerprint IS NOT NULL
+                    AND r.fingerprint <> EXCLUDED.fingerprint))
+    RETURNING r.state, r.token, r.fence, r.fingerprint, r.result, 0::int8 AS lease_left
+)
+SELECT state, token, fence, fingerprint, result, lease_left FROM taken
+UNION ALL
+SELECT state, token, fence, fingerprint, result,
+       GREATEST(0, (EXTRACT(EPOCH FROM lease_until - statement_timestamp()) * 1000000)::int8)
+FROM idempotent_records
+WHERE record_key = $1 AND expires_at > statement_timestamp()
+  AND NOT EXISTS (SELECT 1 FROM taken)";
+
+const READ: &str = "\
+SELECT state, token, fence, fingerprint, result,
+       GREATEST(0, (EXTRACT(EPOCH FROM lease_until - statement_timestamp()) * 1000000)::int8)
+FROM idempotent_records
+WHERE record_key = $1 AND expires_at > statement_timestamp()";
+
+const COMPLETE: &str = "\
+UPDATE idempotent_records SET
+    result = CASE WHEN state = 'in_progress' THEN $1 ELSE result END,
+    expires_at = CASE WHEN state = 'in_progress'
+                      THEN statement_timestamp() + $2 * INTERVAL '1 microsecond'
+                      ELSE expires_at END,
+    updated_at = CASE WHEN state = 'in_progress' THEN statement_timestamp() ELSE updated_at END,
+    state = 'completed'
+WHERE record_key = $3 AND token = $4 AND state <> 'released'
+  AND expires_at > statement_timestamp()";
+
+const RELEASE: &str = "\
+UPDATE idempotent_records SET state = 'released', updated_at = statement_timestamp()
+WHERE record_key = $1 AND token = $2 AND state = 'in_progress'
+  AND expires_at > statement_timestamp()";
+
+const RENEW: &str = "\
+UPDATE idempotent_records SET
+    lease_until = statement_timestamp() + $1 * INTERVAL '1 microsecond',
+    expires_at = GREATEST(expires_at, statement_timestamp() + $2 * INTERVAL '1 microsecond'),
+    updated_at = statement_timestamp()
+WHERE record_key = $3 AND token = $4 AND state = 'in_progress'
+  AND expires_at > statement_timestamp()";
+
+/// The locked rows are skipped (a claim is reviving them), and the outer condition is
+/// evaluated again on the row's latest version, so a record taken over after the inner
+/// `SELECT` is never deleted.
+const PURGE: &str = "\
+DELETE FROM idempotent_records
+WHERE record_key IN (SELECT record_key FROM idempotent_records
+                     WHERE expires_at <= statement_timestamp()
+                     ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)
+  AND expires_at <= statement_timestamp()";
+
+impl Driver for Postgres {
+    const SCHEMA_QUALIFIED: bool = true;
+    const TICK: Duration = Duration::from_micros(1);
+    const SQL: Templates = Templates {
+        claim: CLAIM,
+        seen: READ,
+        complete: COMPLETE,
+        release: RELEASE,
+        renew: RENEW,
+        read: READ,
+        purge: PURGE,
+    };
+    const MIGRATIONS: &'static [(i64, &'static str, &'static str)] = &[(
+        1,
+        "create idempotent_records",
+        include_str!("../../../migrations/postgres/0001_create_idempotent_records.sql"),
+    )];
+
+    fn open(
+        options: PoolOptions<Self>,
+        url: &str,
+    ) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>> {
+        Box::pin(options.connect(url))
+    }
+
+    fn claim<'c>(
+        conn: &'c mut PgConnection,
+        sql: &'c Statements,
+        req: &'c ClaimRequest,
+    ) -> BoxFuture<'c, Result<Step, sqlx::Error>> {
+        Box::pin(async move {
+            let row = sqlx::query(AssertSqlSafe(sql.claim.clone()))
+                .bind(req.key.as_bytes())
+                .bind(req.key.prefix())
+                .bind(&req.token.as_bytes()[..])
+                .bind(ticks(req.lease, Self::TICK))
+                .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
+                .bind(ticks(req.ttl.max(req.lease), Self::TICK))
+                .fetch_optional(conn)
+                .await?;
+            Ok(Step::Seen(row.as_ref().map(RecordRow::decode).transpose()?))
+        })
+    }
+
+    statement_fns!(PgConnection);
+
+    fn classify(err: &dyn DatabaseError) -> DbFailure {
+        err.code().map_or(DbFailure::Other, |code| sqlstate(&code))
+    }
+}

@@ -1,0 +1,211 @@
+//! SQLite: the claim is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE <free> RETURNING`;
+//! a claim that did not take the key reads the record.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::error::DatabaseError;
+use sqlx::pool::PoolOptions;
+use sqlx::sqlite::{Sqlite, SqliteConnectOptions, SqliteConnection, SqliteJournalMode};
+use sqlx::{AssertSqlSafe, Pool};
+
+use crate::store::sql::driver::{statement_fns, ticks, Arg, Driver, Statements, Templates};
+use crate::store::sql::error::DbFailure;
+use crate::store::sql::record::{RecordRow, Step};
+use crate::store::{BoxFuture, ClaimRequest};
+
+/// The database's clock in milliseconds since the Unix epoch. SQLite evaluates `'now'` once
+/// per statement step, so every use in one statement sees the same instant.
+macro_rules! now {
+    () => {
+        "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)"
+    };
+}
+
+/// Takes the key when its record is free (absent, expired, released, or in progress with a
+/// run-out lease and no other payload) and returns it; returns nothing otherwise.
+///
+/// SQLite runs one writing statement at a time on a database, so the test and the write
+/// are atomic.
+const CLAIM: &str = concat!(
+    "INSERT INTO idempotent_records AS r
+    (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
+     created_at, updated_at, expires_at)
+VALUES (?1, ?2, ?3, 1, 'in_progress', ",
+    now!(),
+    " + ?4, NULL, ?5, ",
+    now!(),
+    ", ",
+    now!(),
+    ", ",
+    now!(),
+    " + ?6)
+ON CONFLICT (record_key) DO UPDATE SET
+    token = excluded.token,
+    fence = CASE WHEN r.expires_at <= ",
+    now!(),
+    " THEN 1 ELSE r.fence + 1 END,
+    state = 'in_progress',
+    lease_until = excluded.lease_until,
+    result = NULL,
+    fingerprint = excluded.fingerprint,
+    created_at = CASE WHEN r.expires_at <= ",
+    now!(),
+    " THEN excluded.created_at ELSE r.created_at END,
+    updated_at = excluded.updated_at,
+    expires_at = excluded.expires_at
+WHERE r.expires_at <= ",
+    now!(),
+    "
+   OR r.state = 'released'
+   OR (r.state = 'in_progress' AND r.lease_until <= ",
+    now!(),
+    "
+       AND NOT (r.fingerprint IS NOT NULL AND excluded.fingerprint IS NOT NULL
+                AND r.fingerprint <> excluded.fingerprint))
+RETURNING state, token, fence, fingerprint, result, 0"
+);
+
+const READ: &str = concat!(
+    "SELECT state, token, fence, fingerprint, result, MAX(0, lease_until - ",
+    now!(),
+    ")
+FROM idempotent_records
+WHERE record_key = ? AND expires_at > ",
+    now!()
+);
+
+const COMPLETE: &str = concat!(
+    "UPDATE idempotent_records SET
+    result = CASE WHEN state = 'in_progress' THEN ? ELSE result END,
+    expires_at = CASE WHEN state = 'in_progress' THEN ",
+    now!(),
+    " + ? ELSE expires_at END,
+    updated_at = CASE WHEN state = 'in_progress' THEN ",
+    now!(),
+    " ELSE updated_at END,
+    state = 'completed'
+WHERE record_key = ? AND token = ? AND state <> 'released' AND expires_at > ",
+    now!()
+);
+
+const RELEASE: &str = concat!(
+    "UPDATE idempotent_records SET state = 'released', updated_at = ",
+    now!(),
+    "
+WHERE record_key = ? AND token = ? AND state = 'in_progress' AND expires_at > ",
+    now!()
+);
+
+const RENEW: &str = concat!(
+    "UPDATE idempotent_records SET
+    lease_until = ",
+    now!(),
+    " + ?,
+    expires_at = MAX(expires_at, ",
+    now!(),
+    " + ?),
+    updated_at = ",
+    now!(),
+    "
+WHERE record_key = ? AND token = ? AND state = 'in_progress' AND expires_at > ",
+    now!()
+);
+
+const PURGE: &str = concat!(
+    "DELETE FROM idempotent_records
+WHERE record_key IN (SELECT record_key FROM idempotent_records
+                     WHERE expires_at <= ",
+    now!(),
+    "
+                     ORDER BY expires_at LIMIT ?)
+  AND expires_at <= ",
+    now!()
+);
+
+/// How long a statement waits for another connection's lock before failing.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Driver for Sqlite {
+    const SCHEMA_QUALIFIED: bool = false;
+    const TICK: Duration = Duration::from_millis(1);
+    const SQL: Templates = Templates {
+        claim: CLAIM,
+        seen: READ,
+        complete: COMPLETE,
+        release: RELEASE,
+        renew: RENEW,
+        read: READ,
+        purge: PURGE,
+    };
+    const MIGRATIONS: &'static [(i64, &'static str, &'static str)] = &[(
+        1,
+        "create idempotent_records",
+        include_str!("../../../migrations/sqlite/0001_create_idempotent_records.sql"),
+    )];
+
+    /// A file database gets write-ahead logging (readers never wait for the writer) and a
+    /// busy timeout. An in-memory database (`sqlite::memory:`, `mode=memory`) is shared by
+    /// the pool's connections (sqlx opens it in shared-cache mode under a unique name) and
+    /// lives as long as one of them: the pool keeps one connection open for good.
+    fn open(
+        options: PoolOptions<Self>,
+        url: &str,
+    ) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>> {
+        Box::pin(async move {
+            let connect = SqliteConnectOptions::from_str(url)?.busy_timeout(BUSY_TIMEOUT);
+            let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+            if in_memory {
+                let options = options
+                    .min_connections(1)
+                    .idle_timeout(None)
+                    .max_lifetime(None);
+                options.connect_with(connect).await
+            } else {
+                let connect = connect
+                    .create_if_missing(true)
+                    .journal_mode(SqliteJournalMode::Wal);
+                options.connect_with(connect).await
+            }
+        })
+    }
+
+    fn claim<'c>(
+        conn: &'c mut SqliteConnection,
+        sql: &'c Statements,
+        req: &'c ClaimRequest,
+    ) -> BoxFuture<'c, Result<Step, sqlx::Error>> {
+        Box::pin(async move {
+            let taken = sqlx::query(AssertSqlSafe(sql.claim.clone()))
+                .bind(req.key.as_bytes())
+                .bind(req.key.prefix())
+                .bind(&req.token.as_bytes()[..])
+                .bind(ticks(req.lease, Self::TICK))
+                .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
+                .bind(ticks(req.ttl.max(req.lease), Self::TICK))
+                .fetch_optional(&mut *conn)
+                .await?;
+            if let Some(row) = taken {
+                return Ok(Step::Seen(Some(RecordRow::decode(&row)?)));
+            }
+            let key = [Arg::Bytes(req.key.as_bytes())];
+            Ok(Step::Seen(Self::fetch(conn, &sql.seen, &key).await?))
+        })
+    }
+
+    statement_fns!(SqliteConnection);
+
+    fn classify(err: &dyn DatabaseError) -> DbFailure {
+        // The primary result code is the low byte of the extended one.
+        let code = err.code().and_then(|code| code.parse::<i64>().ok());
+        match code.map(|code| code & 0xff) {
+            // SQLITE_BUSY, SQLITE_LOCKED: another connection holds the lock
+            Some(5 | 6) => DbFailure::Conflict,
+            // SQLITE_READONLY
+            Some(8) => DbFailure::ReadOnly,
+            // SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN
+            Some(10 | 13 | 14) => DbFailure::Unavailable,
+            _ => DbFailure::Other,
+        }
+    }
+}

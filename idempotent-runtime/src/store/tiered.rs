@@ -1,0 +1,156 @@
+//! Two stores in layers: a fast one in front (Redis) for the short window, a durable one
+//! behind (SQL) as the record of truth.
+//!
+//! - A **duplicate** of a completed operation costs one round trip to the front.
+//! - A **first delivery** claims the front, then the back (same token), and completes the back,
+//!   then the front. The back's answer is authoritative: its fence is the one returned, and a
+//!   back that knows the operation (completed, or claimed by someone else) wins over a front
+//!   that forgot it.
+//! - **The front loses data** (restart, eviction, failover): the front says `Acquired`, the
+//!   back says `Completed` or `InProgress`, and that is the answer (the front is repaired for
+//!   a completed record). Nothing runs twice.
+//! - **The front is down**: claims go to the back alone (logged); semantics are intact, only
+//!   duplicates are slower.
+//! - **The back is down**: the call fails closed, like any store error; a front claim taken
+//!   for it is given back.
+//! - **The back loses data** (a restore from an old backup): the front still filters its
+//!   window; beyond it, the `done` fallback is what keeps effects exactly-once.
+//!
+//! Writes to the front after the back answered are best effort: a failure there is logged and
+//! costs only speed (the next duplicate asks the back).
+
+use std::time::Duration;
+
+use crate::error::StoreError;
+use crate::key::Key;
+use crate::store::{
+    BoxFuture, Claim, ClaimRequest, Completion, IntoStore, Record, SharedStore, Store, Token,
+};
+
+/// A [`Store`] of two layers: a fast `front` and a durable, authoritative `back`.
+///
+/// ```
+/// use std::sync::Arc;
+/// use idempotent_runtime::{store::TieredStore, MemoryStore};
+///
+/// // In production: a RedisStore in front of a PostgresStore.
+/// let store = TieredStore::new(Arc::new(MemoryStore::new()), Arc::new(MemoryStore::new()));
+/// # let _ = store;
+/// ```
+pub struct TieredStore {
+    front: SharedStore,
+    back: SharedStore,
+}
+
+impl std::fmt::Debug for TieredStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TieredStore").finish_non_exhaustive()
+    }
+}
+
+impl TieredStore {
+    /// Layers `front` over `back`.
+    pub fn new(front: impl IntoStore, back: impl IntoStore) -> TieredStore {
+        TieredStore {
+            front: front.into_store(),
+            back: back.into_store(),
+        }
+    }
+
+    async fn claim_back(&self, req: &ClaimRequest, front_owned: bool) -> Result<Claim, StoreError> {
+        let back = self.back.claim(req).await;
+        match &back {
+            Ok(Claim::Acquired { .. }) => {}
+            Ok(Claim::Completed { result, .. }) if front_owned => {
+                // The front forgot a completed operation: teach it again.
+                let completion = Completion {
+                    result: result.clone(),
+                    ttl: req.ttl,
+                };
+                self.best_effort(
+                    "repair",
+                    self.front.complete(&req.key, &req.token, &completion),
+                )
+                .await;
+            }
+            // Not ours after all, or the back failed (its outcome is resolved by reading the
+            // back by token, which does not need the front's claim either).
+            _ if front_owned => {
+                self.best_effort("release", self.front.release(&req.key, &req.token))
+                    .await;
+            }
+            _ => {}
+        }
+        back
+    }
+
+    async fn best_effort(&self, what: &str, op: BoxFuture<'_, Result<bool, StoreError>>) {
+        if let Err(err) = op.await {
+            tracing::warn!(error = %err, "front store {what} failed; the back store stays authoritative");
+        }
+    }
+}
+
+impl Store for TieredStore {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(async move {
+            match self.front.claim(req).await {
+                Ok(Claim::Acquired { .. }) => self.claim_back(req, true).await,
+                Ok(other) => Ok(other),
+                Err(err) => {
+                    tracing::warn!(error = %err, "front store unavailable; claiming on the back store alone");
+                    self.claim_back(req, false).await
+                }
+            }
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let done = self.back.complete(key, token, completion).await?;
+            if done {
+                self.best_effort("complete", self.front.complete(key, token, completion))
+                    .await;
+            }
+            Ok(done)
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let released = self.back.release(key, token).await?;
+            self.best_effort("release", self.front.release(key, token))
+                .await;
+            Ok(released)
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let renewed = self.back.renew(key, token, lease).await?;
+            if renewed {
+                self.best_effort("renew", self.front.renew(key, token, lease))
+                    .await;
+            }
+            Ok(renewed)
+        })
+    }
+
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.back.read(key)
+    }
+}

@@ -1,0 +1,232 @@
+//! The MySQL store on a real MariaDB: the conformance suite (one table per case), the
+//! business-transaction API, batched expiry, exact-byte keys (no collation), and the claim's
+//! single round trip for acquisitions.
+//!
+//! Needs MariaDB (or MySQL) at `IDEMPOTENT_MYSQL_URL` (default
+//! `mysql://root@127.0.0.1:3306/test`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod conformance;
+#[path = "support/sql_cases.rs"]
+mod sql_cases;
+#[path = "support/sql_tables.rs"]
+mod sql_tables;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotent::sql::sqlx::{self, AssertSqlSafe};
+use idempotent::sql::MySqlStore;
+use idempotent::{BoxFuture, Claim, Key, SharedStore, Store, StoreErrorKind};
+
+use sql_cases::{req, Harness};
+use sql_tables::{Scratch, Server};
+
+struct MySql {
+    store: Arc<MySqlStore>,
+    // Dropped after the store: drops the case's tables. Its name is the case's namespace.
+    table: Scratch,
+}
+
+impl conformance::Backend for MySql {
+    fn namespace(&self) -> &str {
+        self.table.name()
+    }
+    fn store(&self) -> SharedStore {
+        self.store.clone()
+    }
+    fn lose_data<'a>(&'a self, prefix: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let sql = format!(
+                "DELETE FROM {} WHERE LEFT(record_key, ?) = ?",
+                self.store.table()
+            );
+            sqlx::query(AssertSqlSafe(sql))
+                .bind(i64::try_from(prefix.len()).unwrap())
+                .bind(prefix.as_bytes())
+                .execute(self.store.pool())
+                .await
+                .unwrap();
+        })
+    }
+}
+
+async fn store_on(table: &Scratch) -> MySqlStore {
+    MySqlStore::builder()
+        .table(table.name().to_string())
+        .connect(table.url())
+        .await
+        .unwrap()
+}
+
+async fn mysql() -> MySql {
+    let table = Scratch::table(Server::MySql);
+    MySql {
+        store: Arc::new(store_on(&table).await),
+        table,
+    }
+}
+
+conformance_suite!(mysql);
+
+struct Maria;
+
+impl Harness for Maria {
+    type Db = sqlx::MySql;
+    fn count<'a>(store: &'a MySqlStore, table: &'a str) -> BoxFuture<'a, i64> {
+        Box::pin(async move {
+            let sql = format!("SELECT COUNT(*) FROM {table}");
+            sqlx::query_scalar(AssertSqlSafe(sql))
+                .fetch_one(store.pool())
+                .await
+                .unwrap()
+        })
+    }
+    fn create_payments<'a>(store: &'a MySqlStore, table: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let sql = format!(
+                "CREATE TABLE {table} (payment VARCHAR(64) PRIMARY KEY, amount BIGINT) ENGINE = InnoDB"
+            );
+            sqlx::query(AssertSqlSafe(sql))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        })
+    }
+    fn insert_payment<'c>(
+        conn: &'c mut sqlx::MySqlConnection,
+        table: &'c str,
+        payment: &'c str,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let sql = format!("INSERT INTO {table} (payment, amount) VALUES (?, 1250)");
+            sqlx::query(AssertSqlSafe(sql))
+                .bind(payment)
+                .execute(conn)
+                .await?;
+            Ok(())
+        })
+    }
+}
+
+#[tokio::test]
+async fn business_transaction_commits_or_rolls_back_with_its_record() {
+    let records = Scratch::table(Server::MySql);
+    let payments = Scratch::table(Server::MySql);
+    let store = store_on(&records).await;
+    sql_cases::business_transaction_commits_or_rolls_back_with_its_record::<Maria>(
+        &store,
+        payments.name(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_transactions_on_one_key_wait_for_the_first() {
+    let records = Scratch::table(Server::MySql);
+    let payments = Scratch::table(Server::MySql);
+    let store = store_on(&records).await;
+    sql_cases::concurrent_transactions_on_one_key_wait_for_the_first::<Maria>(
+        &store,
+        payments.name(),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn expired_records_are_purged_in_batches() {
+    let records = Scratch::table(Server::MySql);
+    sql_cases::expired_records_are_purged_in_batches::<Maria>(&store_on(&records).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purger_task_purges_until_dropped() {
+    let records = Scratch::table(Server::MySql);
+    sql_cases::purger_task_purges_until_dropped::<Maria>(&store_on(&records).await).await;
+}
+
+#[tokio::test]
+async fn claim_sent_again_with_its_token_is_acquired() {
+    let records = Scratch::table(Server::MySql);
+    sql_cases::claim_sent_again_with_its_token_is_acquired::<Maria>(&store_on(&records).await)
+        .await;
+}
+
+#[tokio::test]
+async fn keys_are_exact_bytes() {
+    let records = Scratch::table(Server::MySql);
+    sql_cases::keys_are_exact_bytes::<Maria>(&store_on(&records).await).await;
+}
+
+/// How many `SELECT`s the store's one connection has run.
+async fn selects(store: &MySqlStore) -> u64 {
+    let value: String = sqlx::query_scalar(
+        "SELECT CAST(VARIABLE_VALUE AS CHAR) FROM information_schema.SESSION_STATUS \
+         WHERE VARIABLE_NAME = 'COM_SELECT'",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    value.parse().unwrap()
+}
+
+#[tokio::test]
+async fn acquisitions_take_one_statement_and_duplicates_two() {
+    let records = Scratch::table(Server::MySql);
+    // One connection, so the session counters are the store's.
+    let store = MySqlStore::builder()
+        .table(records.name().to_string())
+        .max_connections(1)
+        .connect(records.url())
+        .await
+        .unwrap();
+    let key = Key::new("round-trips", 1, &[&1u8]).unwrap();
+    let lease = Duration::from_secs(30);
+    let ttl = Duration::from_secs(60);
+    // Each probe itself is one SELECT.
+    let claim = async |expected_selects: u64| {
+        let before = selects(&store).await;
+        let r = req(&key, lease, ttl);
+        let claim = store.claim(&r).await.unwrap();
+        assert_eq!(
+            selects(&store).await - before - 1,
+            expected_selects,
+            "{claim:?}"
+        );
+        (claim, r)
+    };
+
+    // A fresh insert reports its fence in the statement's own reply.
+    let (first, owner) = claim(0).await;
+    assert_eq!(first, Claim::Acquired { fence: 1 });
+    // A duplicate reads the record it met.
+    assert_eq!(claim(1).await.0, Claim::InProgress { fence: 1 });
+    // A takeover of a released record reports its new fence in the reply too.
+    assert!(store.release(&key, &owner.token).await.unwrap());
+    assert_eq!(claim(0).await.0, Claim::Acquired { fence: 2 });
+}
+
+#[tokio::test]
+async fn mariadb_urls_are_accepted() {
+    let records = Scratch::table(Server::MySql);
+    let url = records.url().replacen("mysql://", "mariadb://", 1);
+    let store = MySqlStore::builder()
+        .table(records.name().to_string())
+        .connect(&url)
+        .await
+        .unwrap();
+    let key = Key::new("mariadb", 1, &[&1u8]).unwrap();
+    let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
+    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+}
+
+#[tokio::test]
+async fn schema_qualified_names_are_refused() {
+    let err = MySqlStore::builder()
+        .table("other_db.records")
+        .connect("mysql://nobody@127.0.0.1:1/none")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Unsafe);
+}

@@ -1,0 +1,424 @@
+//! The PostgreSQL store on a real server: the conformance suite (one table per case), the
+//! business-transaction API, batched expiry, exact-byte keys, schema-qualified tables, and a
+//! database that goes away mid-run (a cluster this test starts, stops and starts again).
+//!
+//! Needs PostgreSQL at `IDEMPOTENT_POSTGRES_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/test`) and the server binaries (`initdb`, `pg_ctl`)
+//! under `/usr/lib/postgresql/*/bin`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod conformance;
+#[path = "support/pg_cluster.rs"]
+mod pg_cluster;
+#[path = "support/sql_cases.rs"]
+mod sql_cases;
+#[path = "support/sql_tables.rs"]
+mod sql_tables;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotent::sql::sqlx::{self, AssertSqlSafe};
+use idempotent::sql::PostgresStore;
+use idempotent::{
+    Action, BoxFuture, Claim, Error, Guard, Key, RecordState, SharedStore, Store, StoreErrorKind,
+};
+
+use pg_cluster::PgCluster;
+use sql_cases::{req, Harness};
+use sql_tables::{Scratch, Server};
+
+struct Postgres {
+    store: Arc<PostgresStore>,
+    // Dropped after the store: drops the case's tables. Its name is the case's namespace.
+    _table: Scratch,
+}
+
+impl conformance::Backend for Postgres {
+    fn namespace(&self) -> &str {
+        self._table.name()
+    }
+    fn store(&self) -> SharedStore {
+        self.store.clone()
+    }
+    fn lose_data<'a>(&'a self, prefix: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let sql = format!(
+                "DELETE FROM {} WHERE substring(record_key FROM 1 FOR $1) = $2",
+                self.store.table()
+            );
+            sqlx::query(AssertSqlSafe(sql))
+                .bind(i32::try_from(prefix.len()).unwrap())
+                .bind(prefix.as_bytes())
+                .execute(self.store.pool())
+                .await
+                .unwrap();
+        })
+    }
+}
+
+async fn store_on(table: &Scratch) -> PostgresStore {
+    PostgresStore::builder()
+        .table(table.name().to_string())
+        .connect(table.url())
+        .await
+        .unwrap()
+}
+
+async fn postgres() -> Postgres {
+    let table = Scratch::table(Server::Postgres);
+    Postgres {
+        store: Arc::new(store_on(&table).await),
+        _table: table,
+    }
+}
+
+conformance_suite!(postgres);
+
+struct Pg;
+
+impl Harness for Pg {
+    type Db = sqlx::Postgres;
+    fn count<'a>(store: &'a PostgresStore, table: &'a str) -> BoxFuture<'a, i64> {
+        Box::pin(async move {
+            let sql = format!("SELECT COUNT(*) FROM {table}");
+            sqlx::query_scalar(AssertSqlSafe(sql))
+                .fetch_one(store.pool())
+                .await
+                .unwrap()
+        })
+    }
+    fn create_payments<'a>(store: &'a PostgresStore, table: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let sql = format!("CREATE TABLE {table} (payment TEXT PRIMARY KEY, amount BIGINT)");
+            sqlx::query(AssertSqlSafe(sql))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        })
+    }
+    fn insert_payment<'c>(
+        conn: &'c mut sqlx::PgConnection,
+        table: &'c str,
+        payment: &'c str,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let sql = format!("INSERT INTO {table} (payment, amount) VALUES ($1, 1250)");
+            sqlx::query(AssertSqlSafe(sql))
+                .bind(payment)
+                .execute(conn)
+                .await?;
+            Ok(())
+        })
+    }
+}
+
+async fn count(store: &PostgresStore, table: &str) -> i64 {
+    Pg::count(store, table).await
+}
+
+#[tokio::test]
+async fn business_transaction_commits_or_rolls_back_with_its_record() {
+    let records = Scratch::table(Server::Postgres);
+    let payments = Scratch::table(Server::Postgres);
+    let store = store_on(&records).await;
+    sql_cases::business_transaction_commits_or_rolls_back_with_its_record::<Pg>(
+        &store,
+        payments.name(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_transactions_on_one_key_wait_for_the_first() {
+    let records = Scratch::table(Server::Postgres);
+    let payments = Scratch::table(Server::Postgres);
+    let store = store_on(&records).await;
+    sql_cases::concurrent_transactions_on_one_key_wait_for_the_first::<Pg>(&store, payments.name())
+        .await;
+}
+
+#[tokio::test]
+async fn expired_records_are_purged_in_batches() {
+    let records = Scratch::table(Server::Postgres);
+    sql_cases::expired_records_are_purged_in_batches::<Pg>(&store_on(&records).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purger_task_purges_until_dropped() {
+    let records = Scratch::table(Server::Postgres);
+    sql_cases::purger_task_purges_until_dropped::<Pg>(&store_on(&records).await).await;
+}
+
+#[tokio::test]
+async fn claim_sent_again_with_its_token_is_acquired() {
+    let records = Scratch::table(Server::Postgres);
+    sql_cases::claim_sent_again_with_its_token_is_acquired::<Pg>(&store_on(&records).await).await;
+}
+
+#[tokio::test]
+async fn keys_are_exact_bytes() {
+    let records = Scratch::table(Server::Postgres);
+    sql_cases::keys_are_exact_bytes::<Pg>(&store_on(&records).await).await;
+}
+
+#[tokio::test]
+async fn schema_qualified_table_is_created_with_its_schema() {
+    let schema = Scratch::schema();
+    let table = format!("{}.records", schema.name());
+    let store = PostgresStore::builder()
+        .table(table.clone())
+        .connect(schema.url())
+        .await
+        .unwrap();
+    assert_eq!(store.table(), table);
+    let key = Key::new("schema", 1, &[&1u8]).unwrap();
+    let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
+    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+    assert_eq!(count(&store, &table).await, 1);
+    // Migrating again is a no-op, recorded once.
+    store.migrate().await.unwrap();
+    let migrations = format!("{}.records_migrations", schema.name());
+    assert_eq!(count(&store, &migrations).await, 1);
+}
+
+#[tokio::test]
+async fn shipped_schema_file_matches_the_embedded_migration() {
+    // A table created by hand from the shipped file is accepted as it is by `migrate`.
+    let records = Scratch::table(Server::Postgres);
+    let file = include_str!(
+        "../idempotent-runtime/migrations/postgres/0001_create_idempotent_records.sql"
+    );
+    let sql = file.replace("idempotent_records", records.name());
+    let store = PostgresStore::builder()
+        .table(records.name().to_string())
+        .migrate(false)
+        .connect(records.url())
+        .await
+        .unwrap();
+    sqlx::raw_sql(AssertSqlSafe(sql))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let key = Key::new("by-hand", 1, &[&1u8]).unwrap();
+    let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
+    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+}
+
+#[tokio::test]
+async fn invalid_table_names_are_refused_before_connecting() {
+    for name in [
+        "records; DROP TABLE users",
+        "a.b.c",
+        "1records",
+        "\"quoted\"",
+    ] {
+        let err = PostgresStore::builder()
+            .table(name)
+            .connect("postgres://nobody@127.0.0.1:1/none")
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), StoreErrorKind::Unsafe, "{name}");
+    }
+}
+
+#[tokio::test]
+async fn unreachable_database_is_unavailable() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let err = PostgresStore::builder()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect(&format!("postgres://postgres@127.0.0.1:{port}/test"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable);
+    assert!(
+        std::error::Error::source(&err).is_some(),
+        "the sqlx error is kept"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// The database goes away mid-run.
+
+/// A consumer's view of one business key: effects applied and handler executions.
+#[derive(Default)]
+struct Ledger {
+    effects: Mutex<HashMap<String, u32>>,
+    executions: AtomicUsize,
+}
+
+impl Ledger {
+    fn applied(&self, order: &str) -> bool {
+        self.effects.lock().unwrap().contains_key(order)
+    }
+    fn apply(&self, order: &str) {
+        self.executions.fetch_add(1, Ordering::SeqCst);
+        *self
+            .effects
+            .lock()
+            .unwrap()
+            .entry(order.to_string())
+            .or_default() += 1;
+    }
+    fn executions(&self) -> usize {
+        self.executions.load(Ordering::SeqCst)
+    }
+}
+
+/// One delivery of the message for `order`: the business-status check reads the ledger, so
+/// an effect whose completion was lost with the database is not applied again.
+async fn consume(guard: &Guard, ledger: &Ledger, order: &str) -> Result<(), Error> {
+    let key = Key::new("order:consume", 1, &[&order])?;
+    guard
+        .operation(key)
+        .done(|| async { Ok::<_, Error>(ledger.applied(order)) })
+        .run(async {
+            ledger.apply(order);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            Ok(())
+        })
+        .await
+}
+
+/// A broker: delivers every message, redelivers (after a pause) what the consumer asks to,
+/// with at most 10 deliveries in flight, until every message is acknowledged. Returns how
+/// many deliveries were redelivered.
+async fn deliver_all(guard: &Guard, ledger: &Arc<Ledger>, messages: Vec<String>) -> usize {
+    let limit = Arc::new(tokio::sync::Semaphore::new(10));
+    let redelivered = Arc::new(AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for order in messages {
+        let (guard, ledger) = (guard.clone(), ledger.clone());
+        let (limit, redelivered) = (limit.clone(), redelivered.clone());
+        tasks.spawn(async move {
+            loop {
+                let out = {
+                    let _permit = limit.acquire().await.unwrap();
+                    consume(&guard, &ledger, &order).await
+                };
+                match out {
+                    Ok(()) => return,
+                    Err(err) => match err.action() {
+                        Action::Ack => return,
+                        Action::Redeliver => {
+                            redelivered.fetch_add(1, Ordering::SeqCst);
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                        _ => panic!("{order} was dead-lettered: {err:?}"),
+                    },
+                }
+            }
+        });
+    }
+    let all = tokio::time::timeout(Duration::from_secs(120), async {
+        while let Some(done) = tasks.join_next().await {
+            done.unwrap();
+        }
+    })
+    .await;
+    assert!(
+        all.is_ok(),
+        "messages were still unacknowledged after 120 s"
+    );
+    redelivered.load(Ordering::SeqCst)
+}
+
+fn orders(range: std::ops::Range<u32>, copies: usize) -> Vec<String> {
+    range
+        .flat_map(|i| std::iter::repeat_n(format!("order-{i}"), copies))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn database_outage_fails_closed_and_processing_resumes() {
+    let cluster = PgCluster::start();
+    let store = Arc::new(
+        PostgresStore::builder()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_millis(500))
+            .connect(&cluster.url())
+            .await
+            .unwrap_or_else(|e| panic!("{e:?}; server log:\n{}", cluster.log_text())),
+    );
+    let guard = Guard::new(Duration::from_secs(3600))
+        .lease(Duration::from_secs(2))
+        .store(store.clone());
+    let ledger = Arc::new(Ledger::default());
+
+    // Up: 40 orders, each delivered three times.
+    deliver_all(&guard, &ledger, orders(0..40, 3)).await;
+    assert_eq!(ledger.executions(), 40);
+
+    // A handler is running when the database goes away.
+    let entered = Arc::new(tokio::sync::Notify::new());
+    let finish = Arc::new(tokio::sync::Notify::new());
+    let in_flight = {
+        let (guard, ledger) = (guard.clone(), ledger.clone());
+        let (entered, finish) = (entered.clone(), finish.clone());
+        tokio::spawn(async move {
+            let key = Key::new("order:consume", 1, &[&"order-in-flight"]).unwrap();
+            guard
+                .run(key, async {
+                    entered.notify_one();
+                    finish.notified().await;
+                    ledger.apply("order-in-flight");
+                    Ok::<_, Error>(())
+                })
+                .await
+        })
+    };
+    entered.notified().await;
+    tokio::task::block_in_place(|| cluster.stop());
+
+    // Down: every delivery fails closed. No handler runs, nothing is applied or lost.
+    let mut refused = 0;
+    for order in orders(40..80, 1) {
+        match consume(&guard, &ledger, &order).await {
+            Err(err @ Error::Store(_)) => {
+                assert_eq!(err.action(), Action::Redeliver);
+                refused += 1;
+            }
+            other => panic!("{order} did not fail closed: {other:?}"),
+        }
+    }
+    assert_eq!(refused, 40);
+    assert_eq!(ledger.executions(), 40);
+
+    // The in-flight handler finishes while the database is down: its effect is applied and
+    // reported as done (reporting a failure would make the broker run it again), but its
+    // completion could not be recorded.
+    finish.notify_one();
+    in_flight.await.unwrap().unwrap();
+    assert_eq!(ledger.executions(), 41);
+
+    // Up again: the refused messages are redelivered (twice each), and so is the in-flight
+    // one. Its record is still in progress; once its lease runs out the redelivery takes it
+    // over and the business check finds the effect applied.
+    tokio::task::block_in_place(|| cluster.start_again());
+    let mut again = orders(40..80, 2);
+    again.extend(["order-in-flight".to_string(), "order-in-flight".to_string()]);
+    deliver_all(&guard, &ledger, again).await;
+
+    // Exactly one effect per business key, and one handler execution per key.
+    let effects = ledger.effects.lock().unwrap().clone();
+    assert_eq!(effects.len(), 81);
+    let twice: HashSet<_> = effects.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        twice.is_empty(),
+        "effects applied more than once: {twice:?}"
+    );
+    assert_eq!(ledger.executions(), 81);
+    for order in effects.keys() {
+        let key = Key::new("order:consume", 1, &[order]).unwrap();
+        let record = store.read(&key).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed, "{order}");
+    }
+}

@@ -1,0 +1,216 @@
+//! The SQLite store: the conformance suite twice, on a temporary file (a pool of several
+//! connections) and in memory (`sqlite::memory:`, one connection that keeps the database
+//! alive), plus the business-transaction API, batched expiry and exact-byte keys.
+//!
+//! Needs no server.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod conformance;
+#[path = "support/sql_cases.rs"]
+mod sql_cases;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotent::sql::sqlx::{self, AssertSqlSafe};
+use idempotent::sql::SqliteStore;
+use idempotent::{BoxFuture, Claim, Key, SharedStore, Store};
+
+use sql_cases::{req, Harness};
+
+/// A database file in the temporary directory, removed (with its journal files) on drop.
+struct TempFile(PathBuf);
+
+impl TempFile {
+    fn new() -> TempFile {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let token = format!("{:?}", idempotent::Token::generate());
+        let name = format!(
+            "idempotent-{}-{}-{}.db",
+            std::process::id(),
+            &token[6..14],
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        TempFile(std::env::temp_dir().join(name))
+    }
+
+    fn url(&self) -> String {
+        format!("sqlite:{}", self.0.display())
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm", "-journal"] {
+            let mut path = self.0.clone().into_os_string();
+            path.push(suffix);
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+struct Sqlite {
+    store: Arc<SqliteStore>,
+    namespace: String,
+    // Dropped after the store; `None` in memory.
+    _file: Option<TempFile>,
+}
+
+impl conformance::Backend for Sqlite {
+    fn namespace(&self) -> &str {
+        &self.namespace
+    }
+    fn store(&self) -> SharedStore {
+        self.store.clone()
+    }
+    fn lose_data<'a>(&'a self, prefix: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let sql = format!(
+                "DELETE FROM {} WHERE substr(record_key, 1, ?) = ?",
+                self.store.table()
+            );
+            sqlx::query(AssertSqlSafe(sql))
+                .bind(i64::try_from(prefix.len()).unwrap())
+                .bind(prefix.as_bytes())
+                .execute(self.store.pool())
+                .await
+                .unwrap();
+        })
+    }
+}
+
+async fn on_file() -> Sqlite {
+    let file = TempFile::new();
+    Sqlite {
+        store: Arc::new(SqliteStore::connect(&file.url()).await.unwrap()),
+        namespace: conformance::unique_namespace(),
+        _file: Some(file),
+    }
+}
+
+async fn in_memory() -> Sqlite {
+    Sqlite {
+        store: Arc::new(SqliteStore::connect("sqlite::memory:").await.unwrap()),
+        namespace: conformance::unique_namespace(),
+        _file: None,
+    }
+}
+
+mod file {
+    use super::conformance;
+    crate::conformance_suite!(super::on_file);
+}
+
+mod memory {
+    use super::conformance;
+    crate::conformance_suite!(super::in_memory);
+}
+
+struct Lite;
+
+impl Harness for Lite {
+    type Db = sqlx::Sqlite;
+    fn count<'a>(store: &'a SqliteStore, table: &'a str) -> BoxFuture<'a, i64> {
+        Box::pin(async move {
+            let sql = format!("SELECT COUNT(*) FROM {table}");
+            sqlx::query_scalar(AssertSqlSafe(sql))
+                .fetch_one(store.pool())
+                .await
+                .unwrap()
+        })
+    }
+    fn create_payments<'a>(store: &'a SqliteStore, table: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let sql = format!("CREATE TABLE {table} (payment TEXT PRIMARY KEY, amount INTEGER)");
+            sqlx::query(AssertSqlSafe(sql))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        })
+    }
+    fn insert_payment<'c>(
+        conn: &'c mut sqlx::SqliteConnection,
+        table: &'c str,
+        payment: &'c str,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let sql = format!("INSERT INTO {table} (payment, amount) VALUES (?, 1250)");
+            sqlx::query(AssertSqlSafe(sql))
+                .bind(payment)
+                .execute(conn)
+                .await?;
+            Ok(())
+        })
+    }
+}
+
+#[tokio::test]
+async fn business_transaction_commits_or_rolls_back_with_its_record() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    sql_cases::business_transaction_commits_or_rolls_back_with_its_record::<Lite>(
+        &store, "payments",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_transactions_on_one_key_wait_for_the_first() {
+    let file = TempFile::new();
+    let store = SqliteStore::connect(&file.url()).await.unwrap();
+    sql_cases::concurrent_transactions_on_one_key_wait_for_the_first::<Lite>(&store, "payments")
+        .await;
+}
+
+#[tokio::test]
+async fn expired_records_are_purged_in_batches() {
+    let file = TempFile::new();
+    let store = SqliteStore::connect(&file.url()).await.unwrap();
+    sql_cases::expired_records_are_purged_in_batches::<Lite>(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purger_task_purges_until_dropped() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    sql_cases::purger_task_purges_until_dropped::<Lite>(&store).await;
+}
+
+#[tokio::test]
+async fn keys_are_exact_bytes() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    sql_cases::keys_are_exact_bytes::<Lite>(&store).await;
+}
+
+#[tokio::test]
+async fn records_survive_reopening_the_file() {
+    let file = TempFile::new();
+    let key = Key::new("reopen", 1, &[&1u8]).unwrap();
+    {
+        let store = SqliteStore::connect(&file.url()).await.unwrap();
+        let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
+        assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+        store.pool().close().await;
+    }
+    let store = SqliteStore::connect(&file.url()).await.unwrap();
+    let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
+    assert_eq!(
+        store.claim(&r).await.unwrap(),
+        Claim::InProgress { fence: 1 }
+    );
+}
+
+#[tokio::test]
+async fn store_urls_pick_the_sqlite_store() {
+    let store = idempotent::connect("sqlite::memory:").await.unwrap();
+    let key = Key::new("url", 1, &[&1u8]).unwrap();
+    let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
+    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+}
+
+#[tokio::test]
+async fn claim_sent_again_with_its_token_is_acquired() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    sql_cases::claim_sent_again_with_its_token_is_acquired::<Lite>(&store).await;
+}

@@ -1,0 +1,209 @@
+//! The tiered store: a fast front over a durable back. The conformance suite on a real Redis
+//! in front of a real PostgreSQL, and what happens when either layer loses its data or goes
+//! down.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod conformance;
+#[path = "support/redis_server.rs"]
+mod redis_server;
+#[path = "support/sql_tables.rs"]
+mod sql_tables;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use conformance::{unique_namespace, Backend, Down};
+use idempotent::redis::{RedisStore, UnsafeConfig};
+use idempotent::sql::sqlx::{self, AssertSqlSafe};
+use idempotent::sql::PostgresStore;
+use idempotent::store::TieredStore;
+use idempotent::{BoxFuture, Error, Guard, Key, MemoryStore, RecordState, SharedStore, Store};
+
+fn redis_url() -> String {
+    std::env::var("IDEMPOTENT_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+async fn redis(url: &str) -> Arc<RedisStore> {
+    match RedisStore::builder(url).on_unsafe_config(UnsafeConfig::Warn).build().await {
+        Ok(store) => Arc::new(store),
+        Err(err) => panic!(
+            "Redis is not reachable at {url}: {err:?}\n\
+             start it with: redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save \"\" --appendonly no"
+        ),
+    }
+}
+
+fn delete_matching(url: &str, pattern: &str) {
+    let Ok(client) = redis::Client::open(url) else {
+        return;
+    };
+    let Ok(mut conn) = client.get_connection() else {
+        return;
+    };
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS")
+        .arg(pattern)
+        .query(&mut conn)
+        .unwrap_or_default();
+    for chunk in keys.chunks(500) {
+        let _: Result<(), _> = redis::cmd("DEL").arg(chunk).query(&mut conn);
+    }
+}
+
+struct Tiered {
+    store: Arc<TieredStore>,
+    back: Arc<PostgresStore>,
+    namespace: String,
+    // Dropped after the store: drops the case's table.
+    _table: sql_tables::Scratch,
+}
+
+impl Backend for Tiered {
+    fn namespace(&self) -> &str {
+        &self.namespace
+    }
+    fn store(&self) -> SharedStore {
+        self.store.clone()
+    }
+    fn lose_data<'a>(&'a self, prefix: &'a str) -> BoxFuture<'a, ()> {
+        let pattern = format!("{prefix}:*");
+        Box::pin(async move {
+            let sql = format!("DELETE FROM {}", self.back.table());
+            sqlx::query(AssertSqlSafe(sql))
+                .execute(self.back.pool())
+                .await
+                .unwrap();
+            tokio::task::spawn_blocking(move || delete_matching(&redis_url(), &pattern))
+                .await
+                .unwrap();
+        })
+    }
+}
+
+impl Drop for Tiered {
+    fn drop(&mut self) {
+        let pattern = format!("{}:*", self.namespace);
+        let _ = std::thread::spawn(move || delete_matching(&redis_url(), &pattern)).join();
+    }
+}
+
+async fn redis_over_postgres() -> Tiered {
+    let table = sql_tables::Scratch::table(sql_tables::Server::Postgres);
+    let back = Arc::new(
+        PostgresStore::builder()
+            .table(table.name().to_string())
+            .connect(table.url())
+            .await
+            .unwrap(),
+    );
+    let front = redis(&redis_url()).await;
+    Tiered {
+        store: Arc::new(TieredStore::new(front, back.clone())),
+        back,
+        namespace: unique_namespace(),
+        _table: table,
+    }
+}
+
+conformance_suite!(redis_over_postgres);
+
+fn guard(store: SharedStore) -> Guard {
+    Guard::new(Duration::from_secs(60)).store(store)
+}
+
+#[tokio::test]
+async fn front_losing_its_data_runs_nothing_twice() {
+    let mut front_server = redis_server::RedisServer::start(&[]);
+    let front = redis(&front_server.url()).await;
+    let back = Arc::new(MemoryStore::new());
+    let store: SharedStore = Arc::new(TieredStore::new(front.clone(), back.clone()));
+    let executions = AtomicUsize::new(0);
+    let run = |id: u32| {
+        let (store, executions) = (store.clone(), &executions);
+        async move {
+            guard(store)
+                .operation(Key::new("tiered", 1, &[&id]).unwrap())
+                .replay()
+                .run(async move {
+                    executions.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, Error>(id * 10)
+                })
+                .await
+        }
+    };
+    assert_eq!(run(1).await.unwrap(), 10);
+    front_server.restart();
+    // Wait for the front's connection to come back, so the next call goes through it.
+    while front.check().await.is_err() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The front forgot; the back answers, and the result is still replayed.
+    let replayed = run(1).await;
+    assert_eq!(replayed.unwrap(), 10);
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+    // ... and the front was repaired: it answers the next duplicate alone.
+    back.clear();
+    assert_eq!(run(1).await.unwrap(), 10);
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn front_down_falls_back_to_the_back() {
+    let back = Arc::new(MemoryStore::new());
+    let front: SharedStore = Arc::new(Down::new(Arc::new(MemoryStore::new())));
+    let store: SharedStore = Arc::new(TieredStore::new(front, back.clone()));
+    let executions = AtomicUsize::new(0);
+    let run = || {
+        let (store, executions) = (store.clone(), &executions);
+        async move {
+            guard(store)
+                .run(Key::new("tiered-down", 1, &[&1u8]).unwrap(), async move {
+                    executions.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, Error>(())
+                })
+                .await
+        }
+    };
+    run().await.unwrap();
+    assert!(matches!(run().await, Err(Error::Duplicate { .. })));
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+    let record = back
+        .read(&Key::new("tiered-down", 1, &[&1u8]).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.state, RecordState::Completed);
+}
+
+#[tokio::test]
+async fn back_down_fails_closed_and_gives_the_front_claim_back() {
+    let front = Arc::new(MemoryStore::new());
+    let back: SharedStore = Arc::new(Down::new(Arc::new(MemoryStore::new())));
+    let store: SharedStore = Arc::new(TieredStore::new(front.clone(), back));
+    let key = Key::new("tiered-back-down", 1, &[&1u8]).unwrap();
+    let out: Result<(), Error> = guard(store)
+        .run(key.clone(), async { panic!("must not run") })
+        .await;
+    assert!(matches!(out, Err(Error::Store(_))));
+    let record = front.read(&key).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Released);
+}
+
+#[tokio::test]
+async fn duplicates_cost_one_front_round_trip() {
+    let front = Arc::new(MemoryStore::new());
+    let back = Arc::new(MemoryStore::new());
+    let store: SharedStore = Arc::new(TieredStore::new(front.clone(), back.clone()));
+    let key = Key::new("tiered-fast", 1, &[&1u8]).unwrap();
+    guard(store.clone())
+        .run(key.clone(), async { Ok::<_, Error>(()) })
+        .await
+        .unwrap();
+    // With the back gone, a duplicate is still filtered by the front alone.
+    back.clear();
+    assert!(matches!(
+        guard(store).run(key, async { Ok::<_, Error>(()) }).await,
+        Err(Error::Duplicate { .. })
+    ));
+}
