@@ -35,6 +35,9 @@ mod operation;
 mod policy;
 pub mod store;
 
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub mod broker;
+
 #[doc(hidden)]
 #[path = "private.rs"]
 pub mod __private;

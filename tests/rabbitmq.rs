@@ -1,0 +1,535 @@
+//! Consumers on a real RabbitMQ (`AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`)
+//! with exact counts: duplicates filtered, a failing handler retried then dead-lettered, a
+//! consumer process killed mid-handler, and a store outage during consumption. Effects are
+//! counted in a PostgreSQL business table (`IDEMPOTENT_BUSINESS_URL`, default
+//! `postgres://postgres@127.0.0.1:5432/test`); the store is the Redis at
+//! `IDEMPOTENT_REDIS_URL` (default `redis://127.0.0.1:6379`) or one the test starts.
+//!
+//! Every test declares its own queues and PostgreSQL schema (unique names) and removes them.
+//! A missing server fails the test with the command that starts it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "support/brokers.rs"]
+mod brokers;
+#[allow(dead_code, unreachable_pub)]
+#[path = "../examples/seed_load_test/business.rs"]
+mod business;
+#[path = "support/redis_server.rs"]
+mod redis_server;
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use brokers::{unique, wait_for, AppError, ChildConsumer, Kitchen, OrderMessage};
+use business::{Business, Tally};
+use idempotent::broker::{rabbitmq, Policy, Summary};
+use idempotent::SharedStore;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection};
+use redis_server::RedisServer;
+
+/// A queue with a dead-letter queue, a business schema and a tenant of one test; removed on
+/// drop, also when the test fails.
+struct Fixture {
+    conn: Connection,
+    channel: Channel,
+    queue: String,
+    dead: String,
+    tenant: String,
+    schema: String,
+    orders: Business,
+}
+
+impl Fixture {
+    /// A classic queue, or a quorum queue (it counts deliveries: `x-delivery-count`).
+    async fn new(orders: u32, quorum: bool) -> Fixture {
+        let tenant = unique("rabbitmq");
+        let conn = brokers::rabbitmq().await;
+        let channel = conn.create_channel().await.unwrap();
+        let queue = format!("idempotent.test.{tenant}");
+        let dead = format!("{queue}.dead");
+        let durable = QueueDeclareOptions {
+            durable: quorum,
+            ..QueueDeclareOptions::default()
+        };
+        channel
+            .queue_declare(dead.as_str().into(), durable, FieldTable::default())
+            .await
+            .unwrap();
+        let mut args = FieldTable::default();
+        if quorum {
+            args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+        }
+        args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString("".into()),
+        );
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(dead.as_str().into()),
+        );
+        channel
+            .queue_declare(queue.as_str().into(), durable, args)
+            .await
+            .unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let schema = format!("idempotent_{tenant}");
+        let orders = brokers::business(&schema, orders).await;
+        Fixture {
+            conn,
+            channel,
+            queue,
+            dead,
+            tenant,
+            schema,
+            orders,
+        }
+    }
+
+    async fn publish(&self, messages: &[OrderMessage]) {
+        for msg in messages {
+            self.channel
+                .basic_publish(
+                    "".into(),
+                    self.queue.as_str().into(),
+                    BasicPublishOptions::default(),
+                    &msg.to_bytes(),
+                    BasicProperties::default().with_message_id(msg.message_id.as_str().into()),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    }
+
+    /// A consumer on its own channel with `prefetch`.
+    async fn consumer(&self, tag: &str, prefetch: u16) -> (Channel, lapin::Consumer) {
+        let channel = self.conn.create_channel().await.unwrap();
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .unwrap();
+        let consumer = channel
+            .basic_consume(
+                self.queue.as_str().into(),
+                tag.into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        (channel, consumer)
+    }
+
+    async fn ready(&self, queue: &str) -> u32 {
+        self.channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions::default().passive(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+            .message_count()
+    }
+
+    async fn settled(&self) -> i64 {
+        self.orders.progress().await.unwrap().0
+    }
+
+    async fn tally(&self) -> Tally {
+        self.orders.tally().await.unwrap()
+    }
+
+    fn kitchen(&self, store: SharedStore, work: Duration) -> Arc<Kitchen> {
+        Arc::new(Kitchen {
+            orders: self.orders.clone(),
+            store,
+            work,
+            seen: brokers::Seen::default(),
+        })
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let (queue, dead, schema) = (self.queue.clone(), self.dead.clone(), self.schema.clone());
+        let tenant = self.tenant.clone();
+        brokers::cleanup_in_thread(move || async move {
+            brokers::delete_tenant_keys(&tenant);
+            if let Ok(conn) =
+                lapin::Connection::connect(&brokers::amqp_url(), Default::default()).await
+            {
+                if let Ok(channel) = conn.create_channel().await {
+                    for name in [queue, dead] {
+                        let _ = channel
+                            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+                            .await;
+                    }
+                }
+                let _ = conn.close(200, "done".into()).await;
+            }
+            let _ = Business::drop_schema(&brokers::business_url(), &schema).await;
+        });
+    }
+}
+
+/// Runs `rabbitmq::consume` with `kitchen`'s handler in a task.
+fn consume(
+    consumer: lapin::Consumer,
+    concurrency: usize,
+    policy: Policy,
+    kitchen: Arc<Kitchen>,
+) -> tokio::task::JoinHandle<Result<Summary, rabbitmq::Error>> {
+    tokio::spawn(rabbitmq::consume(
+        consumer,
+        concurrency,
+        policy,
+        move |delivery: Delivery| {
+            let kitchen = kitchen.clone();
+            async move { kitchen.handle(&delivery.data, delivery.redelivered).await }
+        },
+    ))
+}
+
+fn policy() -> Policy {
+    Policy::new()
+        .retry_delay(Duration::from_millis(100))
+        .in_progress_delay(Duration::from_millis(50))
+}
+
+/// 30 orders × 3 identical messages, 10 handlers at once: exactly 30 effects and 30
+/// executions, 60 messages acknowledged as duplicates, nothing left in the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_are_filtered_with_exact_counts() {
+    let fx = Fixture::new(30, false).await;
+    fx.publish(&brokers::messages(&fx.tenant, 30, 3)).await;
+    let kitchen = fx.kitchen(
+        brokers::store(&brokers::redis_url()).await,
+        Duration::from_millis(20),
+    );
+
+    let (channel, consumer) = fx.consumer("worker", 10).await;
+    let task = consume(consumer, 10, policy(), kitchen.clone());
+    wait_for(
+        "90 messages with a final outcome",
+        Duration::from_secs(60),
+        || async { fx.settled().await == 90 },
+    )
+    .await;
+    channel
+        .basic_cancel("worker".into(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    let summary = task.await.unwrap().unwrap();
+
+    let tally = fx.tally().await;
+    assert_eq!(tally.effects, 30, "{tally:?}");
+    assert_eq!(tally.filtered, 60, "{tally:?}");
+    assert_eq!(tally.executions, 30, "{tally:?}");
+    assert_eq!(
+        (tally.wrong, tally.lost, tally.doubled, tally.absorbed),
+        (0, 0, 0, 0)
+    );
+    assert_eq!(summary.acked, 90, "{summary:?}");
+    assert_eq!(
+        summary.redelivered,
+        kitchen.seen.in_progress.load(Ordering::SeqCst),
+        "every redelivery is a duplicate met while its first copy ran: {summary:?}"
+    );
+    assert_eq!((summary.dead_lettered, summary.unsettled), (0, 0));
+    assert_eq!(kitchen.seen.acked_before_effect.load(Ordering::SeqCst), 0);
+    assert_eq!(fx.ready(&fx.queue).await, 0);
+}
+
+/// On a quorum queue: a handler that always fails runs on deliveries 1, 2 and 3 and is then
+/// dead-lettered; one that panics once is treated as failed, redelivered and applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_handler_is_redelivered_then_dead_lettered() {
+    let fx = Fixture::new(2, true).await;
+    fx.publish(&[
+        OrderMessage::new(&fx.tenant, 1, 1),
+        OrderMessage::new(&fx.tenant, 2, 1),
+    ])
+    .await;
+    let kitchen = fx.kitchen(
+        brokers::store(&brokers::redis_url()).await,
+        Duration::from_millis(1),
+    );
+    // order-0001 always fails; order-0002 panics on its first delivery.
+    let attempts: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let counts: Arc<Mutex<Vec<Option<u32>>>> = Arc::default();
+
+    let (channel, consumer) = fx.consumer("worker", 2).await;
+    let policy = Policy::new()
+        .max_deliveries(3)
+        .retry_delay(Duration::from_millis(50));
+    let (k, a, c) = (kitchen.clone(), attempts.clone(), counts.clone());
+    let task = tokio::spawn(rabbitmq::consume(
+        consumer,
+        2,
+        policy,
+        move |delivery: Delivery| {
+            let (kitchen, attempts, counts) = (k.clone(), a.clone(), c.clone());
+            async move {
+                counts.lock().unwrap().push(rabbitmq::deliveries(&delivery));
+                let msg: OrderMessage = serde_json::from_slice(&delivery.data)?;
+                let attempt = {
+                    let mut attempts = attempts.lock().unwrap();
+                    let n = attempts.entry(msg.order_id.clone()).or_default();
+                    *n += 1;
+                    *n
+                };
+                if msg.order_id == "order-0001" {
+                    return Err(AppError::KitchenDown);
+                }
+                assert!(attempt > 1, "the kitchen exploded (a panicking handler)");
+                let result =
+                    brokers::on_order(&msg, &kitchen.orders, &kitchen.store, kitchen.work).await;
+                kitchen.record(&msg, &result).await?;
+                result
+            }
+        },
+    ));
+    wait_for(
+        "the poison message in the dead-letter queue",
+        Duration::from_secs(30),
+        || async { fx.ready(&fx.dead).await == 1 && fx.settled().await == 1 },
+    )
+    .await;
+    channel
+        .basic_cancel("worker".into(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    let summary = task.await.unwrap().unwrap();
+
+    let attempts = attempts.lock().unwrap().clone();
+    assert_eq!(attempts.get("order-0001"), Some(&3), "{attempts:?}");
+    assert_eq!(attempts.get("order-0002"), Some(&2), "{attempts:?}");
+    let mut counts = counts.lock().unwrap().clone();
+    counts.sort();
+    assert_eq!(
+        counts,
+        [Some(1), Some(1), Some(2), Some(2), Some(3)],
+        "delivery counts from x-delivery-count"
+    );
+    assert_eq!(summary.acked, 1, "{summary:?}");
+    assert_eq!(summary.redelivered, 3, "{summary:?}");
+    assert_eq!(summary.dead_lettered, 1, "{summary:?}");
+    let tally = fx.tally().await;
+    assert_eq!((tally.effects, tally.executions), (1, 1), "{tally:?}");
+    assert_eq!(fx.ready(&fx.queue).await, 0);
+}
+
+/// The consumer of [`consumer_killed_mid_handler_is_redelivered_and_processed_once`]: a
+/// child process (this test binary re-run) whose handler records its execution and then
+/// works for a minute, so it is always killed mid-handler. Does nothing when run without the
+/// parent's environment.
+#[test]
+#[ignore = "a child process of consumer_killed_mid_handler_is_redelivered_and_processed_once"]
+fn child_consumer() {
+    let (Ok(queue), Ok(tenant), Ok(schema)) = (
+        std::env::var("CHILD_QUEUE"),
+        std::env::var("CHILD_TENANT"),
+        std::env::var("CHILD_SCHEMA"),
+    ) else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let conn = brokers::rabbitmq().await;
+        let channel = conn.create_channel().await.unwrap();
+        channel
+            .basic_qos(1, BasicQosOptions::default())
+            .await
+            .unwrap();
+        let consumer = channel
+            .basic_consume(
+                queue.as_str().into(),
+                tenant.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let kitchen = Arc::new(Kitchen {
+            orders: Business::connect(&brokers::business_url(), &schema, 2)
+                .await
+                .unwrap(),
+            store: brokers::store(&brokers::redis_url()).await,
+            work: Duration::from_secs(60),
+            seen: brokers::Seen::default(),
+        });
+        let _ = consume(consumer, 1, policy(), kitchen).await;
+    });
+}
+
+/// A real kill: a consumer process (the test binary re-run as [`child_consumer`]) is
+/// SIGKILLed while its handler runs. RabbitMQ redelivers its unacknowledged message; the
+/// dead owner's claim blocks the key until its 2 s lease runs out, then the order is applied
+/// exactly once, and the redelivered message is acknowledged as a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumer_killed_mid_handler_is_redelivered_and_processed_once() {
+    let fx = Fixture::new(3, false).await;
+    fx.publish(&brokers::messages(&fx.tenant, 3, 2)).await;
+
+    let mut child = ChildConsumer::spawn(
+        "child_consumer",
+        &[
+            ("CHILD_QUEUE", fx.queue.clone()),
+            ("CHILD_TENANT", fx.tenant.clone()),
+            ("CHILD_SCHEMA", fx.schema.clone()),
+        ],
+    );
+    let pid = child.pid();
+    {
+        let child_alive = Mutex::new(&mut child);
+        wait_for(
+            "the child's handler to start",
+            Duration::from_secs(30),
+            || async {
+                assert!(
+                    !child_alive.lock().unwrap().exited(),
+                    "the child consumer exited early"
+                );
+                fx.orders.unfinished(pid).await.unwrap() == 1
+            },
+        )
+        .await;
+    }
+    child.kill();
+    let victims = fx.orders.unfinished_messages(pid).await.unwrap();
+    assert_eq!(
+        victims.len(),
+        1,
+        "one handler was running when the child was killed"
+    );
+
+    let kitchen = fx.kitchen(
+        brokers::store(&brokers::redis_url()).await,
+        Duration::from_millis(10),
+    );
+    let (channel, consumer) = fx.consumer("worker", 4).await;
+    let task = consume(consumer, 4, policy(), kitchen.clone());
+    wait_for(
+        "6 messages with a final outcome",
+        Duration::from_secs(30),
+        || async { fx.settled().await == 6 },
+    )
+    .await;
+    channel
+        .basic_cancel("worker".into(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    let summary = task.await.unwrap().unwrap();
+
+    let tally = fx.tally().await;
+    assert_eq!(tally.effects, 3, "{tally:?}");
+    assert_eq!(tally.executions, 4, "3 runs and the killed one: {tally:?}");
+    assert_eq!(tally.interrupted, 1, "{tally:?}");
+    assert_eq!(tally.filtered, 3, "{tally:?}");
+    assert_eq!((tally.wrong, tally.lost, tally.doubled), (0, 0, 0));
+    assert!(
+        kitchen
+            .seen
+            .redelivered
+            .lock()
+            .unwrap()
+            .contains(&victims[0]),
+        "the killed consumer's message {victims:?} is redelivered"
+    );
+    assert_eq!(summary.acked, 6, "{summary:?}");
+    assert_eq!(kitchen.seen.acked_before_effect.load(Ordering::SeqCst), 0);
+    assert_eq!(fx.ready(&fx.queue).await, 0);
+}
+
+/// The store (a Redis this test starts) is killed while 40 orders × 2 messages are being
+/// consumed, then restarted empty: claims fail closed meanwhile (nothing runs, messages are
+/// redelivered), and afterwards the `done` check stands in for the lost records. Every
+/// order is applied exactly once, no message is acknowledged before its effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn store_outage_during_consumption_loses_nothing() {
+    let fx = Fixture::new(40, false).await;
+    fx.publish(&brokers::messages(&fx.tenant, 40, 2)).await;
+    let server = RedisServer::start(&[]);
+    let kitchen = fx.kitchen(
+        brokers::store(&server.url()).await,
+        Duration::from_millis(50),
+    );
+
+    let (channel, consumer) = fx.consumer("worker", 8).await;
+    let task = consume(consumer, 8, policy(), kitchen.clone());
+    wait_for("10 effects", Duration::from_secs(30), || async {
+        fx.orders.progress().await.unwrap().1 >= 10
+    })
+    .await;
+    let mut server = tokio::task::spawn_blocking(move || {
+        let mut server = server;
+        server.kill();
+        server
+    })
+    .await
+    .unwrap();
+    wait_for(
+        "claims failing on the dead store",
+        Duration::from_secs(30),
+        || async { kitchen.seen.store_errors.load(Ordering::SeqCst) >= 5 },
+    )
+    .await;
+    let effects_during_outage = fx.orders.progress().await.unwrap().1;
+    server = tokio::task::spawn_blocking(move || {
+        server.restart();
+        server
+    })
+    .await
+    .unwrap();
+    wait_for(
+        "80 messages with a final outcome",
+        Duration::from_secs(60),
+        || async { fx.settled().await == 80 },
+    )
+    .await;
+    channel
+        .basic_cancel("worker".into(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    let summary = task.await.unwrap().unwrap();
+    drop(server);
+
+    let tally = fx.tally().await;
+    assert_eq!(tally.effects, 40, "{tally:?}");
+    assert_eq!(
+        (tally.wrong, tally.lost, tally.doubled),
+        (0, 0, 0),
+        "{tally:?}"
+    );
+    assert_eq!(tally.filtered + tally.absorbed, 40, "{tally:?}");
+    assert!(tally.executions >= 40, "{tally:?}");
+    assert!(
+        effects_during_outage < 40,
+        "the outage came too late to matter"
+    );
+    assert_eq!(kitchen.seen.acked_before_effect.load(Ordering::SeqCst), 0);
+    assert_eq!(summary.acked, 80, "{summary:?}");
+    assert!(
+        summary.redelivered >= kitchen.seen.store_errors.load(Ordering::SeqCst),
+        "every store error is redelivered: {summary:?}"
+    );
+    assert_eq!((summary.dead_lettered, summary.unsettled), (0, 0));
+    assert_eq!(fx.ready(&fx.queue).await, 0);
+}
