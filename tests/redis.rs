@@ -21,38 +21,7 @@ use idempotent::redis::{RedisStore, UnsafeConfig};
 use idempotent::{
     Action, BoxFuture, Error, Guard, Key, RecordState, SharedStore, Store, StoreErrorKind,
 };
-use redis_server::{RedisCluster, RedisServer};
-
-fn redis_url() -> String {
-    std::env::var("IDEMPOTENT_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
-async fn connect(url: &str) -> RedisStore {
-    match RedisStore::builder(url).on_unsafe_config(UnsafeConfig::Warn).build().await {
-        Ok(store) => store,
-        Err(err) => panic!(
-            "Redis is not reachable at {url}: {err:?}\n\
-             start it with: redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save \"\" --appendonly no"
-        ),
-    }
-}
-
-/// Deletes every key under `pattern` on one server.
-fn delete_matching(url: &str, pattern: &str) {
-    let Ok(client) = redis::Client::open(url) else {
-        return;
-    };
-    let Ok(mut conn) = client.get_connection() else {
-        return;
-    };
-    let keys: Vec<Vec<u8>> = redis::cmd("KEYS")
-        .arg(pattern)
-        .query(&mut conn)
-        .unwrap_or_default();
-    for chunk in keys.chunks(500) {
-        let _: Result<(), _> = redis::cmd("DEL").arg(chunk).query(&mut conn);
-    }
-}
+use redis_server::{connect, delete_matching, redis_url, RedisCluster, RedisServer};
 
 struct Standalone {
     store: Arc<RedisStore>,

@@ -15,41 +15,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use conformance::{unique_namespace, Backend, Down};
-use idempotent::redis::{RedisStore, UnsafeConfig};
 use idempotent::sql::sqlx::{self, AssertSqlSafe};
 use idempotent::sql::PostgresStore;
 use idempotent::store::TieredStore;
 use idempotent::{BoxFuture, Error, Guard, Key, MemoryStore, RecordState, SharedStore, Store};
-
-fn redis_url() -> String {
-    std::env::var("IDEMPOTENT_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
-async fn redis(url: &str) -> Arc<RedisStore> {
-    match RedisStore::builder(url).on_unsafe_config(UnsafeConfig::Warn).build().await {
-        Ok(store) => Arc::new(store),
-        Err(err) => panic!(
-            "Redis is not reachable at {url}: {err:?}\n\
-             start it with: redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save \"\" --appendonly no"
-        ),
-    }
-}
-
-fn delete_matching(url: &str, pattern: &str) {
-    let Ok(client) = redis::Client::open(url) else {
-        return;
-    };
-    let Ok(mut conn) = client.get_connection() else {
-        return;
-    };
-    let keys: Vec<Vec<u8>> = redis::cmd("KEYS")
-        .arg(pattern)
-        .query(&mut conn)
-        .unwrap_or_default();
-    for chunk in keys.chunks(500) {
-        let _: Result<(), _> = redis::cmd("DEL").arg(chunk).query(&mut conn);
-    }
-}
+use redis_server::{delete_matching, redis_url};
 
 struct Tiered {
     store: Arc<TieredStore>,
@@ -97,7 +67,7 @@ async fn redis_over_postgres() -> Tiered {
             .await
             .unwrap(),
     );
-    let front = redis(&redis_url()).await;
+    let front = Arc::new(redis_server::connect(&redis_url()).await);
     Tiered {
         store: Arc::new(TieredStore::new(front, back.clone())),
         back,
@@ -115,7 +85,7 @@ fn guard(store: SharedStore) -> Guard {
 #[tokio::test]
 async fn front_losing_its_data_runs_nothing_twice() {
     let mut front_server = redis_server::RedisServer::start(&[]);
-    let front = redis(&front_server.url()).await;
+    let front = Arc::new(redis_server::connect(&front_server.url()).await);
     let back = Arc::new(MemoryStore::new());
     let store: SharedStore = Arc::new(TieredStore::new(front.clone(), back.clone()));
     let executions = AtomicUsize::new(0);

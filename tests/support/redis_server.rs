@@ -17,6 +17,45 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The shared Redis the tests use: `IDEMPOTENT_REDIS_URL`, default `redis://127.0.0.1:6379`.
+pub fn redis_url() -> String {
+    std::env::var("IDEMPOTENT_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// A store on `url` (unsafe configurations only warned about), or a panic that says how to
+/// start Redis.
+pub async fn connect(url: &str) -> idempotent::redis::RedisStore {
+    use idempotent::redis::{RedisStore, UnsafeConfig};
+    match RedisStore::builder(url)
+        .on_unsafe_config(UnsafeConfig::Warn)
+        .build()
+        .await
+    {
+        Ok(store) => store,
+        Err(err) => panic!(
+            "Redis is not reachable at {url}: {err:?}\n\
+             start it with: redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save \"\" --appendonly no"
+        ),
+    }
+}
+
+/// Deletes every key matching `pattern` on one server.
+pub fn delete_matching(url: &str, pattern: &str) {
+    let Ok(client) = redis::Client::open(url) else {
+        return;
+    };
+    let Ok(mut conn) = client.get_connection() else {
+        return;
+    };
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS")
+        .arg(pattern)
+        .query(&mut conn)
+        .unwrap_or_default();
+    for chunk in keys.chunks(500) {
+        let _: Result<(), _> = redis::cmd("DEL").arg(chunk).query(&mut conn);
+    }
+}
+
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
