@@ -485,29 +485,7 @@ async fn consumer_killed_mid_handler_is_redelivered_and_processed_once() {
             ("CHILD_SCHEMA", fx.schema.clone()),
         ],
     );
-    let pid = child.pid();
-    {
-        let child_alive = Mutex::new(&mut child);
-        wait_for(
-            "the child's handler to start",
-            Duration::from_secs(30),
-            || async {
-                assert!(
-                    !child_alive.lock().unwrap().exited(),
-                    "the child consumer exited early"
-                );
-                fx.orders.unfinished(pid).await.unwrap() == 1
-            },
-        )
-        .await;
-    }
-    child.kill();
-    let victims = fx.orders.unfinished_messages(pid).await.unwrap();
-    assert_eq!(
-        victims.len(),
-        1,
-        "one handler was running when the child was killed"
-    );
+    let victims = child.kill_mid_handler(&fx.orders).await;
 
     let kitchen = fx.kitchen(
         brokers::store(&brokers::redis_url()).await,

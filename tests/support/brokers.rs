@@ -327,6 +327,35 @@ impl ChildConsumer {
     pub fn exited(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(Some(_)))
     }
+
+    /// Waits until this consumer is in the middle of exactly one handler (per the business
+    /// table), SIGKILLs it there, and returns the message ids that handler was running.
+    pub async fn kill_mid_handler(&mut self, orders: &Business) -> Vec<String> {
+        let pid = self.pid();
+        {
+            let child_alive = Mutex::new(&mut *self);
+            wait_for(
+                "the child's handler to start",
+                Duration::from_secs(30),
+                || async {
+                    assert!(
+                        !child_alive.lock().unwrap().exited(),
+                        "the child consumer exited early"
+                    );
+                    orders.unfinished(pid).await.unwrap() == 1
+                },
+            )
+            .await;
+        }
+        self.kill();
+        let victims = orders.unfinished_messages(pid).await.unwrap();
+        assert_eq!(
+            victims.len(),
+            1,
+            "one handler was running when the child was killed"
+        );
+        victims
+    }
 }
 
 impl Drop for ChildConsumer {
