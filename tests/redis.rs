@@ -111,6 +111,25 @@ fn conformance_on_a_three_master_cluster() {
         .unwrap();
     rt.block_on(async {
         conformance_sequence!(on_cluster(&cluster));
+
+        // A store on the application's own cluster client.
+        let nodes: Vec<String> = cluster.nodes.iter().map(RedisServer::url).collect();
+        let client = redis::cluster::ClusterClient::new(nodes).unwrap();
+        let store: SharedStore = Arc::new(
+            RedisStore::from_cluster_client(client)
+                .on_unsafe_config(UnsafeConfig::Warn)
+                .build()
+                .await
+                .unwrap(),
+        );
+        let guard = Guard::new(Duration::from_secs(60)).store(store);
+        let run = |id: u32| {
+            guard.run(Key::new("from-client", 1, &[&id]).unwrap(), async {
+                Ok::<_, Error>(())
+            })
+        };
+        run(1).await.unwrap();
+        assert!(matches!(run(1).await, Err(Error::Duplicate { .. })));
     });
     // Records of many keys landed on every master: the hash tags spread them.
     for node in &cluster.nodes {
@@ -431,6 +450,30 @@ async fn scripts_are_reloaded_after_a_flush() {
     assert!(server.cli(&["script", "flush"]).contains("OK"));
     run(2).await.unwrap();
     assert!(matches!(run(1).await, Err(Error::Duplicate { .. })));
+}
+
+#[tokio::test]
+async fn a_store_on_an_existing_client() {
+    let client = redis::Client::open(redis_url()).unwrap();
+    let store: SharedStore = Arc::new(
+        RedisStore::from_client(client)
+            .on_unsafe_config(UnsafeConfig::Warn)
+            .build()
+            .await
+            .unwrap(),
+    );
+    let namespace = unique_namespace();
+    let key = Key::new(&format!("{namespace}:client"), 1, &[&1u8]).unwrap();
+    let guard = Guard::new(Duration::from_secs(60)).store(store);
+    guard
+        .run(key.clone(), async { Ok::<_, Error>(()) })
+        .await
+        .unwrap();
+    assert!(matches!(
+        guard.run(key, async { Ok::<_, Error>(()) }).await,
+        Err(Error::Duplicate { .. })
+    ));
+    delete_matching(&redis_url(), &format!("{namespace}:*"));
 }
 
 #[tokio::test]

@@ -124,7 +124,9 @@ impl Conn {
 #[derive(Debug, Clone)]
 #[must_use]
 pub struct RedisStoreBuilder {
-    url: String,
+    target: Target,
+    /// What error messages call the server: the URL without its password.
+    name: String,
     response_timeout: Duration,
     connection_timeout: Duration,
     on_unsafe_config: UnsafeConfig,
@@ -132,6 +134,17 @@ pub struct RedisStoreBuilder {
 }
 
 impl RedisStoreBuilder {
+    fn new(target: Target, name: String) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            target,
+            name,
+            response_timeout: Duration::from_secs(1),
+            connection_timeout: Duration::from_secs(1),
+            on_unsafe_config: UnsafeConfig::default(),
+            wait_for_replicas: None,
+        }
+    }
+
     /// How long a command may wait for its reply (default 1 s). A reply that does not come
     /// in time is an unknown outcome, resolved by reading the record back.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
@@ -171,37 +184,35 @@ impl RedisStoreBuilder {
     /// [`StoreErrorKind::Unavailable`] when the server cannot be reached,
     /// [`StoreErrorKind::Unsafe`] when its configuration is refused.
     pub async fn build(self) -> Result<RedisStore, StoreError> {
-        let conn = match cluster_nodes(&self.url) {
-            Some(_) if self.wait_for_replicas.is_some() => {
-                return Err(StoreError::new(
-                    StoreErrorKind::Unsafe,
-                    "`wait_for_replicas` is supported on standalone servers only",
-                ))
-            }
-            Some(nodes) => {
-                let client = ClusterClient::builder(nodes)
-                    .response_timeout(self.response_timeout)
-                    .connection_timeout(self.connection_timeout)
-                    .build()
-                    .map_err(|e| connect_error(&self.url, e))?;
-                let conn = client
-                    .get_async_connection()
-                    .await
-                    .map_err(|e| connect_error(&self.url, e))?;
-                Conn::Cluster(conn)
-            }
-            None => {
-                let client =
-                    Client::open(self.url.as_str()).map_err(|e| connect_error(&self.url, e))?;
-                let config = ConnectionManagerConfig::new()
-                    .set_response_timeout(Some(self.response_timeout))
-                    .set_connection_timeout(Some(self.connection_timeout))
-                    .set_number_of_retries(2);
-                let conn = ConnectionManager::new_with_config(client, config)
-                    .await
-                    .map_err(|e| connect_error(&self.url, e))?;
-                Conn::Single(conn)
-            }
+        let name = self.name.as_str();
+        let cluster = match &self.target {
+            Target::Url(url) => cluster_nodes(url).is_some(),
+            Target::Client(_) => false,
+            Target::Cluster(_) => true,
+        };
+        if cluster && self.wait_for_replicas.is_some() {
+            return Err(StoreError::new(
+                StoreErrorKind::Unsafe,
+                "`wait_for_replicas` is supported on standalone servers only",
+            ));
+        }
+        let conn = match self.target.clone() {
+            Target::Url(url) => match cluster_nodes(&url) {
+                Some(nodes) => {
+                    let client = ClusterClient::builder(nodes)
+                        .response_timeout(self.response_timeout)
+                        .connection_timeout(self.connection_timeout)
+                        .build()
+                        .map_err(|e| connect_error(name, e))?;
+                    self.cluster(&client).await?
+                }
+                None => {
+                    let client = Client::open(url.as_str()).map_err(|e| connect_error(name, e))?;
+                    self.single(client).await?
+                }
+            },
+            Target::Client(client) => self.single(*client).await?,
+            Target::Cluster(client) => self.cluster(&client).await?,
         };
         let store = RedisStore {
             inner: Arc::new(Inner {
@@ -215,7 +226,7 @@ impl RedisStoreBuilder {
         };
         let health = store.check().await?;
         for warning in &health.warnings {
-            tracing::warn!(url = %redact(&self.url), "{warning}");
+            tracing::warn!(server = %name, "{warning}");
         }
         if !health.unsafe_config.is_empty() {
             let problems = health.unsafe_config.join("; ");
@@ -223,11 +234,11 @@ impl RedisStoreBuilder {
                 UnsafeConfig::Refuse => {
                     return Err(StoreError::new(
                         StoreErrorKind::Unsafe,
-                        format!("refusing {}: {problems}", redact(&self.url)),
+                        format!("refusing {name}: {problems}"),
                     ))
                 }
                 UnsafeConfig::Warn => {
-                    tracing::warn!(url = %redact(&self.url), "unsafe Redis configuration: {problems}")
+                    tracing::warn!(server = %name, "unsafe Redis configuration: {problems}")
                 }
             }
         }
@@ -236,6 +247,33 @@ impl RedisStoreBuilder {
         }
         Ok(store)
     }
+
+    async fn single(&self, client: Client) -> Result<Conn, StoreError> {
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(self.response_timeout))
+            .set_connection_timeout(Some(self.connection_timeout))
+            .set_number_of_retries(2);
+        let conn = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(|e| connect_error(&self.name, e))?;
+        Ok(Conn::Single(conn))
+    }
+
+    async fn cluster(&self, client: &ClusterClient) -> Result<Conn, StoreError> {
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(|e| connect_error(&self.name, e))?;
+        Ok(Conn::Cluster(conn))
+    }
+}
+
+/// Where a [`RedisStoreBuilder`] connects.
+#[derive(Debug, Clone)]
+enum Target {
+    Url(String),
+    Client(Box<Client>),
+    Cluster(Box<ClusterClient>),
 }
 
 fn cluster_nodes(url: &str) -> Option<Vec<String>> {
@@ -248,10 +286,10 @@ fn cluster_nodes(url: &str) -> Option<Vec<String>> {
     )
 }
 
-fn connect_error(url: &str, err: RedisError) -> StoreError {
+fn connect_error(name: &str, err: RedisError) -> StoreError {
     StoreError::new(
         StoreErrorKind::Unavailable,
-        format!("cannot connect to {}", redact(url)),
+        format!("cannot connect to {name}"),
     )
     .with_source(err)
 }
@@ -303,13 +341,33 @@ impl RedisStore {
 
     /// A builder for non-default settings.
     pub fn builder(url: &str) -> RedisStoreBuilder {
-        RedisStoreBuilder {
-            url: url.to_string(),
-            response_timeout: Duration::from_secs(1),
-            connection_timeout: Duration::from_secs(1),
-            on_unsafe_config: UnsafeConfig::default(),
-            wait_for_replicas: None,
-        }
+        RedisStoreBuilder::new(Target::Url(url.to_string()), redact(url))
+    }
+
+    /// A builder on a redis-rs client the application already has (its TLS, credentials
+    /// and protocol settings are kept; the store opens its own auto-reconnecting
+    /// connection with the builder's timeouts).
+    ///
+    /// ```no_run
+    /// use idempotent_runtime::RedisStore;
+    ///
+    /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = redis::Client::open("redis://127.0.0.1:6379")?;
+    /// let store = RedisStore::from_client(client).build().await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn from_client(client: ::redis::Client) -> RedisStoreBuilder {
+        let name = redact(&client.get_connection_info().addr().to_string());
+        RedisStoreBuilder::new(Target::Client(Box::new(client)), name)
+    }
+
+    /// A builder on a redis-rs cluster client the application already has (its own
+    /// timeouts and retry settings apply).
+    pub fn from_cluster_client(client: ClusterClient) -> RedisStoreBuilder {
+        RedisStoreBuilder::new(
+            Target::Cluster(Box::new(client)),
+            "the Redis Cluster".to_string(),
+        )
     }
 
     /// How many times a reconnection found a different server `run_id` (a restart or a
