@@ -154,6 +154,12 @@ async fn claim_sent_again_with_its_token_is_acquired() {
 }
 
 #[tokio::test]
+async fn batch_answers_as_single_claims_would() {
+    let records = Scratch::table(Server::MySql);
+    sql_cases::batch_answers_as_single_claims_would::<Maria>(&store_on(&records).await).await;
+}
+
+#[tokio::test]
 async fn keys_are_exact_bytes() {
     let records = Scratch::table(Server::MySql);
     sql_cases::keys_are_exact_bytes::<Maria>(&store_on(&records).await).await;

@@ -114,6 +114,42 @@ impl Harness for Pg {
             Ok(())
         })
     }
+    fn count_claim_statements<'a>(store: &'a PostgresStore) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            // Every claim is an `INSERT`: a statement-level trigger fires once per statement,
+            // whatever it inserted or updated.
+            let table = store.table();
+            let statements = [
+                format!("CREATE TABLE {table}_claims (n BIGINT NOT NULL)"),
+                format!("INSERT INTO {table}_claims VALUES (0)"),
+                format!(
+                    "CREATE FUNCTION {table}_count() RETURNS trigger LANGUAGE plpgsql AS $$ \
+                     BEGIN UPDATE {table}_claims SET n = n + 1; RETURN NULL; END $$"
+                ),
+                format!(
+                    "CREATE TRIGGER {table}_count AFTER INSERT ON {table} \
+                     FOR EACH STATEMENT EXECUTE FUNCTION {table}_count()"
+                ),
+            ];
+            for sql in statements {
+                sqlx::query(AssertSqlSafe(sql))
+                    .execute(store.pool())
+                    .await
+                    .unwrap();
+            }
+        })
+    }
+    fn claim_statements<'a>(store: &'a PostgresStore) -> BoxFuture<'a, Option<i64>> {
+        Box::pin(async move {
+            let sql = format!("SELECT n FROM {}_claims", store.table());
+            Some(
+                sqlx::query_scalar(AssertSqlSafe(sql))
+                    .fetch_one(store.pool())
+                    .await
+                    .unwrap(),
+            )
+        })
+    }
 }
 
 async fn count(store: &PostgresStore, table: &str) -> i64 {
@@ -157,6 +193,21 @@ async fn purger_task_purges_until_dropped() {
 async fn claim_sent_again_with_its_token_is_acquired() {
     let records = Scratch::table(Server::Postgres);
     sql_cases::claim_sent_again_with_its_token_is_acquired::<Pg>(&store_on(&records).await).await;
+}
+
+#[tokio::test]
+async fn batch_answers_as_single_claims_would() {
+    let records = Scratch::table(Server::Postgres);
+    let store = store_on(&records).await;
+    sql_cases::batch_answers_as_single_claims_would::<Pg>(&store).await;
+    let sql = format!(
+        "DROP TABLE {0}_claims; DROP FUNCTION {0}_count() CASCADE",
+        store.table()
+    );
+    sqlx::raw_sql(AssertSqlSafe(sql))
+        .execute(store.pool())
+        .await
+        .unwrap();
 }
 
 #[tokio::test]

@@ -178,6 +178,12 @@ async fn purger_task_purges_until_dropped() {
 }
 
 #[tokio::test]
+async fn batch_answers_as_single_claims_would() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    sql_cases::batch_answers_as_single_claims_would::<Lite>(&store).await;
+}
+
+#[tokio::test]
 async fn keys_are_exact_bytes() {
     let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
     sql_cases::keys_are_exact_bytes::<Lite>(&store).await;

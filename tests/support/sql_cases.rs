@@ -18,7 +18,7 @@ use std::time::Duration;
 use idempotent::sql::sqlx::{self, Database};
 use idempotent::sql::{Dialect, SqlStore};
 use idempotent::{
-    BoxFuture, Claim, ClaimRequest, Completion, Error, Key, RecordState, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Error, Fingerprint, Key, RecordState, Store, Token,
 };
 
 /// The statements of the cases whose SQL differs per database.
@@ -34,6 +34,15 @@ pub trait Harness: Send + Sync + 'static {
         table: &'c str,
         payment: &'c str,
     ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
+    /// Starts counting the claim statements sent on the store's table, where the database
+    /// can count them (PostgreSQL: a statement-level trigger).
+    fn count_claim_statements<'a>(_store: &'a SqlStore<Self::Db>) -> BoxFuture<'a, ()> {
+        Box::pin(async {})
+    }
+    /// The claim statements counted so far, or `None` where they are not counted.
+    fn claim_statements<'a>(_store: &'a SqlStore<Self::Db>) -> BoxFuture<'a, Option<i64>> {
+        Box::pin(async { None })
+    }
 }
 
 /// The error of the business code in the transactional cases.
@@ -258,4 +267,129 @@ pub async fn claim_sent_again_with_its_token_is_acquired<H: Harness>(store: &Sql
     );
     let record = store.read(&key).await.unwrap().unwrap();
     assert_eq!((record.token, record.fence), (r.token, 1));
+}
+
+/// Sets up one key per case under `prefix` and returns the requests of the batch, in order:
+/// a new key twice (two tokens), a completed key, a live foreign claim, a claim whose lease
+/// ran out, an expired record, a released key, a fingerprint mismatch, and a retry by the
+/// token that holds the live claim. Leaves 300 ms for the short leases to run out.
+async fn batch_cases(store: &impl Store, prefix: &str) -> Vec<ClaimRequest> {
+    let hour = Duration::from_secs(3600);
+    let short = Duration::from_millis(200);
+    let key = |case: &str| Key::new(prefix, 1, &[&case]).unwrap();
+    let fp = |n: u8| Some(Fingerprint::of(&[&n]));
+    let completion = Completion {
+        result: Some(b"done".to_vec()),
+        ttl: hour,
+    };
+
+    let completed = req(&key("completed"), hour, hour);
+    assert_eq!(
+        store.claim(&completed).await.unwrap(),
+        Claim::Acquired { fence: 1 }
+    );
+    assert!(store
+        .complete(&completed.key, &completed.token, &completion)
+        .await
+        .unwrap());
+    let live = req(&key("live"), hour, hour);
+    store.claim(&live).await.unwrap();
+    let lapsed = req(&key("lapsed"), short, hour);
+    store.claim(&lapsed).await.unwrap();
+    let expired = req(&key("expired"), short, short);
+    store.claim(&expired).await.unwrap();
+    let released = req(&key("released"), hour, hour);
+    store.claim(&released).await.unwrap();
+    assert!(store.release(&released.key, &released.token).await.unwrap());
+    let mismatch = ClaimRequest {
+        fingerprint: fp(1),
+        ..req(&key("mismatch"), hour, hour)
+    };
+    store.claim(&mismatch).await.unwrap();
+    assert!(store
+        .complete(&mismatch.key, &mismatch.token, &completion)
+        .await
+        .unwrap());
+    let own = req(&key("own"), hour, hour);
+    store.claim(&own).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    vec![
+        req(&key("new"), hour, hour),
+        req(&key("completed"), hour, hour),
+        req(&key("new"), hour, hour),
+        req(&key("live"), hour, hour),
+        req(&key("lapsed"), hour, hour),
+        req(&key("expired"), hour, hour),
+        req(&key("released"), hour, hour),
+        ClaimRequest {
+            fingerprint: fp(2),
+            ..req(&key("mismatch"), hour, hour)
+        },
+        own,
+    ]
+}
+
+/// A batch with a duplicated key, a completed key, a live foreign claim, a run-out lease
+/// (taken over: fence + 1), an expired record (fence 1 again), a released key (fence + 1),
+/// a fingerprint mismatch and a retry by the owner's token gets exactly the answers the same
+/// claims sent one by one get; where the database counts statements, the batch is one claim
+/// statement, plus one single claim for the key's second occurrence. A batch of 1001 new keys
+/// is acquired whole, in three statements.
+pub async fn batch_answers_as_single_claims_would<H: Harness>(store: &SqlStore<H::Db>) {
+    let singles = batch_cases(store, "single").await;
+    let batch = batch_cases(store, "batch").await;
+    let mut one_by_one = Vec::new();
+    for r in &singles {
+        one_by_one.push(store.claim(r).await.unwrap());
+    }
+    H::count_claim_statements(store).await;
+    let before = H::claim_statements(store).await;
+    let batched: Vec<Claim> = store
+        .claim_many(&batch)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let after = H::claim_statements(store).await;
+
+    let expected = vec![
+        Claim::Acquired { fence: 1 },
+        Claim::Completed {
+            fence: 1,
+            result: Some(b"done".to_vec()),
+        },
+        Claim::InProgress { fence: 1 },
+        Claim::InProgress { fence: 1 },
+        Claim::Acquired { fence: 2 },
+        Claim::Acquired { fence: 1 },
+        Claim::Acquired { fence: 2 },
+        Claim::Mismatch { fence: 1 },
+        Claim::Acquired { fence: 1 },
+    ];
+    assert_eq!(one_by_one, expected);
+    assert_eq!(batched, expected);
+    for (r, claim) in batch.iter().zip(&batched) {
+        if let Claim::Acquired { fence } = claim {
+            let record = store.read(&r.key).await.unwrap().unwrap();
+            assert_eq!((record.token, record.fence), (r.token, *fence));
+        }
+    }
+    if let (Some(before), Some(after)) = (before, after) {
+        assert_eq!(after - before, 2, "claim statements sent for the batch");
+    }
+
+    // A batch larger than one statement takes (500 keys) is claimed in chunks.
+    let hour = Duration::from_secs(3600);
+    let many: Vec<ClaimRequest> = (0..1001u32)
+        .map(|i| req(&Key::new("many", 1, &[&i]).unwrap(), hour, hour))
+        .collect();
+    let before = H::claim_statements(store).await;
+    for claim in store.claim_many(&many).await {
+        assert_eq!(claim.unwrap(), Claim::Acquired { fence: 1 });
+    }
+    let after = H::claim_statements(store).await;
+    if let (Some(before), Some(after)) = (before, after) {
+        assert_eq!(after - before, 3, "claim statements sent for 1001 keys");
+    }
 }

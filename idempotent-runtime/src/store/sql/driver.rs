@@ -45,6 +45,14 @@ pub struct Templates {
     pub read: &'static str,
     /// Deletes at most a batch of expired records: parameter `batch`.
     pub purge: &'static str,
+    /// The claim statement for a batch of distinct keys, returning `record_key` before the
+    /// record columns; empty when the dialect claims a batch one key at a time. It may hold a
+    /// `{rows}` marker that the driver replaces with one row of placeholders per key.
+    pub claim_many: &'static str,
+    /// Reads the live records of keys a batch claim did not take, `record_key` first; empty
+    /// when the batch statement reports them itself. It may hold a `{keys}` marker that the
+    /// driver replaces with one placeholder per key.
+    pub seen_many: &'static str,
 }
 
 /// The SQL of one store: the templates, rendered for its table.
@@ -59,6 +67,10 @@ pub struct Statements {
     pub(crate) renew: Arc<str>,
     pub(crate) read: Arc<str>,
     pub(crate) purge: Arc<str>,
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+    pub(crate) claim_many: Arc<str>,
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) seen_many: Arc<str>,
 }
 
 impl Statements {
@@ -72,6 +84,8 @@ impl Statements {
             renew: render(templates.renew),
             read: render(templates.read),
             purge: render(templates.purge),
+            claim_many: render(templates.claim_many),
+            seen_many: render(templates.seen_many),
         }
     }
 
@@ -104,6 +118,13 @@ impl Statements {
     pub fn purge(&self) -> &str {
         &self.purge
     }
+
+    /// The statement that claims a batch of keys at once, or `None` when the database claims
+    /// a batch one key at a time. On SQLite it holds a `{rows}` marker, replaced by one row
+    /// of placeholders per key when it is sent.
+    pub fn claim_many(&self) -> Option<&str> {
+        Some(&*self.claim_many).filter(|sql| !sql.is_empty())
+    }
 }
 
 /// A database the SQL store speaks. Sealed: implemented for sqlx's `Postgres`, `MySql` and
@@ -131,6 +152,27 @@ pub trait Driver: Database {
         sql: &'c Statements,
         req: &'c ClaimRequest,
     ) -> BoxFuture<'c, Result<Step, sqlx::Error>>;
+
+    /// The most distinct keys [`claim_batch`](Driver::claim_batch) claims in one statement;
+    /// zero when the dialect claims a batch one key at a time.
+    const BATCH: usize = 0;
+
+    /// Claims `reqs` (distinct keys, at most [`BATCH`](Driver::BATCH) of them) with one
+    /// statement and reports, for each request in order, what it did. The default claims
+    /// them one after another.
+    fn claim_batch<'c>(
+        conn: &'c mut Self::Connection,
+        sql: &'c Statements,
+        reqs: &'c [&'c ClaimRequest],
+    ) -> BoxFuture<'c, Result<Vec<Step>, sqlx::Error>> {
+        Box::pin(async move {
+            let mut steps = Vec::with_capacity(reqs.len());
+            for req in reqs {
+                steps.push(Self::claim(&mut *conn, sql, req).await?);
+            }
+            Ok(steps)
+        })
+    }
 
     /// Executes a statement; returns the rows it matched.
     fn execute<'c>(

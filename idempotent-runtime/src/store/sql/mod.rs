@@ -64,6 +64,26 @@
 //!   `sqlite::memory:` is one database shared by the pool's connections, kept alive by a
 //!   connection the pool never closes.
 //!
+//! # Batches
+//!
+//! [`Store::claim_many`] answers each item as [`Store::claim`] would, in the order given.
+//! A key that appears more than once is claimed once, by its first occurrence, in the batch;
+//! its later occurrences are then claimed one by one, and meet the first one's claim as
+//! separate claims would. The distinct keys are sent in key order, at most 500 per statement.
+//!
+//! - **PostgreSQL**: one statement per 500 keys, whatever the outcomes: the claim statement
+//!   over `unnest` of six bound arrays (`INSERT ... SELECT ... FROM input ON CONFLICT
+//!   (record_key) DO UPDATE SET ... WHERE <free> RETURNING record_key, ...`), with a
+//!   `UNION ALL` branch that reports the records of the keys it did not take. Sorting the keys
+//!   makes concurrent overlapping batches lock their rows in the same order.
+//! - **SQLite**: per 500 keys, the claim statement over a `VALUES` list of bound rows, then
+//!   one read of the keys it did not take (two statements on one connection, in autocommit
+//!   like the single claim: SQLite has one writer at a time and no round trips).
+//! - **MySQL / MariaDB**: one claim per key, on one connection at a time.
+//!
+//! As for a single claim, an item whose reported record is free is claimed again on its own.
+//! A batch statement that fails fails all of its items, with the error's kind.
+//!
 //! When the record a claim reports is free although the claim did not take it (it changed
 //! between the write and the report: a concurrent first insert, a release), the claim
 //! applied nothing for its token and is sent again. Every other answer is what an atomic
@@ -103,6 +123,7 @@
 )]
 
 use std::borrow::Cow;
+use std::collections::HashSet;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -708,6 +729,27 @@ impl<DB: Dialect> Store for SqlStore<DB> {
         })
     }
 
+    /// On PostgreSQL and SQLite, one claim statement per (at most) 500 distinct keys; see
+    /// the module docs. On MySQL / MariaDB, one claim per key.
+    fn claim_many<'a>(
+        &'a self,
+        reqs: &'a [ClaimRequest],
+    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
+        Box::pin(async move {
+            if DB::BATCH == 0 || reqs.len() < 2 {
+                let mut claims = Vec::with_capacity(reqs.len());
+                for req in reqs {
+                    claims.push(self.claim(req).await);
+                }
+                return claims;
+            }
+            match self.acquire().await {
+                Ok(mut conn) => claim_many_on::<DB>(&mut conn, &self.sql, reqs).await,
+                Err(err) => spread(err, reqs.len()),
+            }
+        })
+    }
+
     fn complete<'a>(
         &'a self,
         key: &'a Key,
@@ -800,6 +842,120 @@ async fn claim_on<DB: Dialect>(
             ));
         }
     }
+}
+
+/// Claims `reqs` in batch statements of distinct keys, then answers the later occurrences of
+/// a key one claim at a time (they meet the first occurrence's claim, as separate claims
+/// would); a reported record that is free is claimed again on its own, as in [`claim_on`].
+async fn claim_many_on<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    reqs: &[ClaimRequest],
+) -> Vec<Result<Claim, StoreError>> {
+    let mut claims: Vec<Result<Claim, StoreError>> = reqs
+        .iter()
+        .map(|_| {
+            Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                "batch claim left an item unanswered",
+            ))
+        })
+        .collect();
+    let mut firsts = HashSet::with_capacity(reqs.len());
+    let (mut distinct, mut later) = (Vec::with_capacity(reqs.len()), Vec::new());
+    for (i, req) in reqs.iter().enumerate() {
+        if firsts.insert(req.key.as_bytes()) {
+            distinct.push((i, req));
+        } else {
+            later.push((i, req));
+        }
+    }
+    // One order for every batch, so that overlapping batches lock their rows alike.
+    distinct.sort_by(|(_, a), (_, b)| a.key.as_bytes().cmp(b.key.as_bytes()));
+    for chunk in distinct.chunks(DB::BATCH.max(1)) {
+        let indices: Vec<usize> = chunk.iter().map(|&(i, _)| i).collect();
+        let batch: Vec<&ClaimRequest> = chunk.iter().map(|&(_, req)| req).collect();
+        let steps = match claim_batch_on::<DB>(conn, sql, &batch).await {
+            Ok(steps) if steps.len() == chunk.len() => steps,
+            Ok(_) => {
+                let err = StoreError::new(
+                    StoreErrorKind::Protocol,
+                    format!(
+                        "{} batch claim did not report every key",
+                        <DB as Database>::NAME
+                    ),
+                );
+                place(&mut claims, &indices, err);
+                continue;
+            }
+            Err(err) => {
+                place(&mut claims, &indices, err);
+                continue;
+            }
+        };
+        for (&(i, req), step) in chunk.iter().zip(steps) {
+            let claim = match settle(step, req, DB::TICK) {
+                Ok(Some(claim)) => Ok(claim),
+                Ok(None) => claim_on::<DB>(conn, sql, req, true).await,
+                Err(err) => Err(err),
+            };
+            put(&mut claims, i, claim);
+        }
+    }
+    for (i, req) in later {
+        let claim = claim_on::<DB>(conn, sql, req, true).await;
+        put(&mut claims, i, claim);
+    }
+    claims
+}
+
+fn put(claims: &mut [Result<Claim, StoreError>], i: usize, claim: Result<Claim, StoreError>) {
+    if let Some(slot) = claims.get_mut(i) {
+        *slot = claim;
+    }
+}
+
+/// Sends one batch claim statement; a statement rolled back by a conflict is sent again.
+async fn claim_batch_on<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    reqs: &[&ClaimRequest],
+) -> Result<Vec<record::Step>, StoreError> {
+    let mut conflicts = 0;
+    loop {
+        match DB::claim_batch(conn, sql, reqs).await {
+            Ok(steps) => return Ok(steps),
+            Err(err) if conflicts < CONFLICT_RETRIES && is_conflict::<DB>(&err) => {
+                conflicts += 1;
+                backoff(conflicts).await;
+            }
+            Err(err) => return Err(store_error::<DB>(err, Phase::Write, "batch claim")),
+        }
+    }
+}
+
+/// `err` for every item of a batch that failed as a whole: the first gets the error itself,
+/// the others its kind and message.
+fn spread(err: StoreError, items: usize) -> Vec<Result<Claim, StoreError>> {
+    let mut claims: Vec<_> = (1..items).map(|_| Err(copy_error(&err))).collect();
+    if items > 0 {
+        claims.insert(0, Err(err));
+    }
+    claims
+}
+
+/// Puts `err` in `claims` at the indices of a failed batch statement.
+fn place(claims: &mut [Result<Claim, StoreError>], indices: &[usize], err: StoreError) {
+    for &i in indices.iter().skip(1) {
+        put(claims, i, Err(copy_error(&err)));
+    }
+    if let Some(&first) = indices.first() {
+        put(claims, first, Err(err));
+    }
+}
+
+fn copy_error(err: &StoreError) -> StoreError {
+    StoreError::new(err.kind(), err.to_string())
 }
 
 async fn complete_on<DB: Dialect>(

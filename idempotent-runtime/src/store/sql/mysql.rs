@@ -110,6 +110,9 @@ impl Driver for MySql {
         renew: RENEW,
         read: READ,
         purge: PURGE,
+        // A batch is claimed one key at a time.
+        claim_many: "",
+        seen_many: "",
     };
     const MIGRATIONS: &'static [(i64, &'static str, &'static str)] = &[(
         1,

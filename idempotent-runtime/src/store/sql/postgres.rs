@@ -1,6 +1,7 @@
 //! PostgreSQL: the claim is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE <free>` inside a
 //! statement that also reports the record when the claim did not take it.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use sqlx::error::DatabaseError;
@@ -55,6 +56,55 @@ FROM idempotent_records
 WHERE record_key = $1 AND expires_at > statement_timestamp()
   AND NOT EXISTS (SELECT 1 FROM taken)";
 
+/// The claim of a batch of distinct keys: [`CLAIM`] over the rows of six parallel arrays
+/// (key, prefix, token, lease, fingerprint, ttl), one statement whatever the outcomes. The
+/// rows are inserted in the arrays' order (the driver sorts them by key, so that concurrent
+/// overlapping batches lock their rows in the same order). Each taken key is returned by
+/// `taken`; the live record of every other key is returned as of the statement's snapshot,
+/// as the single claim does. Rows come back in no particular order, `record_key` first.
+const CLAIM_MANY: &str = "\
+WITH input AS (
+    SELECT * FROM unnest($1::bytea[], $2::text[], $3::bytea[], $4::int8[], $5::bytea[],
+                         $6::int8[])
+        WITH ORDINALITY AS i(record_key, prefix, token, lease, fingerprint, ttl, ord)
+), taken AS (
+    INSERT INTO idempotent_records AS r
+        (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
+         created_at, updated_at, expires_at)
+    SELECT record_key, prefix, token, 1, 'in_progress',
+           statement_timestamp() + lease * INTERVAL '1 microsecond', NULL::bytea, fingerprint,
+           statement_timestamp(), statement_timestamp(),
+           statement_timestamp() + ttl * INTERVAL '1 microsecond'
+    FROM input
+    ORDER BY ord
+    ON CONFLICT (record_key) DO UPDATE SET
+        token = EXCLUDED.token,
+        fence = CASE WHEN r.expires_at <= statement_timestamp() THEN 1 ELSE r.fence + 1 END,
+        state = 'in_progress',
+        lease_until = EXCLUDED.lease_until,
+        result = NULL,
+        fingerprint = EXCLUDED.fingerprint,
+        created_at = CASE WHEN r.expires_at <= statement_timestamp()
+                          THEN EXCLUDED.created_at ELSE r.created_at END,
+        updated_at = EXCLUDED.updated_at,
+        expires_at = EXCLUDED.expires_at
+    WHERE r.expires_at <= statement_timestamp()
+       OR r.state = 'released'
+       OR (r.state = 'in_progress' AND r.lease_until <= statement_timestamp()
+           AND NOT (r.fingerprint IS NOT NULL AND EXCLUDED.fingerprint IS NOT NULL
+                    AND r.fingerprint <> EXCLUDED.fingerprint))
+    RETURNING r.record_key, r.state, r.token, r.fence, r.fingerprint, r.result,
+              0::int8 AS lease_left
+)
+SELECT record_key, state, token, fence, fingerprint, result, lease_left FROM taken
+UNION ALL
+SELECT t.record_key, t.state, t.token, t.fence, t.fingerprint, t.result,
+       GREATEST(0, (EXTRACT(EPOCH FROM t.lease_until - statement_timestamp()) * 1000000)::int8)
+FROM idempotent_records AS t
+WHERE t.record_key IN (SELECT record_key FROM input)
+  AND t.expires_at > statement_timestamp()
+  AND t.record_key NOT IN (SELECT record_key FROM taken)";
+
 const READ: &str = "\
 SELECT state, token, fence, fingerprint, result,
        GREATEST(0, (EXTRACT(EPOCH FROM lease_until - statement_timestamp()) * 1000000)::int8)
@@ -106,6 +156,9 @@ impl Driver for Postgres {
         renew: RENEW,
         read: READ,
         purge: PURGE,
+        claim_many: CLAIM_MANY,
+        // The batch statement reports the records it did not take.
+        seen_many: "",
     };
     const MIGRATIONS: &'static [(i64, &'static str, &'static str)] = &[(
         1,
@@ -136,6 +189,50 @@ impl Driver for Postgres {
                 .fetch_optional(conn)
                 .await?;
             Ok(Step::Seen(row.as_ref().map(RecordRow::decode).transpose()?))
+        })
+    }
+
+    const BATCH: usize = 500;
+
+    fn claim_batch<'c>(
+        conn: &'c mut PgConnection,
+        sql: &'c Statements,
+        reqs: &'c [&'c ClaimRequest],
+    ) -> BoxFuture<'c, Result<Vec<Step>, sqlx::Error>> {
+        Box::pin(async move {
+            let keys: Vec<&[u8]> = reqs.iter().map(|req| req.key.as_bytes()).collect();
+            let prefixes: Vec<&str> = reqs.iter().map(|req| req.key.prefix()).collect();
+            let tokens: Vec<&[u8]> = reqs.iter().map(|req| &req.token.as_bytes()[..]).collect();
+            let leases: Vec<i64> = reqs
+                .iter()
+                .map(|req| ticks(req.lease, Self::TICK))
+                .collect();
+            let fingerprints: Vec<Option<&[u8]>> = reqs
+                .iter()
+                .map(|req| req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
+                .collect();
+            let ttls: Vec<i64> = reqs
+                .iter()
+                .map(|req| ticks(req.ttl.max(req.lease), Self::TICK))
+                .collect();
+            let rows = sqlx::query(AssertSqlSafe(sql.claim_many.clone()))
+                .bind(&keys)
+                .bind(&prefixes)
+                .bind(&tokens)
+                .bind(&leases)
+                .bind(&fingerprints)
+                .bind(&ttls)
+                .fetch_all(conn)
+                .await?;
+            let mut seen = HashMap::with_capacity(rows.len());
+            for row in &rows {
+                let (key, record) = RecordRow::decode_keyed(row)?;
+                seen.insert(key, record);
+            }
+            Ok(reqs
+                .iter()
+                .map(|req| Step::Seen(seen.remove(req.key.as_bytes())))
+                .collect())
         })
     }
 

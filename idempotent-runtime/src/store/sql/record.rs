@@ -30,13 +30,37 @@ impl RecordRow {
         Vec<u8>: for<'r> Decode<'r, R::Database> + Type<R::Database>,
         i64: for<'r> Decode<'r, R::Database> + Type<R::Database>,
     {
+        RecordRow::decode_from(row, 0)
+    }
+
+    /// Decodes a batch row: the `record_key` column, then the six record columns.
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+    pub(crate) fn decode_keyed<R>(row: &R) -> Result<(Vec<u8>, RecordRow), sqlx::Error>
+    where
+        R: Row,
+        usize: ColumnIndex<R>,
+        String: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+        Vec<u8>: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+        i64: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+    {
+        Ok((row.try_get(0)?, RecordRow::decode_from(row, 1)?))
+    }
+
+    fn decode_from<R>(row: &R, first: usize) -> Result<RecordRow, sqlx::Error>
+    where
+        R: Row,
+        usize: ColumnIndex<R>,
+        String: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+        Vec<u8>: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+        i64: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+    {
         Ok(RecordRow {
-            state: row.try_get(0)?,
-            token: row.try_get(1)?,
-            fence: row.try_get(2)?,
-            fingerprint: row.try_get(3)?,
-            result: row.try_get(4)?,
-            lease_left: row.try_get(5)?,
+            state: row.try_get(first)?,
+            token: row.try_get(first + 1)?,
+            fence: row.try_get(first + 2)?,
+            fingerprint: row.try_get(first + 3)?,
+            result: row.try_get(first + 4)?,
+            lease_left: row.try_get(first + 5)?,
         })
     }
 }

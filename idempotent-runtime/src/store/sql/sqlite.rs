@@ -1,6 +1,7 @@
 //! SQLite: the claim is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE <free> RETURNING`;
 //! a claim that did not take the key reads the record.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -64,6 +65,61 @@ WHERE r.expires_at <= ",
        AND NOT (r.fingerprint IS NOT NULL AND excluded.fingerprint IS NOT NULL
                 AND r.fingerprint <> excluded.fingerprint))
 RETURNING state, token, fence, fingerprint, result, 0"
+);
+
+/// The claim of a batch of distinct keys: [`CLAIM`] over a `VALUES` list whose `{rows}`
+/// marker the driver replaces with one `(?, ?, ?, ?, ?, ?)` per key (key, prefix, token,
+/// lease, fingerprint, ttl). Returns the taken records, `record_key` first. (`WHERE true`
+/// keeps SQLite's parser from reading `ON CONFLICT` as a join constraint.)
+const CLAIM_MANY: &str = concat!(
+    "INSERT INTO idempotent_records AS r
+    (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
+     created_at, updated_at, expires_at)
+SELECT column1, column2, column3, 1, 'in_progress', ",
+    now!(),
+    " + column4, NULL, column5, ",
+    now!(),
+    ", ",
+    now!(),
+    ", ",
+    now!(),
+    " + column6
+FROM (VALUES {rows}) WHERE true
+ON CONFLICT (record_key) DO UPDATE SET
+    token = excluded.token,
+    fence = CASE WHEN r.expires_at <= ",
+    now!(),
+    " THEN 1 ELSE r.fence + 1 END,
+    state = 'in_progress',
+    lease_until = excluded.lease_until,
+    result = NULL,
+    fingerprint = excluded.fingerprint,
+    created_at = CASE WHEN r.expires_at <= ",
+    now!(),
+    " THEN excluded.created_at ELSE r.created_at END,
+    updated_at = excluded.updated_at,
+    expires_at = excluded.expires_at
+WHERE r.expires_at <= ",
+    now!(),
+    "
+   OR r.state = 'released'
+   OR (r.state = 'in_progress' AND r.lease_until <= ",
+    now!(),
+    "
+       AND NOT (r.fingerprint IS NOT NULL AND excluded.fingerprint IS NOT NULL
+                AND r.fingerprint <> excluded.fingerprint))
+RETURNING record_key, state, token, fence, fingerprint, result, 0"
+);
+
+/// Reads the live records of the keys a batch claim did not take; the driver replaces the
+/// `{keys}` marker with one `?` per key.
+const SEEN_MANY: &str = concat!(
+    "SELECT record_key, state, token, fence, fingerprint, result, MAX(0, lease_until - ",
+    now!(),
+    ")
+FROM idempotent_records
+WHERE record_key IN ({keys}) AND expires_at > ",
+    now!()
 );
 
 const READ: &str = concat!(
@@ -137,6 +193,8 @@ impl Driver for Sqlite {
         renew: RENEW,
         read: READ,
         purge: PURGE,
+        claim_many: CLAIM_MANY,
+        seen_many: SEEN_MANY,
     };
     const MIGRATIONS: &'static [(i64, &'static str, &'static str)] = &[(
         1,
@@ -190,6 +248,58 @@ impl Driver for Sqlite {
             }
             let key = [Arg::Bytes(req.key.as_bytes())];
             Ok(Step::Seen(Self::fetch(conn, &sql.seen, &key).await?))
+        })
+    }
+
+    const BATCH: usize = 500;
+
+    /// Two statements on the connection: the batch claim, then one read of the keys it did
+    /// not take (SQLite has one writer at a time, and no round trips). As for a single claim,
+    /// a record that changed between the two is read as it is then.
+    fn claim_batch<'c>(
+        conn: &'c mut SqliteConnection,
+        sql: &'c Statements,
+        reqs: &'c [&'c ClaimRequest],
+    ) -> BoxFuture<'c, Result<Vec<Step>, sqlx::Error>> {
+        Box::pin(async move {
+            let rows = vec!["(?, ?, ?, ?, ?, ?)"; reqs.len()].join(", ");
+            let claim = sql.claim_many.replace("{rows}", &rows);
+            let mut query = sqlx::query(AssertSqlSafe(claim));
+            for req in reqs {
+                query = query
+                    .bind(req.key.as_bytes())
+                    .bind(req.key.prefix())
+                    .bind(&req.token.as_bytes()[..])
+                    .bind(ticks(req.lease, Self::TICK))
+                    .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
+                    .bind(ticks(req.ttl.max(req.lease), Self::TICK));
+            }
+            let mut seen = HashMap::with_capacity(reqs.len());
+            for row in &query.fetch_all(&mut *conn).await? {
+                let (key, record) = RecordRow::decode_keyed(row)?;
+                seen.insert(key, record);
+            }
+            let rest: Vec<&[u8]> = reqs
+                .iter()
+                .map(|req| req.key.as_bytes())
+                .filter(|key| !seen.contains_key(*key))
+                .collect();
+            if !rest.is_empty() {
+                let keys = vec!["?"; rest.len()].join(", ");
+                let read = sql.seen_many.replace("{keys}", &keys);
+                let mut query = sqlx::query(AssertSqlSafe(read));
+                for key in &rest {
+                    query = query.bind(*key);
+                }
+                for row in &query.fetch_all(&mut *conn).await? {
+                    let (key, record) = RecordRow::decode_keyed(row)?;
+                    seen.insert(key, record);
+                }
+            }
+            Ok(reqs
+                .iter()
+                .map(|req| Step::Seen(seen.remove(req.key.as_bytes())))
+                .collect())
         })
     }
 
