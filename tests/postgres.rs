@@ -126,9 +126,11 @@ impl Harness for Pg {
                     "CREATE FUNCTION {table}_count() RETURNS trigger LANGUAGE plpgsql AS $$ \
                      BEGIN UPDATE {table}_claims SET n = n + 1; RETURN NULL; END $$"
                 ),
+                // A trigger's name takes no schema: it lives in its table's.
                 format!(
-                    "CREATE TRIGGER {table}_count AFTER INSERT ON {table} \
-                     FOR EACH STATEMENT EXECUTE FUNCTION {table}_count()"
+                    "CREATE TRIGGER {}_count AFTER INSERT ON {table} \
+                     FOR EACH STATEMENT EXECUTE FUNCTION {table}_count()",
+                    table.rsplit('.').next().unwrap_or(table)
                 ),
             ];
             for sql in statements {
@@ -197,17 +199,15 @@ async fn claim_sent_again_with_its_token_is_acquired() {
 
 #[tokio::test]
 async fn batch_answers_as_single_claims_would() {
-    let records = Scratch::table(Server::Postgres);
-    let store = store_on(&records).await;
-    sql_cases::batch_answers_as_single_claims_would::<Pg>(&store).await;
-    let sql = format!(
-        "DROP TABLE {0}_claims; DROP FUNCTION {0}_count() CASCADE",
-        store.table()
-    );
-    sqlx::raw_sql(AssertSqlSafe(sql))
-        .execute(store.pool())
+    // In a scratch schema: the statement counter's table and function go with it, even when
+    // the test fails.
+    let schema = Scratch::schema();
+    let store = PostgresStore::builder()
+        .table(format!("{}.records", schema.name()))
+        .connect(schema.url())
         .await
         .unwrap();
+    sql_cases::batch_answers_as_single_claims_would::<Pg>(&store).await;
 }
 
 #[tokio::test]
