@@ -918,13 +918,3 @@ async fn watch<F: Future>(fut: F, owner: &Owner, lease: Duration) -> F::Output {
         }
     }
 }
-
-/// Builds an operation from the attribute's constant settings.
-pub(crate) fn from_spec<R: HandlerResult>(
-    guard: Guard,
-    prefix: &str,
-    version: u32,
-    parts: &[&dyn KeyPart],
-) -> Operation<R> {
-    Operation::new(guard, Key::new(prefix, version, parts))
-}

@@ -3,10 +3,10 @@
 use std::time::Duration;
 
 pub use crate::operation::HandlerResult;
-use crate::operation::{from_spec, Guard, Operation};
+use crate::operation::{Guard, Operation};
 pub use crate::policy::{InProgress, OnError, OnStoreError};
 use crate::store::{IntoStore, SharedStore};
-use crate::KeyPart;
+use crate::{Key, KeyPart};
 
 /// The attribute's constant settings.
 #[derive(Debug, Clone, Copy)]
@@ -40,7 +40,7 @@ pub fn operation<R: HandlerResult>(
     if let Some(store) = store {
         guard = guard.store(store);
     }
-    from_spec(guard, spec.prefix, spec.version, parts)
+    Operation::new(guard, Key::new(spec.prefix, spec.version, parts))
 }
 
 /// A key part, type-checked where the user wrote it.
