@@ -33,6 +33,11 @@ impl Backend for Tiered {
     fn namespace(&self) -> &str {
         &self.namespace
     }
+    // Duplicates are answered from the front (Redis), whose fences come from its own clock;
+    // acquired claims carry the back's (PostgreSQL) fence.
+    fn answers_carry_the_owners_fence(&self) -> bool {
+        false
+    }
     fn store(&self) -> SharedStore {
         self.store.clone()
     }

@@ -110,7 +110,10 @@ pub enum Error {
     /// The store failed or could not be reached. With the default fail-closed policy the
     /// handler did not run and nothing was released.
     ///
-    /// Consumer: [`Action::Redeliver`]; processing resumes when the store is back.
+    /// Consumer: [`Action::Redeliver`]; processing resumes when the store is back. Two kinds
+    /// are not outages and dead-letter instead: a record the store holds but cannot be read
+    /// ([`StoreErrorKind::Corrupt`]) and a command the store refuses for good
+    /// ([`StoreErrorKind::Rejected`]).
     #[error("idempotency store error")]
     Store(#[from] StoreError),
 
@@ -120,6 +123,20 @@ pub enum Error {
     /// Consumer: [`Action::Redeliver`]; fix the start-up code.
     #[error("no idempotency store is configured: call `idempotent::set_default_store` at start-up or pass `store = ...`")]
     NoStore,
+
+    /// A duration setting (`ttl`, `lease`) is outside [`MIN_DURATION`](crate::store::MIN_DURATION)
+    /// ..= [`MAX_DURATION`](crate::store::MAX_DURATION). Nothing ran and the store was not
+    /// touched, whatever the backend. The attribute rejects such literals at compile time;
+    /// [`Guard::check`](crate::Guard::check) finds them at start-up.
+    ///
+    /// Consumer: [`Action::Redeliver`]; fix the configuration.
+    #[error("`{setting}` of {value:?} is outside the supported range of 1 ms to 36500 days")]
+    InvalidDuration {
+        /// `"ttl"` or `"lease"`.
+        setting: &'static str,
+        /// The value given.
+        value: std::time::Duration,
+    },
 
     /// The key could not be built from the message (an empty identifier, say). Nothing ran.
     ///
@@ -146,10 +163,12 @@ impl Error {
     pub fn action(&self) -> Action {
         match self {
             Error::Duplicate { .. } | Error::Skipped { .. } => Action::Ack,
+            Error::Store(err) if err.is_permanent() => Action::DeadLetter,
             Error::InProgress { .. }
             | Error::LostOwnership { .. }
             | Error::Store(_)
-            | Error::NoStore => Action::Redeliver,
+            | Error::NoStore
+            | Error::InvalidDuration { .. } => Action::Redeliver,
             Error::PayloadMismatch { .. }
             | Error::Held { .. }
             | Error::InvalidKey(_)
@@ -166,7 +185,11 @@ impl Error {
             | Error::PayloadMismatch { key }
             | Error::LostOwnership { key, .. }
             | Error::Held { key } => Some(key),
-            Error::Store(_) | Error::NoStore | Error::InvalidKey(_) | Error::Codec { .. } => None,
+            Error::Store(_)
+            | Error::NoStore
+            | Error::InvalidDuration { .. }
+            | Error::InvalidKey(_)
+            | Error::Codec { .. } => None,
         }
     }
 
@@ -186,9 +209,17 @@ pub enum StoreErrorKind {
     /// The command was sent but its reply was lost or timed out: it may or may not have been
     /// applied. The engine resolves this by reading the record back by token.
     OutcomeUnknown,
-    /// The store answered with something the backend does not understand (a corrupt record,
-    /// an unexpected reply).
+    /// The store answered with something the backend does not understand (an unexpected
+    /// reply shape, a server too old for the backend).
     Protocol,
+    /// The store holds a record under the key that the backend cannot read: corrupt, written
+    /// by something else, or of an unknown format. Not an outage: retrying meets the same
+    /// record, so a consumer dead-letters the message and an operator looks at the key.
+    Corrupt,
+    /// The store refused this command for good, without applying it: a value too large for
+    /// it, data too long for a column, a constraint. Not an outage: sending it again fails
+    /// the same way. A completion refused this way is retried without its stored result.
+    Rejected,
     /// The store's configuration is unsafe for idempotency records (an eviction policy that
     /// drops live claims, a read-only replica).
     Unsafe,
@@ -235,6 +266,22 @@ impl StoreError {
     pub fn is_outcome_unknown(&self) -> bool {
         self.kind == StoreErrorKind::OutcomeUnknown
     }
+
+    /// Whether sending the same command again cannot succeed: [`StoreErrorKind::Corrupt`] and
+    /// [`StoreErrorKind::Rejected`].
+    ///
+    /// ```
+    /// use idempotent_runtime::{StoreError, StoreErrorKind};
+    ///
+    /// assert!(StoreError::new(StoreErrorKind::Corrupt, "bad record").is_permanent());
+    /// assert!(!StoreError::new(StoreErrorKind::Unavailable, "down").is_permanent());
+    /// ```
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self.kind,
+            StoreErrorKind::Corrupt | StoreErrorKind::Rejected
+        )
+    }
 }
 
 impl fmt::Display for StoreError {
@@ -244,6 +291,8 @@ impl fmt::Display for StoreError {
             StoreErrorKind::OutcomeUnknown => "store reply lost",
             StoreErrorKind::Protocol => "unexpected store reply",
             StoreErrorKind::Unsafe => "unsafe store configuration",
+            StoreErrorKind::Corrupt => "unreadable record",
+            StoreErrorKind::Rejected => "store refused the command",
         };
         write!(f, "{kind}: {}", self.message)
     }

@@ -41,6 +41,57 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// A store shared by handlers.
 pub type SharedStore = Arc<dyn Store>;
 
+/// The shortest `ttl` or `lease` accepted: one millisecond.
+pub const MIN_DURATION: Duration = Duration::from_millis(1);
+
+/// The longest `ttl` or `lease` accepted: 36,500 days (about a century), what every backend
+/// can add to its clock without overflow.
+pub const MAX_DURATION: Duration = Duration::from_secs(36_500 * 24 * 3600);
+
+/// The largest stored result a store takes by default: 1 MiB. A result above the store's
+/// [`max_result_size`](Store::max_result_size) completes its record without it: duplicates
+/// get [`Error::Duplicate`](crate::Error::Duplicate) instead of a replay, and the handler
+/// never runs again.
+pub const DEFAULT_MAX_RESULT_SIZE: usize = 1 << 20;
+
+/// `d` in whole milliseconds, rounded up and clamped to [`MIN_DURATION`] ..=
+/// [`MAX_DURATION`]: how every backend turns a duration into its own units, so that one
+/// duration means the same on all of them.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotent_runtime::store::{clamped_millis, MAX_DURATION};
+///
+/// assert_eq!(clamped_millis(Duration::from_micros(1500)), 2);
+/// assert_eq!(clamped_millis(Duration::ZERO), 1);
+/// assert_eq!(clamped_millis(Duration::MAX), MAX_DURATION.as_millis() as u64);
+/// ```
+pub fn clamped_millis(d: Duration) -> u64 {
+    let d = d.clamp(MIN_DURATION, MAX_DURATION);
+    let millis = d.as_millis() + u128::from(d.subsec_nanos() % 1_000_000 != 0);
+    u64::try_from(millis).unwrap_or(u64::MAX)
+}
+
+/// The fence of a new acquisition: one more than the record's fence when the key has a record
+/// (live, released, or an expired lease being taken over), and the store's clock in
+/// microseconds since the Unix epoch when it has none. The clock keeps fences growing across
+/// record expiry, when the previous fence is gone: a key would have to be acquired more than
+/// once per microsecond, over its record's whole life, for a fence to repeat.
+///
+/// ```
+/// use idempotent_runtime::store::next_fence;
+///
+/// assert_eq!(next_fence(None, 1_700_000_000_000_000), 1_700_000_000_000_000);
+/// assert_eq!(next_fence(Some(41), 1_700_000_000_000_000), 42);
+/// assert_eq!(next_fence(None, 0), 1);
+/// ```
+pub fn next_fence(previous: Option<u64>, now_micros: u64) -> u64 {
+    match previous {
+        Some(fence) => fence.saturating_add(1),
+        None => now_micros.max(1),
+    }
+}
+
 /// The atomic primitives an idempotency backend provides.
 ///
 /// Implementations must make each method one atomic operation on the store (a Redis script,
@@ -63,15 +114,15 @@ pub type SharedStore = Arc<dyn Store>;
 ///     ttl: Duration::from_secs(60),
 ///     fingerprint: None,
 /// };
-/// assert!(matches!(store.claim(&req).await?, Claim::Acquired { fence: 1 }));
-/// assert!(matches!(store.claim(&ClaimRequest { token: Token::generate(), ..req.clone() }).await?,
-///                  Claim::InProgress { fence: 1 }));
+/// let Claim::Acquired { fence } = store.claim(&req).await? else { unreachable!() };
+/// let other = ClaimRequest { token: Token::generate(), ..req.clone() };
+/// assert_eq!(store.claim(&other).await?, Claim::InProgress { fence });
 /// # Ok(()) }
 /// ```
 pub trait Store: Send + Sync + 'static {
     /// Claims `req.key` for `req.token`, atomically:
     ///
-    /// - no live record, or a `Released` one: write `InProgress` with fence + 1, expiring
+    /// - no live record, or a `Released` one: write `InProgress` with the next fence, expiring
     ///   `ttl` from now, and return [`Claim::Acquired`];
     /// - an `InProgress` record whose lease has run out: take it over the same way (fence + 1,
     ///   new token), unless its fingerprint differs from `req`'s ([`Claim::Mismatch`]);
@@ -82,6 +133,13 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// A claim by the token that already holds the live claim returns `Acquired` with the same
     /// fence, so a claim retried after a lost reply is harmless.
+    ///
+    /// The fence of an acquisition is [`next_fence`]: one more than the record's fence, or the
+    /// store's clock in microseconds since the Unix epoch when the key has no record, so fences
+    /// never repeat for a key, not even after its record expired.
+    ///
+    /// Durations outside [`MIN_DURATION`] ..= [`MAX_DURATION`] are clamped (see
+    /// [`clamped_millis`]); the engine refuses them before they reach a store.
     fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>>;
 
     /// Claims several keys, each as [`claim`](Store::claim) would, in as few round trips as the
@@ -134,6 +192,14 @@ pub trait Store: Send + Sync + 'static {
     /// Reads the record, for resolving a lost reply by token and for inspection. Never use
     /// it to decide whether to write: claims are atomic on their own.
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
+
+    /// The largest stored result, in bytes, this store takes. The engine completes a record
+    /// whose result is larger without the result (duplicates then get
+    /// [`Error::Duplicate`](crate::Error::Duplicate), never a re-run). Backends never report
+    /// more than they can take; the default is [`DEFAULT_MAX_RESULT_SIZE`].
+    fn max_result_size(&self) -> usize {
+        DEFAULT_MAX_RESULT_SIZE
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -171,6 +237,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         (**self).read(key)
+    }
+    fn max_result_size(&self) -> usize {
+        (**self).max_result_size()
     }
 }
 

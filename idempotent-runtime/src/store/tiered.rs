@@ -18,6 +18,11 @@
 //!
 //! Writes to the front after the back answered are best effort: a failure there is logged and
 //! costs only speed (the next duplicate asks the back).
+//!
+//! **Fences.** An acquired claim carries the back's fence: that is the one to check at the
+//! effect. Duplicates answered by the front (in progress, completed, mismatch) carry the
+//! front's own fence, which each layer takes from its own clock: read it as information, not
+//! as the owner's fence.
 
 use std::time::Duration;
 
@@ -152,5 +157,12 @@ impl Store for TieredStore {
 
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         self.back.read(key)
+    }
+
+    /// The smaller of the two layers' limits: a result is kept by both or by neither.
+    fn max_result_size(&self) -> usize {
+        self.front
+            .max_result_size()
+            .min(self.back.max_result_size())
     }
 }
