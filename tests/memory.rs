@@ -7,9 +7,10 @@ mod conformance;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idempotent::memory::{ManualClock, MemoryStore};
+use idempotent::memory::{Clock, ManualClock, MemoryStore};
+use idempotent::store::{next_fence, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
 use idempotent::{
     BoxFuture, Claim, ClaimRequest, Completion, Key, RecordState, SharedStore, Store, Token,
 };
@@ -79,9 +80,12 @@ async fn lease_and_ttl_follow_the_stores_own_clock_exactly() {
     ));
     clock.advance(Duration::from_nanos(1));
     assert!(store.read(&key).await.unwrap().is_none());
+    // No record left: the fence is the clock's time in microseconds, past every earlier one.
     assert_eq!(
         store.claim(&claim_req(&key, lease, ttl)).await.unwrap(),
-        Claim::Acquired { fence: 1 }
+        Claim::Acquired {
+            fence: (lease + ttl).as_micros() as u64
+        }
     );
 }
 
@@ -179,4 +183,217 @@ fn claims_from_many_threads_on_many_keys_acquire_each_key_once() {
     }
     assert_eq!(acquired.load(Ordering::SeqCst), 5_000);
     assert_eq!(store.len(), 5_000);
+}
+
+#[tokio::test]
+async fn fence_is_one_more_than_the_records_or_the_clock_in_microseconds() {
+    let clock = Arc::new(ManualClock::new());
+    let store = MemoryStore::with_clock(clock.clone());
+    let key = Key::new("fence-rule", 1, &[&1u8]).unwrap();
+    let lease = Duration::from_secs(10);
+    let ttl = Duration::from_secs(100);
+    let acquire = |req: ClaimRequest| {
+        let store = &store;
+        async move {
+            match store.claim(&req).await.unwrap() {
+                Claim::Acquired { fence } => (fence, req.token),
+                other => panic!("not acquired: {other:?}"),
+            }
+        }
+    };
+
+    // A manual clock at zero: the first fence is 1, as `next_fence(None, 0)` says.
+    assert_eq!(clock.unix_micros(), 0);
+    let (first, token) = acquire(claim_req(&key, lease, ttl)).await;
+    assert_eq!(first, next_fence(None, 0));
+    assert_eq!(first, 1);
+
+    // A released record and an expired lease both count up from the record's fence.
+    assert!(store.release(&key, &token).await.unwrap());
+    let (second, _) = acquire(claim_req(&key, lease, ttl)).await;
+    assert_eq!(second, 2);
+    clock.advance(lease);
+    let (third, token) = acquire(claim_req(&key, lease, ttl)).await;
+    assert_eq!(third, 3);
+
+    // Once the record has expired, the clock takes over: 10 s + 3 s + 100 s in microseconds.
+    clock.advance(Duration::from_secs(3));
+    let done = Completion { result: None, ttl };
+    assert!(store.complete(&key, &token, &done).await.unwrap());
+    clock.advance(ttl);
+    assert!(store.read(&key).await.unwrap().is_none());
+    assert_eq!(clock.unix_micros(), 113_000_000);
+    let (fourth, _) = acquire(claim_req(&key, lease, ttl)).await;
+    assert_eq!(fourth, next_fence(None, clock.unix_micros()));
+    assert_eq!(fourth, 113_000_000);
+    assert!(fourth > third);
+
+    // A key never seen also starts at the clock.
+    let other = Key::new("fence-rule", 1, &[&2u8]).unwrap();
+    let (fresh, _) = acquire(claim_req(&other, lease, ttl)).await;
+    assert_eq!(fresh, 113_000_000);
+}
+
+#[tokio::test]
+async fn fences_on_the_system_clock_are_unix_microseconds_and_grow_across_expiry() {
+    let store = MemoryStore::new();
+    let key = Key::new("fence-system", 1, &[&1u8]).unwrap();
+    let unix_micros = || {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as u64
+    };
+    let mut fences = Vec::new();
+    for _ in 0..3 {
+        let before = unix_micros();
+        let req = claim_req(&key, Duration::from_secs(30), Duration::from_millis(1));
+        let Claim::Acquired { fence } = store.claim(&req).await.unwrap() else {
+            panic!("not acquired")
+        };
+        // The store's clock follows the wall clock from the moment it was created.
+        let slack = 1_000_000;
+        assert!(
+            (before - slack..=unix_micros() + slack).contains(&fence),
+            "{fence} is not the time of the claim"
+        );
+        assert!(
+            fences.iter().all(|earlier| *earlier < fence),
+            "{fence} after {fences:?}"
+        );
+        fences.push(fence);
+        // Released: the next acquisition counts up from the record.
+        assert!(store.release(&key, &req.token).await.unwrap());
+        let again = claim_req(&key, Duration::from_secs(30), Duration::from_millis(1));
+        assert_eq!(
+            store.claim(&again).await.unwrap(),
+            Claim::Acquired { fence: fence + 1 }
+        );
+        fences.push(fence + 1);
+        let done = Completion {
+            result: None,
+            ttl: Duration::from_millis(1),
+        };
+        assert!(store.complete(&key, &again.token, &done).await.unwrap());
+        // Wait (bounded) for the record to expire.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while store.read(&key).await.unwrap().is_some() {
+            assert!(std::time::Instant::now() < deadline, "never expired");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn huge_and_tiny_durations_are_clamped_to_whole_milliseconds() {
+    let clock = Arc::new(ManualClock::new());
+    let store = MemoryStore::with_clock(clock.clone());
+    let key = Key::new("durations", 1, &[&1u8]).unwrap();
+    clock.advance(Duration::from_secs(1));
+
+    let owner = claim_req(&key, Duration::MAX, Duration::MAX);
+    assert!(matches!(
+        store.claim(&owner).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+    let state = store.read(&key).await.unwrap().unwrap().state;
+    assert_eq!(
+        state,
+        RecordState::InProgress {
+            lease_left: MAX_DURATION
+        }
+    );
+    clock.advance(Duration::from_secs(1));
+    assert!(store
+        .renew(&key, &owner.token, Duration::MAX)
+        .await
+        .unwrap());
+    let state = store.read(&key).await.unwrap().unwrap().state;
+    assert_eq!(
+        state,
+        RecordState::InProgress {
+            lease_left: MAX_DURATION
+        }
+    );
+    let done = Completion {
+        result: None,
+        ttl: Duration::MAX,
+    };
+    assert!(store.complete(&key, &owner.token, &done).await.unwrap());
+    clock.advance(MAX_DURATION - Duration::from_millis(1));
+    assert_eq!(
+        store.read(&key).await.unwrap().unwrap().state,
+        RecordState::Completed
+    );
+    clock.advance(Duration::from_millis(1));
+    assert!(store.read(&key).await.unwrap().is_none());
+
+    // A sub-millisecond lease is rounded up to whole milliseconds, zero to one.
+    let short = Key::new("durations", 1, &[&2u8]).unwrap();
+    let owner = claim_req(&short, Duration::from_micros(1500), Duration::ZERO);
+    store.claim(&owner).await.unwrap();
+    assert_eq!(
+        store.read(&short).await.unwrap().unwrap().state,
+        RecordState::InProgress {
+            lease_left: Duration::from_millis(2)
+        }
+    );
+    assert!(store
+        .renew(&short, &owner.token, Duration::ZERO)
+        .await
+        .unwrap());
+    assert_eq!(
+        store.read(&short).await.unwrap().unwrap().state,
+        RecordState::InProgress {
+            lease_left: Duration::from_millis(1)
+        }
+    );
+}
+
+#[test]
+fn max_result_size_defaults_to_the_shared_default_and_is_configurable() {
+    assert_eq!(
+        Store::max_result_size(&MemoryStore::new()),
+        DEFAULT_MAX_RESULT_SIZE
+    );
+    let store = MemoryStore::builder().max_result_size(8 << 20).build();
+    assert_eq!(store.max_result_size(), 8 << 20);
+    let clock = Arc::new(ManualClock::new());
+    let store = MemoryStore::builder()
+        .clock(clock.clone())
+        .max_result_size(100)
+        .build();
+    assert_eq!(store.max_result_size(), 100);
+    let shared: SharedStore = Arc::new(store);
+    assert_eq!(shared.max_result_size(), 100);
+}
+
+#[tokio::test]
+async fn fresh_key_traffic_keeps_the_store_bounded_by_its_live_records() {
+    // Four waves of new keys, each expiring 1 s after it completes, 1.5 s apart: after each
+    // wave only that wave is live. The store may hold at most twice its live records plus a
+    // constant (64 shards, each swept no later than at 1,024 records).
+    const WAVE: u32 = 300_000;
+    let clock = Arc::new(ManualClock::new());
+    let store = MemoryStore::with_clock(clock.clone());
+    let ttl = Duration::from_secs(1);
+    let done = Completion { result: None, ttl };
+    let bound = 2 * WAVE as usize + 64 * 1024;
+    for wave in 0..4u32 {
+        for i in 0..WAVE {
+            let key = Key::new("waves", 1, &[&wave, &i]).unwrap();
+            let req = claim_req(&key, ttl, ttl);
+            assert!(matches!(
+                store.claim(&req).await.unwrap(),
+                Claim::Acquired { .. }
+            ));
+            assert!(store.complete(&key, &req.token, &done).await.unwrap());
+        }
+        let held = store.len();
+        assert!(
+            held <= bound,
+            "after wave {wave}: {held} records held for {WAVE} live (bound {bound})"
+        );
+        clock.advance(Duration::from_millis(1500));
+    }
 }

@@ -2,9 +2,16 @@
 //!
 //! Records live in a sharded map; each shard is a mutex held only for the few instructions
 //! of one primitive (never across an `.await`), so claims of different keys rarely contend.
-//! Expired records are dropped lazily when touched and in amortised sweeps, so memory stays
-//! proportional to the live records. Time is the store's own monotonic [`Clock`]; a
-//! [`ManualClock`] makes lease and expiry tests instant and exact.
+//! Expired records are dropped lazily when touched, and a shard is swept whenever it has
+//! doubled since its last sweep (or has seen as many claims as it holds records): whatever
+//! the mix of new keys and duplicates, a shard holds at most twice the records live at its
+//! last sweep (or 1,024), for a constant cost per claim. Time is the store's own monotonic
+//! [`Clock`] (fences also read its wall time, [`Clock::unix_micros`]); a [`ManualClock`]
+//! makes lease and expiry tests instant and exact.
+//!
+//! Durations are taken in whole milliseconds within
+//! [`MIN_DURATION`](crate::store::MIN_DURATION) ..= [`MAX_DURATION`](crate::store::MAX_DURATION),
+//! as on every backend.
 //!
 //! It is the right store for demos, tests of code that uses the framework, and single-process
 //! services whose dedup window need not survive a restart. Records are lost when the process
@@ -14,30 +21,47 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::error::StoreError;
 use crate::key::Key;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, Record, RecordState, Store, Token,
+    clamped_millis, next_fence, BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, Record,
+    RecordState, Store, Token, DEFAULT_MAX_RESULT_SIZE,
 };
 
 /// A monotonic clock for the [`MemoryStore`].
 pub trait Clock: Send + Sync + 'static {
     /// Time elapsed since an arbitrary, fixed origin.
     fn now(&self) -> Duration;
+
+    /// Microseconds since the Unix epoch: the fence of a key without a record (see
+    /// [`next_fence`]), which must keep growing across a process restart. The default reads
+    /// the system's wall clock (0 before the epoch).
+    fn unix_micros(&self) -> u64 {
+        wall_clock_micros()
+    }
 }
 
-/// The system's monotonic clock.
+/// The system's wall clock in microseconds since the Unix epoch; 0 before the epoch.
+fn wall_clock_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// The system's monotonic clock, anchored to the wall clock for fences.
 #[derive(Debug, Clone, Copy)]
 pub struct SystemClock {
     origin: Instant,
+    origin_unix_micros: u64,
 }
 
 impl Default for SystemClock {
     fn default() -> Self {
         SystemClock {
             origin: Instant::now(),
+            origin_unix_micros: wall_clock_micros(),
         }
     }
 }
@@ -45,6 +69,14 @@ impl Default for SystemClock {
 impl Clock for SystemClock {
     fn now(&self) -> Duration {
         self.origin.elapsed()
+    }
+
+    /// The wall clock's time when this clock was created, plus the monotonic time since:
+    /// it never goes back while the process runs, even if the wall clock is stepped back,
+    /// and a restarted process starts again from the wall clock.
+    fn unix_micros(&self) -> u64 {
+        let since_origin = u64::try_from(self.origin.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.origin_unix_micros.saturating_add(since_origin)
     }
 }
 
@@ -72,8 +104,12 @@ impl ManualClock {
 
     /// Moves the clock forward.
     pub fn advance(&self, by: Duration) {
-        let nanos = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
-        self.nanos.fetch_add(nanos, Ordering::SeqCst);
+        let by = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
+        let _ = self
+            .nanos
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |nanos| {
+                Some(nanos.saturating_add(by))
+            });
     }
 }
 
@@ -81,16 +117,27 @@ impl Clock for ManualClock {
     fn now(&self) -> Duration {
         Duration::from_nanos(self.nanos.load(Ordering::SeqCst))
     }
+
+    /// The clock's own time, as if its origin were the Unix epoch: tests stay deterministic
+    /// (a fresh clock gives fence 1).
+    fn unix_micros(&self) -> u64 {
+        self.nanos.load(Ordering::SeqCst) / 1_000
+    }
 }
 
 impl<C: Clock + ?Sized> Clock for Arc<C> {
     fn now(&self) -> Duration {
         (**self).now()
     }
+
+    fn unix_micros(&self) -> u64 {
+        (**self).unix_micros()
+    }
 }
 
 const SHARDS: usize = 64;
-const MIN_SWEEP_INTERVAL: usize = 1024;
+/// A shard holding fewer records than this is never swept for its size.
+const SWEEP_FLOOR: usize = 1024;
 
 #[derive(Debug, Clone)]
 enum State {
@@ -111,17 +158,53 @@ struct Entry {
 #[derive(Default)]
 struct Shard {
     map: HashMap<Key, Entry>,
+    /// Records left by the last sweep.
+    swept_len: usize,
+    /// Operations since the last sweep.
     ops_since_sweep: usize,
+    /// No record expires before this: a sweep before it has nothing to drop.
+    next_expiry: Duration,
 }
 
 impl Shard {
-    /// Drops expired records once enough operations have passed to pay for a full scan.
+    /// Drops expired records when the map has doubled since the last sweep (fresh keys pay
+    /// for it: at least half the records scanned were inserted since), or when as many
+    /// operations as records have passed (duplicates pay for it). Either way a sweep costs a
+    /// constant per operation, and the map holds at most twice the records live at the last
+    /// sweep, or [`SWEEP_FLOOR`]. A sweep before the earliest expiry scans nothing.
     fn maybe_sweep(&mut self, now: Duration) {
         self.ops_since_sweep += 1;
-        if self.ops_since_sweep >= self.map.len().max(MIN_SWEEP_INTERVAL) {
-            self.ops_since_sweep = 0;
-            self.map.retain(|_, e| e.expires_at > now);
+        let len = self.map.len();
+        if len >= self.swept_len.saturating_mul(2).max(SWEEP_FLOOR)
+            || self.ops_since_sweep >= len.max(SWEEP_FLOOR)
+        {
+            self.sweep(now);
         }
+    }
+
+    fn sweep(&mut self, now: Duration) {
+        if self.next_expiry <= now {
+            let mut next_expiry = Duration::MAX;
+            self.map.retain(|_, e| {
+                let live = e.expires_at > now;
+                if live {
+                    next_expiry = next_expiry.min(e.expires_at);
+                }
+                live
+            });
+            self.next_expiry = next_expiry;
+        }
+        self.swept_len = self.map.len();
+        self.ops_since_sweep = 0;
+        // A map that held far more records than it does now gives the memory back.
+        if self.map.capacity() > 4 * self.swept_len.max(SWEEP_FLOOR) {
+            self.map.shrink_to(2 * self.swept_len);
+        }
+    }
+
+    /// Notes that a record now expires at `at`.
+    fn expires(&mut self, at: Duration) {
+        self.next_expiry = self.next_expiry.min(at);
     }
 
     /// The live record of `key`, dropping it first if it has expired.
@@ -146,6 +229,60 @@ pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
+    max_result_size: usize,
+}
+
+/// Builds a [`MemoryStore`]: its clock and the largest result it stores.
+///
+/// ```
+/// use std::sync::Arc;
+/// use idempotent_runtime::memory::{ManualClock, MemoryStore};
+/// use idempotent_runtime::Store;
+///
+/// let store = MemoryStore::builder()
+///     .clock(Arc::new(ManualClock::new()))
+///     .max_result_size(64 << 10)
+///     .build();
+/// assert_eq!(store.max_result_size(), 64 << 10);
+/// ```
+#[must_use]
+pub struct MemoryStoreBuilder {
+    clock: Arc<dyn Clock>,
+    max_result_size: usize,
+}
+
+impl std::fmt::Debug for MemoryStoreBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStoreBuilder")
+            .field("max_result_size", &self.max_result_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryStoreBuilder {
+    /// The store's clock (default: the system's, [`SystemClock`]).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The largest stored result, in bytes (default [`DEFAULT_MAX_RESULT_SIZE`], 1 MiB). A
+    /// larger result completes its record without it: duplicates get no replay, and never
+    /// run again. See [`Store::max_result_size`].
+    pub fn max_result_size(mut self, bytes: usize) -> Self {
+        self.max_result_size = bytes;
+        self
+    }
+
+    /// An empty store.
+    pub fn build(self) -> MemoryStore {
+        MemoryStore {
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            hasher: RandomState::new(),
+            clock: self.clock,
+            max_result_size: self.max_result_size,
+        }
+    }
 }
 
 impl Default for MemoryStore {
@@ -158,6 +295,7 @@ impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryStore")
             .field("records", &self.len())
+            .field("max_result_size", &self.max_result_size)
             .finish()
     }
 }
@@ -179,10 +317,14 @@ impl MemoryStore {
     /// # let _ = store;
     /// ```
     pub fn with_clock(clock: impl Clock) -> MemoryStore {
-        MemoryStore {
-            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-            hasher: RandomState::new(),
-            clock: Arc::new(clock),
+        MemoryStore::builder().clock(clock).build()
+    }
+
+    /// A builder, to set the clock or the largest stored result.
+    pub fn builder() -> MemoryStoreBuilder {
+        MemoryStoreBuilder {
+            clock: Arc::new(SystemClock::default()),
+            max_result_size: DEFAULT_MAX_RESULT_SIZE,
         }
     }
 
@@ -200,7 +342,7 @@ impl MemoryStore {
     pub fn purge_expired(&self) {
         let now = self.clock.now();
         for shard in self.shards.iter() {
-            lock(shard).map.retain(|_, e| e.expires_at > now);
+            lock(shard).sweep(now);
         }
     }
 
@@ -225,7 +367,7 @@ impl MemoryStore {
             _ => false,
         };
         let previous_fence = match shard.live(&req.key, now) {
-            None => 0,
+            None => None,
             Some(entry) => match &entry.state {
                 // The same owner claiming again (a retry after a lost reply).
                 State::InProgress { .. } if entry.token == req.token => {
@@ -240,23 +382,31 @@ impl MemoryStore {
                 State::InProgress { lease_until } if *lease_until > now && !mismatch(entry) => {
                     return Claim::InProgress { fence: entry.fence }
                 }
-                State::Released => entry.fence,
+                State::Released => Some(entry.fence),
                 _ if mismatch(entry) => return Claim::Mismatch { fence: entry.fence },
                 // An InProgress record whose lease ran out: take it over.
-                _ => entry.fence,
+                _ => Some(entry.fence),
             },
         };
-        let fence = previous_fence + 1;
+        // The wall clock is read only when the key has no record.
+        let now_micros = match previous_fence {
+            Some(_) => 0,
+            None => self.clock.unix_micros(),
+        };
+        let fence = next_fence(previous_fence, now_micros);
+        let lease = clamped(req.lease);
+        let expires_at = now + clamped(req.ttl).max(lease);
+        shard.expires(expires_at);
         shard.map.insert(
             req.key.clone(),
             Entry {
                 state: State::InProgress {
-                    lease_until: now + req.lease,
+                    lease_until: now + lease,
                 },
                 token: req.token,
                 fence,
                 fingerprint: req.fingerprint,
-                expires_at: now + req.ttl.max(req.lease),
+                expires_at,
             },
         );
         Claim::Acquired { fence }
@@ -271,17 +421,19 @@ impl MemoryStore {
         if entry.token != *token {
             return false;
         }
+        let expires_at = now + clamped(completion.ttl);
         match entry.state {
             State::InProgress { .. } => {
                 entry.state = State::Completed {
                     result: completion.result.as_deref().map(Arc::from),
                 };
-                entry.expires_at = now + completion.ttl;
-                true
+                entry.expires_at = expires_at;
             }
-            State::Completed { .. } => true,
-            State::Released => false,
+            State::Completed { .. } => return true,
+            State::Released => return false,
         }
+        shard.expires(expires_at);
+        true
     }
 
     fn release_now(&self, key: &Key, token: &Token) -> bool {
@@ -305,7 +457,7 @@ impl MemoryStore {
             Some(entry)
                 if entry.token == *token && matches!(entry.state, State::InProgress { .. }) =>
             {
-                let lease_until = now + lease;
+                let lease_until = now + clamped(lease);
                 entry.state = State::InProgress { lease_until };
                 entry.expires_at = entry.expires_at.max(lease_until);
                 true
@@ -339,6 +491,14 @@ impl MemoryStore {
             result,
         })
     }
+}
+
+/// `d` as every backend takes it: whole milliseconds within [`MIN_DURATION`] ..=
+/// [`MAX_DURATION`](crate::store::MAX_DURATION), so adding it to the clock never overflows.
+///
+/// [`MIN_DURATION`]: crate::store::MIN_DURATION
+fn clamped(d: Duration) -> Duration {
+    Duration::from_millis(clamped_millis(d))
 }
 
 /// Locks a shard. A poisoned lock (a panic while it was held) is taken over: every primitive
@@ -386,5 +546,9 @@ impl Store for MemoryStore {
 
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         Box::pin(std::future::ready(Ok(self.read_now(key))))
+    }
+
+    fn max_result_size(&self) -> usize {
+        self.max_result_size
     }
 }
