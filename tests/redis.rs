@@ -18,8 +18,10 @@ use std::time::Duration;
 
 use conformance::{unique_namespace, Backend};
 use idempotent::redis::{RedisStore, UnsafeConfig};
+use idempotent::store::{DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
 use idempotent::{
-    Action, BoxFuture, Error, Guard, Key, RecordState, SharedStore, Store, StoreErrorKind,
+    Action, BoxFuture, Claim, ClaimRequest, Completion, Error, Guard, Key, RecordState,
+    SharedStore, Store, StoreErrorKind, Token,
 };
 use redis_server::{connect, delete_matching, redis_url, RedisCluster, RedisServer};
 
@@ -114,7 +116,7 @@ fn conformance_on_a_three_master_cluster() {
 
         // A store on the application's own cluster client.
         let nodes: Vec<String> = cluster.nodes.iter().map(RedisServer::url).collect();
-        let client = redis::cluster::ClusterClient::new(nodes).unwrap();
+        let client = redis::cluster::ClusterClient::new(nodes.clone()).unwrap();
         let store: SharedStore = Arc::new(
             RedisStore::from_cluster_client(client)
                 .on_unsafe_config(UnsafeConfig::Warn)
@@ -122,7 +124,7 @@ fn conformance_on_a_three_master_cluster() {
                 .await
                 .unwrap(),
         );
-        let guard = Guard::new(Duration::from_secs(60)).store(store);
+        let guard = Guard::new(Duration::from_secs(60)).store(store.clone());
         let run = |id: u32| {
             guard.run(Key::new("from-client", 1, &[&id]).unwrap(), async {
                 Ok::<_, Error>(())
@@ -130,6 +132,34 @@ fn conformance_on_a_three_master_cluster() {
         };
         run(1).await.unwrap();
         assert!(matches!(run(1).await, Err(Error::Duplicate { .. })));
+
+        // Values that are not records, on whichever master holds their slot.
+        let client = redis::cluster::ClusterClient::new(nodes).unwrap();
+        let mut conn = client.get_async_connection().await.unwrap();
+        for (i, command) in ["SET", "HSET"].into_iter().enumerate() {
+            let key = Key::new("cluster-corrupt", 1, &[&(i as u64)]).unwrap();
+            let mut cmd = redis::cmd(command);
+            cmd.arg(key.as_bytes());
+            if command == "HSET" {
+                cmd.arg("field");
+            }
+            let () = cmd
+                .arg("not a record")
+                .query_async::<redis::Value>(&mut conn)
+                .await
+                .map(drop)
+                .unwrap();
+            let req = claim_request(&key, Duration::from_secs(60), Duration::from_secs(60));
+            let kinds = [
+                store.claim(&req).await.err().map(|e| e.kind()),
+                store.read(&key).await.err().map(|e| e.kind()),
+                store.claim_many(std::slice::from_ref(&req)).await[0]
+                    .as_ref()
+                    .err()
+                    .map(|e| e.kind()),
+            ];
+            assert_eq!(kinds, [Some(StoreErrorKind::Corrupt); 3], "{command}");
+        }
     });
     // Records of many keys landed on every master: the hash tags spread them.
     for node in &cluster.nodes {
@@ -151,6 +181,7 @@ async fn lost_claim_reply_on_a_real_connection_is_resolved_as_ours() {
     let namespace = unique_namespace();
     let key = Key::new(&format!("{namespace}:lost-claim"), 1, &[&"order-1"]).unwrap();
     let executions = AtomicUsize::new(0);
+    let before = server_micros(&redis_url());
 
     proxy.lose_reply_to(b"\r\nclaim\r\n");
     let out: Result<(), Error> = Guard::new(Duration::from_secs(60))
@@ -164,7 +195,13 @@ async fn lost_claim_reply_on_a_real_connection_is_resolved_as_ours() {
     assert_eq!(proxy.lost(), 1, "the proxy lost no reply");
     assert_eq!(executions.load(Ordering::SeqCst), 1);
     let record = store.read(&key).await.unwrap().unwrap();
-    assert_eq!((record.state, record.fence), (RecordState::Completed, 1));
+    assert_eq!(record.state, RecordState::Completed);
+    // One acquisition of a new key: its fence is the server's clock at the claim.
+    assert!(
+        (before..=server_micros(&redis_url())).contains(&record.fence),
+        "fence {} is not the time of the only claim",
+        record.fence
+    );
     delete_matching(&redis_url(), &format!("{namespace}:*"));
 }
 
@@ -491,4 +528,409 @@ async fn unreachable_server_is_a_typed_error() {
         !format!("{err} {err:?}").contains("secret"),
         "the password leaked: {err:?}"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Fences, unreadable records, result sizes and durations.
+
+/// The server's clock, in microseconds since the Unix epoch.
+fn server_micros(url: &str) -> u64 {
+    let mut conn = raw(url);
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query(&mut conn).unwrap();
+    secs * 1_000_000 + micros
+}
+
+/// A plain connection, for writing what the store never would.
+fn raw(url: &str) -> redis::Connection {
+    redis::Client::open(url).unwrap().get_connection().unwrap()
+}
+
+fn claim_request(key: &Key, lease: Duration, ttl: Duration) -> ClaimRequest {
+    ClaimRequest {
+        key: key.clone(),
+        token: Token::generate(),
+        lease,
+        ttl,
+        fingerprint: None,
+    }
+}
+
+fn acquired(claim: Claim) -> u64 {
+    match claim {
+        Claim::Acquired { fence } => fence,
+        other => panic!("expected an acquired claim, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn fences_keep_growing_after_a_record_expires() {
+    let url = redis_url();
+    let store = connect(&url).await;
+    let namespace = unique_namespace();
+    let key = Key::new(&format!("{namespace}:fence"), 1, &[&"order-1"]).unwrap();
+    let short = Duration::from_millis(200);
+    let mut conn = raw(&url);
+
+    // A key never seen: the fence is the server's clock in microseconds.
+    let before = server_micros(&url);
+    let first = claim_request(&key, short, short);
+    let f1 = acquired(store.claim(&first).await.unwrap());
+    assert!(
+        (before..=server_micros(&url)).contains(&f1),
+        "fence {f1} is not the server's clock"
+    );
+    // Stored and read back as the exact integer.
+    let stored: Vec<u8> = redis::cmd("GET")
+        .arg(key.as_bytes())
+        .query(&mut conn)
+        .unwrap();
+    assert!(
+        stored[18..].starts_with(format!("{f1}:").as_bytes()),
+        "stored fence is not {f1}: {:?}",
+        String::from_utf8_lossy(&stored[18..])
+    );
+    assert_eq!(store.read(&key).await.unwrap().unwrap().fence, f1);
+
+    // The record lives: one more.
+    assert!(store.release(&key, &first.token).await.unwrap());
+    let second = claim_request(&key, short, short);
+    assert_eq!(acquired(store.claim(&second).await.unwrap()), f1 + 1);
+
+    // The record expires; the next owner's fence is still above every earlier one.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let exists: u32 = redis::cmd("EXISTS")
+            .arg(key.as_bytes())
+            .query(&mut conn)
+            .unwrap();
+        if exists == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the record never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let third = claim_request(&key, Duration::from_secs(60), Duration::from_secs(60));
+    let f3 = acquired(store.claim(&third).await.unwrap());
+    assert!(
+        f3 > f1 + 1,
+        "fence {f3} repeats an earlier one ({f1}, {})",
+        f1 + 1
+    );
+    // Completed and claimed again, it keeps its fence.
+    let done = Completion {
+        result: None,
+        ttl: Duration::from_secs(60),
+    };
+    assert!(store.complete(&key, &third.token, &done).await.unwrap());
+    assert_eq!(
+        store
+            .claim(&claim_request(&key, short, short))
+            .await
+            .unwrap(),
+        Claim::Completed {
+            fence: f3,
+            result: None
+        }
+    );
+    delete_matching(&url, &format!("{namespace}:*"));
+}
+
+/// Values no store wrote: random bytes, cut-off and record-shaped ones.
+fn unreadable_values(token: &Token) -> Vec<(String, Vec<u8>)> {
+    let shaped = |state: u8, marker: u8, fence: &[u8], lease_end: &[u8]| {
+        let mut v = vec![state];
+        v.extend_from_slice(token.as_bytes());
+        v.push(marker);
+        v.extend_from_slice(fence);
+        v.push(b':');
+        v.extend_from_slice(lease_end);
+        v.extend_from_slice(b":result");
+        v
+    };
+    let mut values = vec![
+        ("empty".to_string(), Vec::new()),
+        ("too short".to_string(), b"P0123456789".to_vec()),
+        (
+            "cut before the fence".to_string(),
+            shaped(b'P', b'-', b"", b"")[..18].to_vec(),
+        ),
+        (
+            "unknown state letter".to_string(),
+            shaped(b'X', b'-', b"7", b"0"),
+        ),
+        (
+            "lower-case state letter".to_string(),
+            shaped(b'p', b'-', b"7", b"0"),
+        ),
+        (
+            "non-numeric fence".to_string(),
+            shaped(b'P', b'-', b"seven", b"0"),
+        ),
+        ("signed fence".to_string(), shaped(b'C', b'-', b"+7", b"0")),
+        ("empty fence".to_string(), shaped(b'C', b'-', b"", b"0")),
+        (
+            "fence beyond exact integers".to_string(),
+            shaped(b'C', b'-', b"99999999999999999999", b"0"),
+        ),
+        (
+            "non-numeric lease end".to_string(),
+            shaped(b'P', b'-', b"7", b"soon"),
+        ),
+        (
+            "no fingerprint marker".to_string(),
+            shaped(b'C', b'?', b"7", b"0"),
+        ),
+        (
+            "fingerprint cut short".to_string(),
+            shaped(b'C', b'F', b"7", b"0"),
+        ),
+    ];
+    // Random bytes from a fixed seed, of every length up to 80.
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    for len in (0..=80).step_by(4) {
+        let bytes = (0..len)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed.to_le_bytes()[0]
+            })
+            .collect();
+        values.push((format!("{len} random bytes"), bytes));
+    }
+    values
+}
+
+async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &Token, what: &str) {
+    let long = Duration::from_secs(60);
+    let mine = ClaimRequest {
+        token: *token,
+        ..claim_request(key, long, long)
+    };
+    let done = Completion {
+        result: None,
+        ttl: long,
+    };
+    let outcomes = [
+        (
+            "claim",
+            store.claim(&claim_request(key, long, long)).await.err(),
+        ),
+        ("claim by its token", store.claim(&mine).await.err()),
+        ("complete", store.complete(key, token, &done).await.err()),
+        ("release", store.release(key, token).await.err()),
+        ("renew", store.renew(key, token, long).await.err()),
+        ("read", store.read(key).await.err()),
+    ];
+    for (op, err) in outcomes {
+        let kind = err.map(|e| e.kind());
+        assert_eq!(kind, Some(StoreErrorKind::Corrupt), "{what}: {op}");
+    }
+    // In a batch, only the unreadable key fails.
+    let fresh = Key::new(&format!("{}:fresh", key.prefix()), 1, &[&what]).unwrap();
+    let batch = store
+        .claim_many(&[
+            claim_request(key, long, long),
+            claim_request(&fresh, long, long),
+        ])
+        .await;
+    match &batch[..] {
+        [Err(err), Ok(Claim::Acquired { .. })] => {
+            assert_eq!(err.kind(), StoreErrorKind::Corrupt, "{what}: batch claim");
+            assert!(err.is_permanent());
+        }
+        other => panic!("{what}: batch claim gave {other:?}"),
+    }
+    // Through the engine: dead-lettered, and the body never runs.
+    let ran = AtomicUsize::new(0);
+    let out: Result<(), Error> = Guard::new(long)
+        .store(store.clone() as SharedStore)
+        .run(key.clone(), async {
+            ran.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .await;
+    match out {
+        Err(err @ Error::Store(_)) => assert_eq!(err.action(), Action::DeadLetter, "{what}"),
+        other => panic!("{what}: the engine gave {other:?}"),
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 0, "{what}: the body ran");
+}
+
+#[tokio::test]
+async fn unreadable_records_are_corrupt_for_every_operation_and_left_alone() {
+    let url = redis_url();
+    let store = Arc::new(connect(&url).await);
+    let namespace = unique_namespace();
+    let mut conn = raw(&url);
+    let token = Token::generate();
+    for (i, (what, value)) in unreadable_values(&token).into_iter().enumerate() {
+        let key = Key::new(&format!("{namespace}:corrupt"), 1, &[&(i as u64)]).unwrap();
+        let () = redis::cmd("SET")
+            .arg(key.as_bytes())
+            .arg(&value)
+            .query(&mut conn)
+            .unwrap();
+        assert_corrupt_everywhere(&store, &key, &token, &what).await;
+        let now: Vec<u8> = redis::cmd("GET")
+            .arg(key.as_bytes())
+            .query(&mut conn)
+            .unwrap();
+        assert_eq!(now, value, "{what}: the value was overwritten");
+    }
+    // Keys of another type, written by someone else.
+    for (what, command) in [("a hash", "HSET"), ("a sorted set", "ZADD")] {
+        let key = Key::new(&format!("{namespace}:foreign"), 1, &[&what]).unwrap();
+        let _: i64 = redis::cmd(command)
+            .arg(key.as_bytes())
+            .arg("1")
+            .arg("member")
+            .query(&mut conn)
+            .unwrap();
+        assert_corrupt_everywhere(&store, &key, &token, what).await;
+        let kind: String = redis::cmd("TYPE")
+            .arg(key.as_bytes())
+            .query(&mut conn)
+            .unwrap();
+        assert_ne!(kind, "string", "{what} was overwritten");
+    }
+    delete_matching(&url, &format!("{namespace}:*"));
+}
+
+#[tokio::test]
+async fn max_result_size_is_configurable_and_never_above_what_the_server_takes() {
+    let url = redis_url();
+    assert_eq!(
+        connect(&url).await.max_result_size(),
+        DEFAULT_MAX_RESULT_SIZE
+    );
+    let store = RedisStore::builder(&url)
+        .on_unsafe_config(UnsafeConfig::Warn)
+        .max_result_size(8 << 20)
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(store.max_result_size(), 8 << 20);
+
+    // A server that takes at most 1 MiB per argument: the store's limit is a bit below it,
+    // whether asked for more or left at the default.
+    let server = RedisServer::start(&["--proto-max-bulk-len", "1mb"]);
+    let store = RedisStore::builder(&server.url())
+        .on_unsafe_config(UnsafeConfig::Warn)
+        .max_result_size(64 << 20)
+        .build()
+        .await
+        .unwrap();
+    let limit = store.max_result_size();
+    assert!(
+        ((1 << 20) - 1024..1 << 20).contains(&limit),
+        "limit {limit} on a 1 MiB server"
+    );
+    assert_eq!(connect(&server.url()).await.max_result_size(), limit);
+
+    // A result of exactly the limit is stored and replayed.
+    let long = Duration::from_secs(60);
+    let key = Key::new("result-size", 1, &[&1u8]).unwrap();
+    let req = claim_request(&key, long, long);
+    acquired(store.claim(&req).await.unwrap());
+    let result = vec![b'r'; limit];
+    let done = Completion {
+        result: Some(result.clone()),
+        ttl: long,
+    };
+    assert!(store.complete(&key, &req.token, &done).await.unwrap());
+    match store.claim(&claim_request(&key, long, long)).await.unwrap() {
+        Claim::Completed { result: r, .. } => assert!(r == Some(result), "result not replayed"),
+        other => panic!("expected the completed record, got {other:?}"),
+    }
+
+    // One byte more is refused for good, before it reaches the server; the store stays usable.
+    let key = Key::new("result-size", 1, &[&2u8]).unwrap();
+    let req = claim_request(&key, long, long);
+    acquired(store.claim(&req).await.unwrap());
+    let too_large = Completion {
+        result: Some(vec![b'r'; limit + 1]),
+        ttl: long,
+    };
+    let err = store
+        .complete(&key, &req.token, &too_large)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Rejected, "{err}");
+    let done = Completion {
+        result: None,
+        ttl: long,
+    };
+    assert!(store.complete(&key, &req.token, &done).await.unwrap());
+
+    // Where CONFIG is not allowed, the limit is Redis' default of 512 MiB.
+    let server = RedisServer::start(&["--rename-command", "CONFIG", ""]);
+    let store = RedisStore::builder(&server.url())
+        .on_unsafe_config(UnsafeConfig::Warn)
+        .max_result_size(usize::MAX)
+        .build()
+        .await
+        .unwrap();
+    let limit = store.max_result_size();
+    assert!(
+        ((512 << 20) - 1024..512 << 20).contains(&limit),
+        "limit {limit} without CONFIG"
+    );
+}
+
+#[tokio::test]
+async fn durations_beyond_a_century_are_clamped_to_a_century() {
+    let url = redis_url();
+    let store = connect(&url).await;
+    let namespace = unique_namespace();
+    let mut conn = raw(&url);
+    let century = i64::try_from(MAX_DURATION.as_millis()).unwrap();
+    let mut pttl = |key: &Key, what: &str| {
+        let ms: i64 = redis::cmd("PTTL")
+            .arg(key.as_bytes())
+            .query(&mut conn)
+            .unwrap();
+        assert!(
+            (century - 60_000..=century).contains(&ms),
+            "{what}: PTTL {ms} ms is not a century"
+        );
+    };
+    for (i, huge) in [Duration::MAX, Duration::from_millis(u64::MAX)]
+        .into_iter()
+        .enumerate()
+    {
+        let key = Key::new(&format!("{namespace}:huge"), 1, &[&(i as u64)]).unwrap();
+        let req = claim_request(&key, huge, huge);
+        acquired(store.claim(&req).await.unwrap());
+        pttl(&key, "claim");
+        match store.read(&key).await.unwrap().unwrap().state {
+            RecordState::InProgress { lease_left } => assert!(
+                lease_left > MAX_DURATION - Duration::from_secs(60) && lease_left <= MAX_DURATION,
+                "lease left {lease_left:?}"
+            ),
+            other => panic!("expected a claim in progress, got {other:?}"),
+        }
+        assert!(store.renew(&key, &req.token, huge).await.unwrap());
+        pttl(&key, "renew");
+        let done = Completion {
+            result: Some(b"ok".to_vec()),
+            ttl: huge,
+        };
+        assert!(store.complete(&key, &req.token, &done).await.unwrap());
+        pttl(&key, "complete");
+
+        let batched = Key::new(&format!("{namespace}:huge-batch"), 1, &[&(i as u64)]).unwrap();
+        match &store
+            .claim_many(&[claim_request(&batched, huge, huge)])
+            .await[..]
+        {
+            [Ok(Claim::Acquired { .. })] => {}
+            other => panic!("batch claim gave {other:?}"),
+        }
+        pttl(&batched, "batch claim");
+    }
+    delete_matching(&url, &format!("{namespace}:*"));
 }

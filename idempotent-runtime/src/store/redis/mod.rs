@@ -40,6 +40,22 @@
 //! after each acquired claim, which narrows (does not close) the failover window.
 //!
 //! An `OOM` reply (memory full under `noeviction`) is a store error: the call fails closed.
+//!
+//! # Records it cannot read
+//!
+//! A value under a record's key that the script cannot parse (written by something else, cut
+//! short, an unknown state letter, a non-numeric fence) or a key of another Redis type is
+//! [`StoreErrorKind::Corrupt`] for every operation, and is left as it is: never taken for a
+//! free key, never overwritten.
+//!
+//! # Fences, durations, result sizes
+//!
+//! A key without a record is acquired with the server's clock in microseconds (`TIME`) as
+//! its fence, a key with one with its fence + 1
+//! ([`next_fence`](crate::store::next_fence)). Durations are sent as
+//! [`clamped_millis`]. A stored result is at most
+//! [`max_result_size`](RedisStoreBuilder::max_result_size) bytes, and never more than the
+//! server's `proto-max-bulk-len` allows.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -54,10 +70,25 @@ use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::url::redact;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, Record, RecordState, Store, Token,
+    clamped_millis, BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, Record, RecordState,
+    Store, Token, DEFAULT_MAX_RESULT_SIZE,
 };
 
 const SCRIPT: &str = include_str!("record.lua");
+
+/// The error code of the script's reply about a value it cannot read as a record.
+const CORRUPT: &str = "IDEMPOTENT_CORRUPT";
+
+/// Redis' default `proto-max-bulk-len` (512 MiB): the largest argument a server takes, assumed
+/// when `CONFIG GET` is not allowed.
+const DEFAULT_PROTO_MAX_BULK_LEN: usize = 512 << 20;
+
+/// Room left in an argument for a record's other fields (state, token, fingerprint, fence,
+/// lease end): a stored result is at most `proto-max-bulk-len` less this.
+const RECORD_OVERHEAD: usize = 128;
+
+/// The largest fence or time a record holds: above it, Lua's numbers are not exact integers.
+const MAX_EXACT: u64 = (1 << 53) - 2;
 
 /// What to do when the server's configuration is unsafe for idempotency records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -131,6 +162,7 @@ pub struct RedisStoreBuilder {
     connection_timeout: Duration,
     on_unsafe_config: UnsafeConfig,
     wait_for_replicas: Option<(u32, Duration)>,
+    max_result_size: usize,
 }
 
 impl RedisStoreBuilder {
@@ -142,6 +174,7 @@ impl RedisStoreBuilder {
             connection_timeout: Duration::from_secs(1),
             on_unsafe_config: UnsafeConfig::default(),
             wait_for_replicas: None,
+            max_result_size: DEFAULT_MAX_RESULT_SIZE,
         }
     }
 
@@ -170,6 +203,17 @@ impl RedisStoreBuilder {
     /// Standalone servers only.
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait_for_replicas = Some((replicas, timeout));
+        self
+    }
+
+    /// The largest stored result, in bytes (default
+    /// [`DEFAULT_MAX_RESULT_SIZE`], 1 MiB). A larger result completes its record without it
+    /// (duplicates get no replay, and never run again). The store never takes more than the
+    /// server's `proto-max-bulk-len` allows (read with `CONFIG GET` at connection, 512 MiB where
+    /// `CONFIG` is not allowed), less a few bytes for the record's other fields; see
+    /// [`Store::max_result_size`] for the limit in force.
+    pub fn max_result_size(mut self, bytes: usize) -> Self {
+        self.max_result_size = bytes;
         self
     }
 
@@ -214,8 +258,12 @@ impl RedisStoreBuilder {
             Target::Client(client) => self.single(*client).await?,
             Target::Cluster(client) => self.cluster(&client).await?,
         };
+        let capacity = proto_max_bulk_len(&conn).await;
         let store = RedisStore {
             inner: Arc::new(Inner {
+                max_result_size: self
+                    .max_result_size
+                    .min(capacity.saturating_sub(RECORD_OVERHEAD)),
                 conn,
                 script: Script::new(SCRIPT),
                 wait_for_replicas: self.wait_for_replicas,
@@ -301,6 +349,7 @@ struct Inner {
     run_id: Mutex<Option<String>>,
     history_resets: AtomicU64,
     recheck: std::sync::atomic::AtomicBool,
+    max_result_size: usize,
 }
 
 /// The Redis [`Store`]. Cheap to clone: clones share one connection.
@@ -440,7 +489,11 @@ impl RedisStore {
         Ok(health)
     }
 
-    async fn call(&self, invocation: &::redis::ScriptInvocation<'_>) -> Result<Value, StoreError> {
+    async fn call(
+        &self,
+        key: &Key,
+        invocation: &::redis::ScriptInvocation<'_>,
+    ) -> Result<Value, StoreError> {
         match self.inner.conn.invoke(invocation).await {
             Ok(value) => {
                 if self.inner.recheck.load(Ordering::Relaxed)
@@ -454,7 +507,7 @@ impl RedisStore {
                 if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
                     self.inner.recheck.store(true, Ordering::Release);
                 }
-                Err(command_error(err))
+                Err(script_error(key, err))
             }
         }
     }
@@ -521,6 +574,18 @@ fn text(value: &Value) -> String {
     }
 }
 
+/// The server's `proto-max-bulk-len`, or Redis' default where `CONFIG GET` is not allowed.
+async fn proto_max_bulk_len(conn: &Conn) -> usize {
+    let mut cmd = ::redis::cmd("CONFIG");
+    cmd.arg("GET").arg("proto-max-bulk-len");
+    conn.query(&cmd)
+        .await
+        .ok()
+        .and_then(|value| config_value(&value))
+        .and_then(|len| len.trim().parse().ok())
+        .unwrap_or(DEFAULT_PROTO_MAX_BULK_LEN)
+}
+
 fn config_value(value: &Value) -> Option<String> {
     match value {
         Value::Array(items) => items.get(1).map(text),
@@ -548,8 +613,17 @@ fn command_error(err: RedisError) -> StoreError {
     StoreError::new(kind, "redis command failed").with_source(err)
 }
 
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+/// Maps a script's error: a value it cannot read as a record is [`StoreErrorKind::Corrupt`].
+fn script_error(key: &Key, err: RedisError) -> StoreError {
+    if err.code() == Some(CORRUPT) {
+        let why = err.detail().unwrap_or_default();
+        return StoreError::new(
+            StoreErrorKind::Corrupt,
+            format!("the value under `{key}` is not a record: {why}"),
+        )
+        .with_source(err);
+    }
+    command_error(err)
 }
 
 fn protocol(what: impl std::fmt::Display) -> StoreError {
@@ -594,7 +668,19 @@ fn decode_claim(value: Value) -> Result<Claim, StoreError> {
     })
 }
 
-fn decode_record(value: Value) -> Result<Option<Record>, StoreError> {
+/// A record's decimal field: digits only, at most [`MAX_EXACT`].
+fn number(field: &[u8]) -> Option<u64> {
+    if field.is_empty() || !field.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(field)
+        .ok()?
+        .parse()
+        .ok()
+        .filter(|&n| n <= MAX_EXACT)
+}
+
+fn decode_record(key: &Key, value: Value) -> Result<Option<Record>, StoreError> {
     let Value::Array(items) = value else {
         return Err(protocol(format_args!("{value:?}")));
     };
@@ -604,11 +690,15 @@ fn decode_record(value: Value) -> Result<Option<Record>, StoreError> {
         Some(Value::Nil) | None => return Ok(None),
         Some(other) => return Err(protocol(format_args!("{other:?}"))),
     };
-    parse_record(bytes, now)
-        .ok_or_else(|| protocol("corrupt record"))
-        .map(Some)
+    parse_record(bytes, now).map(Some).ok_or_else(|| {
+        StoreError::new(
+            StoreErrorKind::Corrupt,
+            format!("the value under `{key}` is not a record"),
+        )
+    })
 }
 
+/// A record in the script's format, read as strictly as the script reads it.
 fn parse_record(bytes: &[u8], now_ms: i64) -> Option<Record> {
     let state = *bytes.first()?;
     let token: [u8; 16] = bytes.get(1..17)?.try_into().ok()?;
@@ -617,15 +707,18 @@ fn parse_record(bytes: &[u8], now_ms: i64) -> Option<Record> {
             let fp: [u8; 16] = bytes.get(18..34)?.try_into().ok()?;
             (Some(Fingerprint::from_bytes(fp)), bytes.get(34..)?)
         }
-        _ => (None, bytes.get(18..)?),
+        b'-' => (None, bytes.get(18..)?),
+        _ => return None,
     };
     let mut fields = rest.splitn(3, |&b| b == b':');
-    let fence = std::str::from_utf8(fields.next()?).ok()?.parse().ok()?;
-    let lease_end: i64 = std::str::from_utf8(fields.next()?).ok()?.parse().ok()?;
+    let fence = number(fields.next()?)?;
+    let lease_end = i64::try_from(number(fields.next()?)?).ok()?;
     let result = fields.next()?;
     let state = match state {
         b'P' => RecordState::InProgress {
-            lease_left: Duration::from_millis(u64::try_from(lease_end - now_ms).unwrap_or(0)),
+            lease_left: Duration::from_millis(
+                u64::try_from(lease_end.saturating_sub(now_ms)).unwrap_or(0),
+            ),
         },
         b'C' => RecordState::Completed,
         b'R' => RecordState::Released,
@@ -648,8 +741,8 @@ impl RedisStore {
             .key(req.key.as_bytes())
             .arg("claim")
             .arg(req.token.as_bytes())
-            .arg(millis(req.lease))
-            .arg(millis(req.ttl))
+            .arg(clamped_millis(req.lease))
+            .arg(clamped_millis(req.ttl))
             .arg(fingerprint);
         invocation
     }
@@ -688,7 +781,7 @@ impl RedisStore {
                 {
                     self.claim(req).await
                 }
-                Value::ServerError(err) => Err(command_error(err.into())),
+                Value::ServerError(err) => Err(script_error(&req.key, err.into())),
                 reply => decode_claim(reply),
             };
             acquired |= matches!(claim, Ok(Claim::Acquired { .. }));
@@ -716,7 +809,7 @@ impl Store for RedisStore {
     fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
             let invocation = self.claim_invocation(req);
-            let claim = decode_claim(self.call(&invocation).await?)?;
+            let claim = decode_claim(self.call(&req.key, &invocation).await?)?;
             if let Claim::Acquired { .. } = claim {
                 self.wait_for_replicas().await?;
             }
@@ -751,14 +844,25 @@ impl Store for RedisStore {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let result: &[u8] = completion.result.as_deref().unwrap_or_default();
+            if result.len() > self.inner.max_result_size {
+                // Never sent: an argument above `proto-max-bulk-len` closes the connection.
+                return Err(StoreError::new(
+                    StoreErrorKind::Rejected,
+                    format!(
+                        "a result of {} bytes for `{key}` is larger than this store takes ({} bytes)",
+                        result.len(),
+                        self.inner.max_result_size
+                    ),
+                ));
+            }
             let mut invocation = self.inner.script.prepare_invoke();
             invocation
                 .key(key.as_bytes())
                 .arg("complete")
                 .arg(token.as_bytes())
-                .arg(millis(completion.ttl))
+                .arg(clamped_millis(completion.ttl))
                 .arg(result);
-            Ok(int(&self.call(&invocation).await?)? == 1)
+            Ok(int(&self.call(key, &invocation).await?)? == 1)
         })
     }
 
@@ -773,7 +877,7 @@ impl Store for RedisStore {
                 .key(key.as_bytes())
                 .arg("release")
                 .arg(token.as_bytes());
-            Ok(int(&self.call(&invocation).await?)? == 1)
+            Ok(int(&self.call(key, &invocation).await?)? == 1)
         })
     }
 
@@ -789,8 +893,8 @@ impl Store for RedisStore {
                 .key(key.as_bytes())
                 .arg("renew")
                 .arg(token.as_bytes())
-                .arg(millis(lease));
-            Ok(int(&self.call(&invocation).await?)? == 1)
+                .arg(clamped_millis(lease));
+            Ok(int(&self.call(key, &invocation).await?)? == 1)
         })
     }
 
@@ -798,8 +902,12 @@ impl Store for RedisStore {
         Box::pin(async move {
             let mut invocation = self.inner.script.prepare_invoke();
             invocation.key(key.as_bytes()).arg("read");
-            decode_record(self.call(&invocation).await?)
+            decode_record(key, self.call(key, &invocation).await?)
         })
+    }
+
+    fn max_result_size(&self) -> usize {
+        self.inner.max_result_size
     }
 }
 
@@ -834,6 +942,39 @@ mod tests {
         assert_eq!(record.state, RecordState::Completed);
         assert_eq!(record.fingerprint, None);
         assert_eq!(record.result.as_deref(), Some(&b"o:{\"a\":1}"[..]));
+    }
+
+    #[test]
+    fn values_that_are_not_records_are_refused() {
+        let token = Token::generate();
+        let shaped = |state: u8, marker: u8, fields: &[u8]| {
+            let mut v = vec![state];
+            v.extend_from_slice(token.as_bytes());
+            v.push(marker);
+            v.extend_from_slice(fields);
+            v
+        };
+        assert!(parse_record(&shaped(b'C', b'-', b"1796000000000000:0:"), 0).is_some());
+        for bad in [
+            Vec::new(),
+            b"P".to_vec(),
+            shaped(b'X', b'-', b"7:0:"),
+            shaped(b'C', b'?', b"7:0:"),
+            shaped(b'C', b'F', b"7:0:"),
+            shaped(b'C', b'-', b"seven:0:"),
+            shaped(b'C', b'-', b"+7:0:"),
+            shaped(b'C', b'-', b":0:"),
+            shaped(b'C', b'-', b"7:-1:"),
+            shaped(b'C', b'-', b"7:0"),
+            shaped(b'C', b'-', b"9007199254740991:0:"),
+        ] {
+            assert_eq!(
+                parse_record(&bad, 0),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(&bad)
+            );
+        }
     }
 
     #[test]

@@ -8,33 +8,70 @@
 --   token (16 bytes)
 --   'F' + fingerprint (16 bytes), or '-'
 --   fence ':' lease-end-in-ms ':' result bytes
--- Times are the server's clock (TIME); expiry is the key's PX.
+-- Times are the server's clock (TIME); expiry is the key's PX. Durations arrive as whole
+-- milliseconds, already clamped to a century by the client.
+--
+-- Numbers are Lua doubles: fences (microseconds since the epoch, then + 1) and times stay
+-- below 2^53, where every integer is exact, and are written with '%d', never as floats.
+--
+-- A value under the key that is not such a record (a foreign write, a key of another type)
+-- is never read as free nor overwritten: every operation answers an error whose code is
+-- IDEMPOTENT_CORRUPT.
 
 local key = KEYS[1]
 local op = ARGV[1]
 
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- The largest fence a record may hold: one more is still an exact integer.
+local MAX_FENCE = 9007199254740990
+
+local function corrupt(why)
+  return redis.error_reply('IDEMPOTENT_CORRUPT ' .. why)
 end
 
+-- The server's clock: milliseconds and microseconds since the Unix epoch.
+local function clock()
+  local t = redis.call('TIME')
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  return s * 1000 + math.floor(us / 1000), s * 1000000 + us
+end
+
+-- The value under the key: a string, false when there is none, or nil and why it is no record.
+local function get()
+  local v = redis.pcall('GET', key)
+  if type(v) == 'table' then return nil, 'value of another type: ' .. tostring(v.err) end
+  return v
+end
+
+-- The record in v, or nil and why v is no record.
 local function decode(v)
-  local pos = 19
-  local fp = false
-  if string.sub(v, 18, 18) == 'F' then
-    fp = string.sub(v, 19, 34)
-    pos = 35
+  local state = string.sub(v, 1, 1)
+  if state ~= 'P' and state ~= 'C' and state ~= 'R' then return nil, 'unknown state' end
+  local marker = string.sub(v, 18, 18)
+  local fp, pos = false, 19
+  if marker == 'F' then
+    fp, pos = string.sub(v, 19, 34), 35
+  elseif marker ~= '-' then
+    return nil, 'no fingerprint marker'
   end
-  local c1 = string.find(v, ':', pos, true)
-  local c2 = string.find(v, ':', c1 + 1, true)
+  local fence, lease_end, rest = string.match(v, '^(%d+):(%d+):()', pos)
+  if not fence then return nil, 'malformed fence or lease' end
+  fence, lease_end = tonumber(fence), tonumber(lease_end)
+  if fence > MAX_FENCE or lease_end > MAX_FENCE then return nil, 'number out of range' end
   return {
-    state = string.sub(v, 1, 1),
+    state = state,
     token = string.sub(v, 2, 17),
     fp = fp,
-    fence = tonumber(string.sub(v, pos, c1 - 1)),
-    lease_end = tonumber(string.sub(v, c1 + 1, c2 - 1)),
-    result = string.sub(v, c2 + 1),
+    fence = fence,
+    lease_end = lease_end,
+    result = string.sub(v, rest),
   }
+end
+
+-- The record under the key (false when there is none), or nil and why it cannot be read.
+local function load()
+  local v, why = get()
+  if not v then return v, why end
+  return decode(v)
 end
 
 local function encode(state, token, fp, fence, lease_end, result)
@@ -44,24 +81,17 @@ local function encode(state, token, fp, fence, lease_end, result)
     string.format('%d', lease_end) .. ':' .. result
 end
 
-local function owned(token)
-  local v = redis.call('GET', key)
-  if not v then return false end
-  local r = decode(v)
-  if r.token ~= token then return false end
-  return r
-end
-
 if op == 'claim' then
   -- ARGV: token, lease ms, ttl ms, fingerprint ('' for none)
   local token, lease, ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
   local fp = ARGV[5]
   if fp == '' then fp = false end
-  local now = now_ms()
-  local fence = 0
-  local v = redis.call('GET', key)
-  if v then
-    local r = decode(v)
+  local r, why = load()
+  if r == nil then return corrupt(why) end
+  local now, now_us = clock()
+  -- No record: the clock, so fences keep growing across expiry.
+  local fence = now_us
+  if r then
     -- The same owner claiming again (a retry after a lost reply).
     if r.state == 'P' and r.token == token then return {1, r.fence} end
     local mismatch = fp and r.fp and fp ~= r.fp
@@ -72,44 +102,51 @@ if op == 'claim' then
       if mismatch then return {4, r.fence} end
       if r.lease_end > now then return {3, r.fence} end
     end
-    fence = r.fence
+    fence = r.fence + 1
   end
-  fence = fence + 1
-  local px = ttl
-  if lease > px then px = lease end
+  local px = ARGV[4]
+  if lease > ttl then px = ARGV[3] end
   redis.call('SET', key, encode('P', token, fp, fence, now + lease, ''), 'PX', px)
   return {1, fence}
 
 elseif op == 'complete' then
   -- ARGV: token, ttl ms, result ('' for none)
-  local r = owned(ARGV[2])
-  if not r then return 0 end
+  local r, why = load()
+  if r == nil then return corrupt(why) end
+  if not r or r.token ~= ARGV[2] then return 0 end
   if r.state == 'C' then return 1 end
   if r.state ~= 'P' then return 0 end
-  redis.call('SET', key, encode('C', ARGV[2], r.fp, r.fence, 0, ARGV[4]), 'PX', tonumber(ARGV[3]))
+  redis.call('SET', key, encode('C', ARGV[2], r.fp, r.fence, 0, ARGV[4]), 'PX', ARGV[3])
   return 1
 
 elseif op == 'release' then
   -- ARGV: token
-  local r = owned(ARGV[2])
-  if not r or r.state ~= 'P' then return 0 end
+  local r, why = load()
+  if r == nil then return corrupt(why) end
+  if not r or r.token ~= ARGV[2] or r.state ~= 'P' then return 0 end
   redis.call('SET', key, encode('R', ARGV[2], false, r.fence, 0, ''), 'KEEPTTL')
   return 1
 
 elseif op == 'renew' then
   -- ARGV: token, lease ms
-  local r = owned(ARGV[2])
-  if not r or r.state ~= 'P' then return 0 end
+  local r, why = load()
+  if r == nil then return corrupt(why) end
+  if not r or r.token ~= ARGV[2] or r.state ~= 'P' then return 0 end
   local lease = tonumber(ARGV[3])
   local px = redis.call('PTTL', key)
   if px < lease then px = lease end
-  redis.call('SET', key, encode('P', ARGV[2], r.fp, r.fence, now_ms() + lease, ''), 'PX', px)
+  redis.call('SET', key, encode('P', ARGV[2], r.fp, r.fence, clock() + lease, ''),
+    'PX', string.format('%d', px))
   return 1
 
 elseif op == 'read' then
-  local v = redis.call('GET', key)
-  if not v then return {false, now_ms()} end
-  return {v, now_ms()}
+  local v, why = get()
+  if v == nil then return corrupt(why) end
+  if v then
+    local r, bad = decode(v)
+    if not r then return corrupt(bad) end
+  end
+  return {v, (clock())}
 end
 
 return redis.error_reply('idempotent: unknown operation ' .. tostring(op))
