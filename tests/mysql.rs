@@ -1,6 +1,8 @@
 //! The MySQL store on a real MariaDB: the conformance suite (one table per case), the
-//! business-transaction API, batched expiry, exact-byte keys (no collation), and the claim's
-//! single round trip for acquisitions.
+//! business-transaction API, batched expiry, exact-byte keys (no collation), the claim's
+//! single round trip for acquisitions, fences from the database's clock, corrupt rows, results
+//! the server or the table refuses (`max_allowed_packet`, a smaller column), and the longest
+//! durations.
 //!
 //! Needs MariaDB (or MySQL) at `IDEMPOTENT_MYSQL_URL` (default
 //! `mysql://root@127.0.0.1:3306/test`).
@@ -18,9 +20,9 @@ use std::time::Duration;
 
 use idempotent::sql::sqlx::{self, AssertSqlSafe};
 use idempotent::sql::MySqlStore;
-use idempotent::{BoxFuture, Claim, Key, SharedStore, Store, StoreErrorKind};
+use idempotent::{BoxFuture, Claim, Completion, Key, SharedStore, Store, StoreErrorKind};
 
-use sql_cases::{req, Harness};
+use sql_cases::{acquired, req, Harness};
 use sql_tables::{Scratch, Server};
 
 struct MySql {
@@ -88,6 +90,38 @@ impl Harness for Maria {
             let sql = format!(
                 "CREATE TABLE {table} (payment VARCHAR(64) PRIMARY KEY, amount BIGINT) ENGINE = InnoDB"
             );
+            sqlx::query(AssertSqlSafe(sql))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        })
+    }
+    fn corruptions() -> &'static [&'static str] {
+        // `token` and `fingerprint` are `BINARY(16)`: MariaDB pads or refuses other lengths.
+        &["fence = -5", "state = 'done'"]
+    }
+    fn corrupt<'a>(store: &'a MySqlStore, key: &'a Key, assignment: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let table = store.table();
+            // MariaDB names the table's only check constraint `CONSTRAINT_1`.
+            let unchecked = format!("ALTER TABLE {table} DROP CONSTRAINT IF EXISTS CONSTRAINT_1");
+            sqlx::query(AssertSqlSafe(unchecked))
+                .execute(store.pool())
+                .await
+                .unwrap();
+            let sql = format!("UPDATE {table} SET {assignment} WHERE record_key = ?");
+            let done = sqlx::query(AssertSqlSafe(sql))
+                .bind(key.as_bytes())
+                .execute(store.pool())
+                .await
+                .unwrap();
+            assert_eq!(done.rows_affected(), 1, "{assignment}");
+        })
+    }
+    fn limit_results<'a>(store: &'a MySqlStore) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            // At most 255 bytes: a longer value is "data too long" in strict mode.
+            let sql = format!("ALTER TABLE {} MODIFY result TINYBLOB NULL", store.table());
             sqlx::query(AssertSqlSafe(sql))
                 .execute(store.pool())
                 .await
@@ -165,6 +199,111 @@ async fn keys_are_exact_bytes() {
     sql_cases::keys_are_exact_bytes::<Maria>(&store_on(&records).await).await;
 }
 
+#[tokio::test]
+async fn transaction_refuses_a_ttl_out_of_range() {
+    let records = Scratch::table(Server::MySql);
+    let store = store_on(&records).await;
+    sql_cases::transaction_refuses_a_ttl_out_of_range::<Maria>(&store).await;
+}
+
+#[tokio::test]
+async fn expired_record_is_claimed_again_with_a_higher_fence() {
+    let records = Scratch::table(Server::MySql);
+    sql_cases::expired_record_is_claimed_again_with_a_higher_fence::<Maria>(
+        &store_on(&records).await,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn corrupt_records_are_reported_as_corrupt() {
+    let records = Scratch::table(Server::MySql);
+    sql_cases::corrupt_records_are_reported_as_corrupt::<Maria>(&store_on(&records).await).await;
+}
+
+#[tokio::test]
+async fn result_refused_by_the_table_is_rejected() {
+    let records = Scratch::table(Server::MySql);
+    sql_cases::result_refused_by_the_table_is_rejected::<Maria>(&store_on(&records).await).await;
+}
+
+#[tokio::test]
+async fn longest_durations_work() {
+    let records = Scratch::table(Server::MySql);
+    sql_cases::longest_durations_work::<Maria>(&store_on(&records).await).await;
+}
+
+/// The largest result the store may take on this server: the `MEDIUMBLOB` column, and
+/// `max_allowed_packet` less 64 KiB for the rest of the statement.
+async fn capacity(store: &MySqlStore) -> usize {
+    ((1 << 24) - 1).min(max_allowed_packet(store).await - (64 << 10))
+}
+
+#[tokio::test]
+async fn result_size_limit_defaults_and_is_clamped_to_the_server() {
+    let records = Scratch::table(Server::MySql);
+    let store = store_on(&records).await;
+    assert_eq!(
+        store.max_result_size(),
+        idempotent::store::DEFAULT_MAX_RESULT_SIZE
+    );
+    let store = MySqlStore::builder()
+        .table(records.name().to_string())
+        .max_result_size(usize::MAX)
+        .connect(records.url())
+        .await
+        .unwrap();
+    assert_eq!(store.max_result_size(), capacity(&store).await);
+}
+
+/// With the limit as high as the server allows, a result of exactly that size is stored and
+/// replayed (the limit is one the server really takes), and one byte more is refused.
+#[tokio::test]
+async fn result_above_the_store_limit_is_rejected() {
+    let records = Scratch::table(Server::MySql);
+    let store = MySqlStore::builder()
+        .table(records.name().to_string())
+        .max_result_size(usize::MAX)
+        .connect(records.url())
+        .await
+        .unwrap();
+    assert_eq!(store.max_result_size(), capacity(&store).await);
+    sql_cases::result_above_the_store_limit_is_rejected::<Maria>(&store).await;
+}
+
+/// The server's `max_allowed_packet`, in bytes.
+async fn max_allowed_packet(store: &MySqlStore) -> usize {
+    let packet: u64 = sqlx::query_scalar("SELECT CAST(@@max_allowed_packet AS UNSIGNED)")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    usize::try_from(packet).unwrap()
+}
+
+#[tokio::test]
+async fn result_above_max_allowed_packet_is_rejected() {
+    let records = Scratch::table(Server::MySql);
+    let store = store_on(&records).await;
+    let packet = max_allowed_packet(&store).await;
+    let hour = Duration::from_secs(3600);
+    let key = Key::new("packet", 1, &[&1u8]).unwrap();
+    let owner = req(&key, hour, hour);
+    acquired(store.claim(&owner).await);
+    // Larger than the packet the server takes, and than the `MEDIUMBLOB` column.
+    let big = Completion {
+        result: Some(vec![7; packet.max(1 << 24) + 1024]),
+        ttl: hour,
+    };
+    let err = store.complete(&key, &owner.token, &big).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Rejected, "{err:?}");
+    // Nothing was applied, and the store still works.
+    let done = Completion {
+        result: Some(b"small".to_vec()),
+        ttl: hour,
+    };
+    assert!(store.complete(&key, &owner.token, &done).await.unwrap());
+}
+
 /// How many `SELECT`s the store's one connection has run.
 async fn selects(store: &MySqlStore) -> u64 {
     let value: String = sqlx::query_scalar(
@@ -205,12 +344,12 @@ async fn acquisitions_take_one_statement_and_duplicates_two() {
 
     // A fresh insert reports its fence in the statement's own reply.
     let (first, owner) = claim(0).await;
-    assert_eq!(first, Claim::Acquired { fence: 1 });
+    let fence = acquired(Ok(first));
     // A duplicate reads the record it met.
-    assert_eq!(claim(1).await.0, Claim::InProgress { fence: 1 });
+    assert_eq!(claim(1).await.0, Claim::InProgress { fence });
     // A takeover of a released record reports its new fence in the reply too.
     assert!(store.release(&key, &owner.token).await.unwrap());
-    assert_eq!(claim(0).await.0, Claim::Acquired { fence: 2 });
+    assert_eq!(claim(0).await.0, Claim::Acquired { fence: fence + 1 });
 }
 
 #[tokio::test]
@@ -224,7 +363,7 @@ async fn mariadb_urls_are_accepted() {
         .unwrap();
     let key = Key::new("mariadb", 1, &[&1u8]).unwrap();
     let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
-    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+    acquired(store.claim(&r).await);
 }
 
 #[tokio::test]

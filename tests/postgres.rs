@@ -1,5 +1,6 @@
 //! The PostgreSQL store on a real server: the conformance suite (one table per case), the
-//! business-transaction API, batched expiry, exact-byte keys, schema-qualified tables, and a
+//! business-transaction API, batched expiry, exact-byte keys, schema-qualified tables, fences
+//! from the database's clock, corrupt rows, refused results, the longest durations, and a
 //! database that goes away mid-run (a cluster this test starts, stops and starts again).
 //!
 //! Needs PostgreSQL at `IDEMPOTENT_POSTGRES_URL` (default
@@ -24,11 +25,11 @@ use std::time::Duration;
 use idempotent::sql::sqlx::{self, AssertSqlSafe};
 use idempotent::sql::PostgresStore;
 use idempotent::{
-    Action, BoxFuture, Claim, Error, Guard, Key, RecordState, SharedStore, Store, StoreErrorKind,
+    Action, BoxFuture, Error, Guard, Key, RecordState, SharedStore, Store, StoreErrorKind,
 };
 
 use pg_cluster::PgCluster;
-use sql_cases::{req, Harness};
+use sql_cases::{acquired, req, Harness};
 use sql_tables::{Scratch, Server};
 
 struct Postgres {
@@ -112,6 +113,51 @@ impl Harness for Pg {
                 .execute(conn)
                 .await?;
             Ok(())
+        })
+    }
+    fn corruptions() -> &'static [&'static str] {
+        &[
+            "fence = -5",
+            "state = 'done'",
+            "token = '\\x0102'::bytea",
+            "fingerprint = '\\x01'::bytea",
+        ]
+    }
+    fn corrupt<'a>(
+        store: &'a PostgresStore,
+        key: &'a Key,
+        assignment: &'a str,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let table = store.table();
+            let bare = table.rsplit('.').next().unwrap_or(table);
+            let unchecked =
+                format!("ALTER TABLE {table} DROP CONSTRAINT IF EXISTS {bare}_state_check");
+            sqlx::query(AssertSqlSafe(unchecked))
+                .execute(store.pool())
+                .await
+                .unwrap();
+            let sql = format!("UPDATE {table} SET {assignment} WHERE record_key = $1");
+            let done = sqlx::query(AssertSqlSafe(sql))
+                .bind(key.as_bytes())
+                .execute(store.pool())
+                .await
+                .unwrap();
+            assert_eq!(done.rows_affected(), 1, "{assignment}");
+        })
+    }
+    fn limit_results<'a>(store: &'a PostgresStore) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let table = store.table();
+            let bare = table.rsplit('.').next().unwrap_or(table);
+            let sql = format!(
+                "ALTER TABLE {table} ADD CONSTRAINT {bare}_small_result \
+                 CHECK (octet_length(result) <= 100)"
+            );
+            sqlx::query(AssertSqlSafe(sql))
+                .execute(store.pool())
+                .await
+                .unwrap();
         })
     }
     fn count_claim_statements<'a>(store: &'a PostgresStore) -> BoxFuture<'a, ()> {
@@ -217,6 +263,69 @@ async fn keys_are_exact_bytes() {
 }
 
 #[tokio::test]
+async fn transaction_refuses_a_ttl_out_of_range() {
+    let records = Scratch::table(Server::Postgres);
+    let store = store_on(&records).await;
+    sql_cases::transaction_refuses_a_ttl_out_of_range::<Pg>(&store).await;
+}
+
+#[tokio::test]
+async fn expired_record_is_claimed_again_with_a_higher_fence() {
+    let records = Scratch::table(Server::Postgres);
+    sql_cases::expired_record_is_claimed_again_with_a_higher_fence::<Pg>(&store_on(&records).await)
+        .await;
+}
+
+#[tokio::test]
+async fn corrupt_records_are_reported_as_corrupt() {
+    let records = Scratch::table(Server::Postgres);
+    sql_cases::corrupt_records_are_reported_as_corrupt::<Pg>(&store_on(&records).await).await;
+}
+
+#[tokio::test]
+async fn result_refused_by_the_table_is_rejected() {
+    let records = Scratch::table(Server::Postgres);
+    sql_cases::result_refused_by_the_table_is_rejected::<Pg>(&store_on(&records).await).await;
+}
+
+#[tokio::test]
+async fn longest_durations_work() {
+    let records = Scratch::table(Server::Postgres);
+    sql_cases::longest_durations_work::<Pg>(&store_on(&records).await).await;
+}
+
+#[tokio::test]
+async fn result_above_the_store_limit_is_rejected() {
+    let records = Scratch::table(Server::Postgres);
+    let store = PostgresStore::builder()
+        .table(records.name().to_string())
+        .max_result_size(1024)
+        .connect(records.url())
+        .await
+        .unwrap();
+    assert_eq!(store.max_result_size(), 1024);
+    sql_cases::result_above_the_store_limit_is_rejected::<Pg>(&store).await;
+}
+
+#[tokio::test]
+async fn result_size_limit_defaults_and_is_clamped_to_bytea() {
+    let records = Scratch::table(Server::Postgres);
+    let store = store_on(&records).await;
+    assert_eq!(
+        store.max_result_size(),
+        idempotent::store::DEFAULT_MAX_RESULT_SIZE
+    );
+    let store = PostgresStore::builder()
+        .table(records.name().to_string())
+        .max_result_size(usize::MAX)
+        .connect(records.url())
+        .await
+        .unwrap();
+    // A `bytea` value is at most 1 GiB; 64 KiB are left to the rest of the row.
+    assert_eq!(store.max_result_size(), (1 << 30) - 1 - (64 << 10));
+}
+
+#[tokio::test]
 async fn schema_qualified_table_is_created_with_its_schema() {
     let schema = Scratch::schema();
     let table = format!("{}.records", schema.name());
@@ -228,7 +337,7 @@ async fn schema_qualified_table_is_created_with_its_schema() {
     assert_eq!(store.table(), table);
     let key = Key::new("schema", 1, &[&1u8]).unwrap();
     let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
-    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+    acquired(store.claim(&r).await);
     assert_eq!(count(&store, &table).await, 1);
     // Migrating again is a no-op, recorded once.
     store.migrate().await.unwrap();
@@ -257,7 +366,7 @@ async fn shipped_schema_file_matches_the_embedded_migration() {
     store.migrate().await.unwrap();
     let key = Key::new("by-hand", 1, &[&1u8]).unwrap();
     let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
-    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+    acquired(store.claim(&r).await);
 }
 
 #[tokio::test]

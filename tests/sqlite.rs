@@ -1,6 +1,7 @@
 //! The SQLite store: the conformance suite twice, on a temporary file (a pool of several
 //! connections) and in memory (`sqlite::memory:`, one connection that keeps the database
-//! alive), plus the business-transaction API, batched expiry and exact-byte keys.
+//! alive), plus the business-transaction API, batched expiry, exact-byte keys, fences from the
+//! database's clock, corrupt rows, refused results and the longest durations.
 //!
 //! Needs no server.
 
@@ -19,7 +20,7 @@ use idempotent::sql::sqlx::{self, AssertSqlSafe};
 use idempotent::sql::SqliteStore;
 use idempotent::{BoxFuture, Claim, Key, SharedStore, Store};
 
-use sql_cases::{req, Harness};
+use sql_cases::{acquired, req, Harness};
 
 /// A database file in the temporary directory, removed (with its journal files) on drop.
 struct TempFile(PathBuf);
@@ -131,6 +132,53 @@ impl Harness for Lite {
                 .unwrap();
         })
     }
+    fn corruptions() -> &'static [&'static str] {
+        &[
+            "fence = -5",
+            "state = 'done'",
+            "token = x'0102'",
+            "fingerprint = x'01'",
+            "fence = 'abc'",
+        ]
+    }
+    fn corrupt<'a>(store: &'a SqliteStore, key: &'a Key, assignment: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            // On one connection: the pragma is the connection's.
+            let mut conn = store.pool().acquire().await.unwrap();
+            sqlx::query("PRAGMA ignore_check_constraints = ON")
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            let sql = format!(
+                "UPDATE {} SET {assignment} WHERE record_key = ?",
+                store.table()
+            );
+            let done = sqlx::query(AssertSqlSafe(sql))
+                .bind(key.as_bytes())
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            assert_eq!(done.rows_affected(), 1, "{assignment}");
+            sqlx::query("PRAGMA ignore_check_constraints = OFF")
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+        })
+    }
+    fn limit_results<'a>(store: &'a SqliteStore) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let table = store.table();
+            let sql = format!(
+                "CREATE TRIGGER {table}_small_result BEFORE UPDATE OF result ON {table} \
+                 WHEN length(NEW.result) > 100 \
+                 BEGIN SELECT RAISE(ABORT, 'result too long'); END"
+            );
+            sqlx::query(AssertSqlSafe(sql))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        })
+    }
     fn insert_payment<'c>(
         conn: &'c mut sqlx::SqliteConnection,
         table: &'c str,
@@ -193,18 +241,16 @@ async fn keys_are_exact_bytes() {
 async fn records_survive_reopening_the_file() {
     let file = TempFile::new();
     let key = Key::new("reopen", 1, &[&1u8]).unwrap();
-    {
+    let fence = {
         let store = SqliteStore::connect(&file.url()).await.unwrap();
         let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
-        assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+        let fence = acquired(store.claim(&r).await);
         store.pool().close().await;
-    }
+        fence
+    };
     let store = SqliteStore::connect(&file.url()).await.unwrap();
     let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
-    assert_eq!(
-        store.claim(&r).await.unwrap(),
-        Claim::InProgress { fence: 1 }
-    );
+    assert_eq!(store.claim(&r).await.unwrap(), Claim::InProgress { fence });
 }
 
 #[tokio::test]
@@ -212,11 +258,69 @@ async fn store_urls_pick_the_sqlite_store() {
     let store = idempotent::connect("sqlite::memory:").await.unwrap();
     let key = Key::new("url", 1, &[&1u8]).unwrap();
     let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
-    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+    acquired(store.claim(&r).await);
 }
 
 #[tokio::test]
 async fn claim_sent_again_with_its_token_is_acquired() {
     let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
     sql_cases::claim_sent_again_with_its_token_is_acquired::<Lite>(&store).await;
+}
+
+#[tokio::test]
+async fn transaction_refuses_a_ttl_out_of_range() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    sql_cases::transaction_refuses_a_ttl_out_of_range::<Lite>(&store).await;
+}
+
+#[tokio::test]
+async fn expired_record_is_claimed_again_with_a_higher_fence() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    sql_cases::expired_record_is_claimed_again_with_a_higher_fence::<Lite>(&store).await;
+}
+
+#[tokio::test]
+async fn corrupt_records_are_reported_as_corrupt() {
+    let file = TempFile::new();
+    let store = SqliteStore::connect(&file.url()).await.unwrap();
+    sql_cases::corrupt_records_are_reported_as_corrupt::<Lite>(&store).await;
+}
+
+#[tokio::test]
+async fn result_refused_by_the_table_is_rejected() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    sql_cases::result_refused_by_the_table_is_rejected::<Lite>(&store).await;
+}
+
+#[tokio::test]
+async fn longest_durations_work() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    sql_cases::longest_durations_work::<Lite>(&store).await;
+}
+
+#[tokio::test]
+async fn result_above_the_store_limit_is_rejected() {
+    let store = SqliteStore::builder()
+        .max_result_size(1024)
+        .connect("sqlite::memory:")
+        .await
+        .unwrap();
+    assert_eq!(store.max_result_size(), 1024);
+    sql_cases::result_above_the_store_limit_is_rejected::<Lite>(&store).await;
+}
+
+#[tokio::test]
+async fn result_size_limit_defaults_and_is_clamped_to_the_length_limit() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    assert_eq!(
+        store.max_result_size(),
+        idempotent::store::DEFAULT_MAX_RESULT_SIZE
+    );
+    let store = SqliteStore::builder()
+        .max_result_size(usize::MAX)
+        .connect("sqlite::memory:")
+        .await
+        .unwrap();
+    // SQLite's default length limit, 10^9 bytes, less 64 KiB for the rest of the row.
+    assert_eq!(store.max_result_size(), 1_000_000_000 - (64 << 10));
 }

@@ -1,5 +1,6 @@
 //! Cases every SQL store must pass beyond the conformance suite, written once: the
-//! business-transaction API, batched expiry and the purger task, exact-byte keys. Each SQL
+//! business-transaction API, batched expiry and the purger task, exact-byte keys, fences from
+//! the database's clock, corrupt rows, refused results and the longest durations. Each SQL
 //! test file implements [`Harness`] (the few statements whose text differs per database) and
 //! calls these.
 
@@ -17,9 +18,15 @@ use std::time::Duration;
 
 use idempotent::sql::sqlx::{self, Database};
 use idempotent::sql::{Dialect, SqlStore};
+use idempotent::store::MAX_DURATION;
 use idempotent::{
-    BoxFuture, Claim, ClaimRequest, Completion, Error, Fingerprint, Key, RecordState, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Error, Fingerprint, Key, RecordState, Store,
+    StoreError, StoreErrorKind, Token,
 };
+
+/// A fence taken from the database's clock (microseconds since the Unix epoch) is above this:
+/// September 2020.
+pub const CLOCK_FENCE_FLOOR: u64 = 1_600_000_000_000_000;
 
 /// The statements of the cases whose SQL differs per database.
 pub trait Harness: Send + Sync + 'static {
@@ -43,6 +50,20 @@ pub trait Harness: Send + Sync + 'static {
     fn claim_statements<'a>(_store: &'a SqlStore<Self::Db>) -> BoxFuture<'a, Option<i64>> {
         Box::pin(async { None })
     }
+    /// The `SET` assignments, in the database's SQL, that make a record row unreadable and
+    /// that the database lets a row carry (once [`corrupt`](Harness::corrupt) has the `state`
+    /// check out of the way).
+    fn corruptions() -> &'static [&'static str];
+    /// Writes `assignment` into the record row of `key` by hand, with the table's check on
+    /// `state` out of the way.
+    fn corrupt<'a>(
+        store: &'a SqlStore<Self::Db>,
+        key: &'a Key,
+        assignment: &'a str,
+    ) -> BoxFuture<'a, ()>;
+    /// Makes the table refuse a stored result longer than 100 bytes (a constraint, or a
+    /// smaller column), as a schema managed by hand might.
+    fn limit_results<'a>(store: &'a SqlStore<Self::Db>) -> BoxFuture<'a, ()>;
 }
 
 /// The error of the business code in the transactional cases.
@@ -107,7 +128,8 @@ pub async fn business_transaction_commits_or_rolls_back_with_its_record<H: Harne
     tx.commit().await.unwrap();
     assert_eq!(H::count(store, payments).await, 1);
     let record = store.read(&key).await.unwrap().unwrap();
-    assert_eq!((record.state, record.fence), (RecordState::Completed, 1));
+    assert_eq!(record.state, RecordState::Completed);
+    assert!(record.fence > CLOCK_FENCE_FLOOR, "{}", record.fence);
 
     let mut tx = store.pool().begin().await.unwrap();
     match capture::<H>(store, &mut tx, payments, "pay-1", &runs).await {
@@ -117,6 +139,38 @@ pub async fn business_transaction_commits_or_rolls_back_with_its_record<H: Harne
     tx.rollback().await.unwrap();
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     assert_eq!(H::count(store, payments).await, 1);
+}
+
+/// `run_in_tx` refuses a ttl outside the supported range as the engine does
+/// (`Error::InvalidDuration`), before it claims anything or runs the body.
+pub async fn transaction_refuses_a_ttl_out_of_range<H: Harness>(store: &SqlStore<H::Db>) {
+    let key = Key::new("payment:capture", 1, &[&"pay-range"]).unwrap();
+    let runs = AtomicUsize::new(0);
+    for ttl in [
+        Duration::ZERO,
+        MAX_DURATION + Duration::from_secs(1),
+        Duration::MAX,
+    ] {
+        let mut tx = store.pool().begin().await.unwrap();
+        let out = store
+            .run_in_tx(&mut tx, key.clone(), ttl, async |_| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, AppError>(())
+            })
+            .await;
+        match out {
+            Err(AppError::Idem(Error::InvalidDuration {
+                setting: "ttl",
+                value,
+            })) => {
+                assert_eq!(value, ttl);
+            }
+            other => panic!("expected an invalid duration, got {other:?}"),
+        }
+        tx.rollback().await.unwrap();
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert!(store.read(&key).await.unwrap().is_none());
 }
 
 /// A second transaction on the same key waits for the first: after its commit it is a
@@ -248,7 +302,10 @@ pub async fn keys_are_exact_bytes<H: Harness>(store: &SqlStore<H::Db>) {
             .claim(&req(&key, Duration::from_secs(30), Duration::from_secs(60)))
             .await
             .unwrap();
-        assert_eq!(claim, Claim::Acquired { fence: 1 }, "{part:?}");
+        assert!(
+            matches!(claim, Claim::Acquired { .. }),
+            "{part:?}: {claim:?}"
+        );
     }
     assert_eq!(H::count(store, store.table()).await, 7);
 }
@@ -258,22 +315,42 @@ pub async fn keys_are_exact_bytes<H: Harness>(store: &SqlStore<H::Db>) {
 pub async fn claim_sent_again_with_its_token_is_acquired<H: Harness>(store: &SqlStore<H::Db>) {
     let key = Key::new("again", 1, &[&1u8]).unwrap();
     let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
-    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
-    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
+    let fence = acquired(store.claim(&r).await);
+    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence });
     let other = req(&key, Duration::from_secs(30), Duration::from_secs(60));
     assert_eq!(
         store.claim(&other).await.unwrap(),
-        Claim::InProgress { fence: 1 }
+        Claim::InProgress { fence }
     );
     let record = store.read(&key).await.unwrap().unwrap();
-    assert_eq!((record.token, record.fence), (r.token, 1));
+    assert_eq!((record.token, record.fence), (r.token, fence));
+}
+
+/// The fence of an acquisition; panics on any other outcome.
+pub fn acquired(claim: Result<Claim, StoreError>) -> u64 {
+    match claim {
+        Ok(Claim::Acquired { fence }) => fence,
+        other => panic!("expected an acquisition, got {other:?}"),
+    }
+}
+
+/// The batch of [`batch_cases`] and the fences its keys' records had before it was sent.
+struct BatchCases {
+    reqs: Vec<ClaimRequest>,
+    completed: u64,
+    live: u64,
+    lapsed: u64,
+    expired: u64,
+    released: u64,
+    mismatch: u64,
+    own: u64,
 }
 
 /// Sets up one key per case under `prefix` and returns the requests of the batch, in order:
 /// a new key twice (two tokens), a completed key, a live foreign claim, a claim whose lease
 /// ran out, an expired record, a released key, a fingerprint mismatch, and a retry by the
 /// token that holds the live claim. Leaves 300 ms for the short leases to run out.
-async fn batch_cases(store: &impl Store, prefix: &str) -> Vec<ClaimRequest> {
+async fn batch_cases(store: &impl Store, prefix: &str) -> BatchCases {
     let hour = Duration::from_secs(3600);
     let short = Duration::from_millis(200);
     let key = |case: &str| Key::new(prefix, 1, &[&case]).unwrap();
@@ -284,92 +361,128 @@ async fn batch_cases(store: &impl Store, prefix: &str) -> Vec<ClaimRequest> {
     };
 
     let completed = req(&key("completed"), hour, hour);
-    assert_eq!(
-        store.claim(&completed).await.unwrap(),
-        Claim::Acquired { fence: 1 }
-    );
+    let completed_fence = acquired(store.claim(&completed).await);
     assert!(store
         .complete(&completed.key, &completed.token, &completion)
         .await
         .unwrap());
     let live = req(&key("live"), hour, hour);
-    store.claim(&live).await.unwrap();
+    let live_fence = acquired(store.claim(&live).await);
     let lapsed = req(&key("lapsed"), short, hour);
-    store.claim(&lapsed).await.unwrap();
+    let lapsed_fence = acquired(store.claim(&lapsed).await);
     let expired = req(&key("expired"), short, short);
-    store.claim(&expired).await.unwrap();
+    let expired_fence = acquired(store.claim(&expired).await);
     let released = req(&key("released"), hour, hour);
-    store.claim(&released).await.unwrap();
+    let released_fence = acquired(store.claim(&released).await);
     assert!(store.release(&released.key, &released.token).await.unwrap());
     let mismatch = ClaimRequest {
         fingerprint: fp(1),
         ..req(&key("mismatch"), hour, hour)
     };
-    store.claim(&mismatch).await.unwrap();
+    let mismatch_fence = acquired(store.claim(&mismatch).await);
     assert!(store
         .complete(&mismatch.key, &mismatch.token, &completion)
         .await
         .unwrap());
     let own = req(&key("own"), hour, hour);
-    store.claim(&own).await.unwrap();
+    let own_fence = acquired(store.claim(&own).await);
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    vec![
-        req(&key("new"), hour, hour),
-        req(&key("completed"), hour, hour),
-        req(&key("new"), hour, hour),
-        req(&key("live"), hour, hour),
-        req(&key("lapsed"), hour, hour),
-        req(&key("expired"), hour, hour),
-        req(&key("released"), hour, hour),
-        ClaimRequest {
-            fingerprint: fp(2),
-            ..req(&key("mismatch"), hour, hour)
+    BatchCases {
+        reqs: vec![
+            req(&key("new"), hour, hour),
+            req(&key("completed"), hour, hour),
+            req(&key("new"), hour, hour),
+            req(&key("live"), hour, hour),
+            req(&key("lapsed"), hour, hour),
+            req(&key("expired"), hour, hour),
+            req(&key("released"), hour, hour),
+            ClaimRequest {
+                fingerprint: fp(2),
+                ..req(&key("mismatch"), hour, hour)
+            },
+            own,
+        ],
+        completed: completed_fence,
+        live: live_fence,
+        lapsed: lapsed_fence,
+        expired: expired_fence,
+        released: released_fence,
+        mismatch: mismatch_fence,
+        own: own_fence,
+    }
+}
+
+/// Checks the answers to a [`batch_cases`] batch: a new key takes its fence from the clock,
+/// an expired record a fence above its old one, a taken-over or released record its fence
+/// plus one.
+fn assert_batch_answers(cases: &BatchCases, answers: &[Claim]) {
+    let new = match answers.first() {
+        Some(Claim::Acquired { fence }) => *fence,
+        other => panic!("the new key was not acquired: {other:?}"),
+    };
+    assert!(
+        new > CLOCK_FENCE_FLOOR,
+        "a new key's fence is the clock: {new}"
+    );
+    let expired = match answers.get(5) {
+        Some(Claim::Acquired { fence }) => *fence,
+        other => panic!("the expired key was not acquired: {other:?}"),
+    };
+    assert!(
+        expired > cases.expired,
+        "an expired record is claimed again with a higher fence: {expired} after {}",
+        cases.expired
+    );
+    let expected = vec![
+        Claim::Acquired { fence: new },
+        Claim::Completed {
+            fence: cases.completed,
+            result: Some(b"done".to_vec()),
         },
-        own,
-    ]
+        Claim::InProgress { fence: new },
+        Claim::InProgress { fence: cases.live },
+        Claim::Acquired {
+            fence: cases.lapsed + 1,
+        },
+        Claim::Acquired { fence: expired },
+        Claim::Acquired {
+            fence: cases.released + 1,
+        },
+        Claim::Mismatch {
+            fence: cases.mismatch,
+        },
+        Claim::Acquired { fence: cases.own },
+    ];
+    assert_eq!(answers, expected);
 }
 
 /// A batch with a duplicated key, a completed key, a live foreign claim, a run-out lease
-/// (taken over: fence + 1), an expired record (fence 1 again), a released key (fence + 1),
-/// a fingerprint mismatch and a retry by the owner's token gets exactly the answers the same
-/// claims sent one by one get; where the database counts statements, the batch is one claim
-/// statement, plus one single claim for the key's second occurrence. A batch of 1001 new keys
-/// is acquired whole, in three statements.
+/// (taken over: fence + 1), an expired record (a fence from the clock, above the old one),
+/// a released key (fence + 1), a fingerprint mismatch and a retry by the owner's token gets
+/// the answers the same claims sent one by one get; where the database counts statements,
+/// the batch is one claim statement, plus one single claim for the key's second occurrence.
+/// A batch of 1001 new keys is acquired whole, in three statements.
 pub async fn batch_answers_as_single_claims_would<H: Harness>(store: &SqlStore<H::Db>) {
     let singles = batch_cases(store, "single").await;
     let batch = batch_cases(store, "batch").await;
     let mut one_by_one = Vec::new();
-    for r in &singles {
+    for r in &singles.reqs {
         one_by_one.push(store.claim(r).await.unwrap());
     }
     H::count_claim_statements(store).await;
     let before = H::claim_statements(store).await;
     let batched: Vec<Claim> = store
-        .claim_many(&batch)
+        .claim_many(&batch.reqs)
         .await
         .into_iter()
         .map(Result::unwrap)
         .collect();
     let after = H::claim_statements(store).await;
 
-    let expected = vec![
-        Claim::Acquired { fence: 1 },
-        Claim::Completed {
-            fence: 1,
-            result: Some(b"done".to_vec()),
-        },
-        Claim::InProgress { fence: 1 },
-        Claim::InProgress { fence: 1 },
-        Claim::Acquired { fence: 2 },
-        Claim::Acquired { fence: 1 },
-        Claim::Acquired { fence: 2 },
-        Claim::Mismatch { fence: 1 },
-        Claim::Acquired { fence: 1 },
-    ];
-    assert_eq!(one_by_one, expected);
-    assert_eq!(batched, expected);
-    for (r, claim) in batch.iter().zip(&batched) {
+    assert_batch_answers(&singles, &one_by_one);
+    assert_batch_answers(&batch, &batched);
+    for (r, claim) in batch.reqs.iter().zip(&batched) {
         if let Claim::Acquired { fence } = claim {
             let record = store.read(&r.key).await.unwrap().unwrap();
             assert_eq!((record.token, record.fence), (r.token, *fence));
@@ -386,10 +499,237 @@ pub async fn batch_answers_as_single_claims_would<H: Harness>(store: &SqlStore<H
         .collect();
     let before = H::claim_statements(store).await;
     for claim in store.claim_many(&many).await {
-        assert_eq!(claim.unwrap(), Claim::Acquired { fence: 1 });
+        assert!(acquired(claim) > CLOCK_FENCE_FLOOR);
     }
     let after = H::claim_statements(store).await;
     if let (Some(before), Some(after)) = (before, after) {
         assert_eq!(after - before, 3, "claim statements sent for 1001 keys");
     }
+}
+
+/// A new key's fence is the database's clock in microseconds; a released key's next fence is
+/// one higher; once the record expired, the key is claimed again, alone or in a batch, with a
+/// fence above every earlier one (never 1 again).
+pub async fn expired_record_is_claimed_again_with_a_higher_fence<H: Harness>(
+    store: &SqlStore<H::Db>,
+) {
+    let short = Duration::from_millis(200);
+    let hour = Duration::from_secs(3600);
+    let single = Key::new("expiry", 1, &[&"single"]).unwrap();
+    let batched = Key::new("expiry", 1, &[&"batched"]).unwrap();
+
+    let first = req(&single, short, short);
+    let f1 = acquired(store.claim(&first).await);
+    assert!(
+        f1 > CLOCK_FENCE_FLOOR,
+        "a new key's fence is the clock: {f1}"
+    );
+    assert!(store.release(&single, &first.token).await.unwrap());
+    let second = req(&single, short, short);
+    assert_eq!(acquired(store.claim(&second).await), f1 + 1);
+    let g1 = acquired(store.claim(&req(&batched, short, short)).await);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(store.read(&single).await.unwrap().is_none(), "expired");
+
+    let f3 = acquired(store.claim(&req(&single, hour, hour)).await);
+    assert!(f3 > f1 + 1, "{f3} after {}", f1 + 1);
+    let fresh = Key::new("expiry", 1, &[&"fresh"]).unwrap();
+    let claims = store
+        .claim_many(&[req(&batched, hour, hour), req(&fresh, hour, hour)])
+        .await;
+    let mut claims = claims.into_iter();
+    let g2 = acquired(claims.next().unwrap());
+    assert!(g2 > g1, "{g2} after {g1}");
+    assert!(acquired(claims.next().unwrap()) > CLOCK_FENCE_FLOOR);
+}
+
+fn assert_corrupt<T: std::fmt::Debug>(out: Result<T, StoreError>, what: &str) {
+    match out {
+        Err(err) => assert_eq!(err.kind(), StoreErrorKind::Corrupt, "{what}: {err:?}"),
+        Ok(value) => panic!("{what}: a corrupt record gave {value:?}"),
+    }
+}
+
+/// A record row the store cannot read (each of [`Harness::corruptions`], written by hand) is
+/// `Corrupt` for claim (alone and in a batch, whatever the token), complete, release, renew
+/// and read; it is never taken as free, live or released, and a batch answers its other
+/// keys.
+pub async fn corrupt_records_are_reported_as_corrupt<H: Harness>(store: &SqlStore<H::Db>) {
+    let hour = Duration::from_secs(3600);
+    let done = Completion {
+        result: Some(b"r".to_vec()),
+        ttl: hour,
+    };
+    for (i, assignment) in H::corruptions().iter().enumerate() {
+        let n = u32::try_from(i).unwrap();
+        let live = Key::new("corrupt", 1, &[&n, &"live"]).unwrap();
+        let released = Key::new("corrupt", 1, &[&n, &"released"]).unwrap();
+        let owner = req(&live, hour, hour);
+        acquired(store.claim(&owner).await);
+        H::corrupt(store, &live, assignment).await;
+        let gone = req(&released, hour, hour);
+        acquired(store.claim(&gone).await);
+        assert!(store.release(&released, &gone.token).await.unwrap());
+        H::corrupt(store, &released, assignment).await;
+
+        for _ in 0..2 {
+            let what = |op: &str| format!("{op} of a record with {assignment}");
+            assert_corrupt(store.read(&live).await, &what("read"));
+            assert_corrupt(store.claim(&owner).await, &what("claim by its owner"));
+            assert_corrupt(store.claim(&req(&live, hour, hour)).await, &what("claim"));
+            assert_corrupt(
+                store.complete(&live, &owner.token, &done).await,
+                &what("complete"),
+            );
+            assert_corrupt(store.renew(&live, &owner.token, hour).await, &what("renew"));
+            assert_corrupt(store.release(&live, &owner.token).await, &what("release"));
+            assert_corrupt(store.read(&released).await, &what("read of released"));
+            assert_corrupt(
+                store.claim(&req(&released, hour, hour)).await,
+                &what("claim of released"),
+            );
+            let fresh = Key::new("corrupt", 1, &[&n, &"fresh"]).unwrap();
+            let batch = [
+                req(&released, hour, hour),
+                req(&fresh, hour, hour),
+                req(&live, hour, hour),
+            ];
+            let mut claims = store.claim_many(&batch).await.into_iter();
+            assert_corrupt(claims.next().unwrap(), &what("batch claim of released"));
+            let fresh_claim = claims.next().unwrap();
+            assert_corrupt(claims.next().unwrap(), &what("batch claim"));
+            // The second round meets the fresh key's own live claim.
+            assert!(
+                matches!(
+                    fresh_claim,
+                    Ok(Claim::Acquired { .. } | Claim::InProgress { .. })
+                ),
+                "{fresh_claim:?}"
+            );
+        }
+    }
+}
+
+/// A result the table refuses (a constraint, or a column too small: a schema managed by hand)
+/// is `Rejected`, not an outage; the record stays in progress, and completing it without the
+/// result succeeds.
+pub async fn result_refused_by_the_table_is_rejected<H: Harness>(store: &SqlStore<H::Db>) {
+    H::limit_results(store).await;
+    let hour = Duration::from_secs(3600);
+    let key = Key::new("refused", 1, &[&1u8]).unwrap();
+    let owner = req(&key, hour, hour);
+    let fence = acquired(store.claim(&owner).await);
+    let big = Completion {
+        result: Some(vec![7; 1000]),
+        ttl: hour,
+    };
+    let err = store.complete(&key, &owner.token, &big).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Rejected, "{err:?}");
+    assert!(err.is_permanent());
+    let record = store.read(&key).await.unwrap().unwrap();
+    assert!(
+        matches!(record.state, RecordState::InProgress { .. }),
+        "{record:?}"
+    );
+    let small = Completion {
+        result: None,
+        ttl: hour,
+    };
+    assert!(store.complete(&key, &owner.token, &small).await.unwrap());
+    assert_eq!(
+        store.claim(&req(&key, hour, hour)).await.unwrap(),
+        Claim::Completed {
+            fence,
+            result: None
+        }
+    );
+}
+
+/// A store built with `max_result_size(n)` reports `n`; a result longer than that is
+/// `Rejected` without being sent (the record stays in progress), and one of exactly `n` bytes
+/// is stored and replayed.
+pub async fn result_above_the_store_limit_is_rejected<H: Harness>(store: &SqlStore<H::Db>) {
+    let limit = store.max_result_size();
+    let hour = Duration::from_secs(3600);
+    let key = Key::new("limit", 1, &[&1u8]).unwrap();
+    let owner = req(&key, hour, hour);
+    let fence = acquired(store.claim(&owner).await);
+    let over = Completion {
+        result: Some(vec![7; limit + 1]),
+        ttl: hour,
+    };
+    let err = store.complete(&key, &owner.token, &over).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Rejected, "{err:?}");
+    let record = store.read(&key).await.unwrap().unwrap();
+    assert!(
+        matches!(record.state, RecordState::InProgress { .. }),
+        "{record:?}"
+    );
+    let exact = Completion {
+        result: Some(vec![7; limit]),
+        ttl: hour,
+    };
+    assert!(store.complete(&key, &owner.token, &exact).await.unwrap());
+    assert_eq!(
+        store.claim(&req(&key, hour, hour)).await.unwrap(),
+        Claim::Completed {
+            fence,
+            result: Some(vec![7; limit])
+        }
+    );
+}
+
+/// `Duration::MAX` as lease and ttl works for claim (alone and in a batch), renew and
+/// complete, and means the same as the longest duration, `MAX_DURATION`.
+pub async fn longest_durations_work<H: Harness>(store: &SqlStore<H::Db>) {
+    let max = Duration::MAX;
+    let key = Key::new("longest", 1, &[&"max"]).unwrap();
+    let century = Key::new("longest", 1, &[&"century"]).unwrap();
+    let owner = req(&key, max, max);
+    let fence = acquired(store.claim(&owner).await);
+    acquired(
+        store
+            .claim(&req(&century, MAX_DURATION, MAX_DURATION))
+            .await,
+    );
+    let lease_left = |record: Option<idempotent::Record>| match record.map(|r| r.state) {
+        Some(RecordState::InProgress { lease_left }) => lease_left,
+        other => panic!("expected a live claim, got {other:?}"),
+    };
+    let a = lease_left(store.read(&key).await.unwrap());
+    let b = lease_left(store.read(&century).await.unwrap());
+    assert!(a <= MAX_DURATION, "{a:?}");
+    assert!(a.abs_diff(b) < Duration::from_secs(10), "{a:?} vs {b:?}");
+
+    assert!(store.renew(&key, &owner.token, max).await.unwrap());
+    let a = lease_left(store.read(&key).await.unwrap());
+    assert!(a <= MAX_DURATION, "{a:?}");
+    assert!(MAX_DURATION - a < Duration::from_secs(10), "{a:?}");
+
+    let done = Completion {
+        result: Some(b"kept".to_vec()),
+        ttl: max,
+    };
+    assert!(store.complete(&key, &owner.token, &done).await.unwrap());
+    assert_eq!(
+        store.claim(&req(&key, max, max)).await.unwrap(),
+        Claim::Completed {
+            fence,
+            result: Some(b"kept".to_vec())
+        }
+    );
+
+    let batch = [
+        req(&Key::new("longest", 1, &[&"batch-1"]).unwrap(), max, max),
+        req(&Key::new("longest", 1, &[&"batch-2"]).unwrap(), max, max),
+        req(&key, max, max),
+    ];
+    let claims = store.claim_many(&batch).await;
+    let mut claims = claims.into_iter();
+    acquired(claims.next().unwrap());
+    acquired(claims.next().unwrap());
+    assert!(matches!(
+        claims.next().unwrap(),
+        Ok(Claim::Completed { .. })
+    ));
 }

@@ -15,7 +15,7 @@ use sqlx::{Database, Pool};
 use crate::store::sql::error::DbFailure;
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::sql::table::TableName;
-use crate::store::{BoxFuture, ClaimRequest};
+use crate::store::{clamped_millis, BoxFuture, ClaimRequest};
 
 /// A value bound to a statement parameter.
 #[derive(Debug, Clone, Copy)]
@@ -188,6 +188,11 @@ pub trait Driver: Database {
         args: &'c [Arg<'c>],
     ) -> BoxFuture<'c, Result<Option<RecordRow>, sqlx::Error>>;
 
+    /// The largest stored result the database takes, in bytes, read from `pool` once when
+    /// the store is built: the result column's capacity and the server's own limits, less
+    /// [`HEADROOM`] for the rest of the statement or row.
+    fn result_capacity(pool: &Pool<Self>) -> BoxFuture<'_, Result<usize, sqlx::Error>>;
+
     /// Runs `migrator` on `conn`.
     fn migrate<'c>(
         conn: &'c mut Self::Connection,
@@ -198,13 +203,18 @@ pub trait Driver: Database {
     fn classify(err: &dyn DatabaseError) -> DbFailure;
 }
 
-/// A duration in `tick`s, rounded up (a lease is never shortened to zero) and capped at a
-/// century, so that `now + duration` stays within every database's time range.
+/// What a stored result leaves to the rest of a statement or row (the key, the token, the
+/// other columns, the protocol's framing) below a database's limit on one value or packet.
+pub(crate) const HEADROOM: usize = 64 << 10;
+
+/// A duration in `tick`s (a microsecond or a millisecond), by the rule every store follows
+/// ([`clamped_millis`]): whole milliseconds, rounded up, within
+/// [`MIN_DURATION`](crate::store::MIN_DURATION) ..= [`MAX_DURATION`](crate::store::MAX_DURATION),
+/// so a lease is never zero and `now + duration` stays within every database's time range.
 pub(crate) fn ticks(duration: Duration, tick: Duration) -> i64 {
-    const CENTURY: Duration = Duration::from_secs(100 * 366 * 24 * 3600);
-    let nanos = duration.min(CENTURY).as_nanos();
-    let tick = tick.as_nanos().max(1);
-    i64::try_from(nanos.div_ceil(tick)).unwrap_or(i64::MAX)
+    let per_milli = (Duration::from_millis(1).as_nanos() / tick.as_nanos().max(1)).max(1);
+    let ticks = u128::from(clamped_millis(duration)) * per_milli;
+    i64::try_from(ticks).unwrap_or(i64::MAX)
 }
 
 /// Binds `args` to `query`, in order.
@@ -289,13 +299,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn durations_round_up_to_ticks() {
+    fn durations_are_whole_milliseconds_in_range() {
+        use crate::store::MAX_DURATION;
+
         let micro = Duration::from_micros(1);
         let milli = Duration::from_millis(1);
         assert_eq!(ticks(Duration::from_millis(300), micro), 300_000);
-        assert_eq!(ticks(Duration::from_nanos(1), micro), 1);
+        assert_eq!(ticks(Duration::from_nanos(1), micro), 1_000);
+        assert_eq!(ticks(Duration::from_micros(1500), micro), 2_000);
         assert_eq!(ticks(Duration::from_micros(1500), milli), 2);
-        assert_eq!(ticks(Duration::ZERO, milli), 0);
-        assert!(ticks(Duration::MAX, micro) < i64::MAX);
+        assert_eq!(ticks(Duration::ZERO, milli), 1);
+        let longest = i64::try_from(MAX_DURATION.as_micros()).unwrap();
+        assert_eq!(ticks(Duration::MAX, micro), longest);
+        assert_eq!(ticks(MAX_DURATION, micro), longest);
+        assert_eq!(ticks(Duration::MAX, milli), longest / 1000);
     }
 }

@@ -29,7 +29,11 @@ pub enum DbFailure {
     Unavailable,
     /// The database is read-only (a replica, a read-only transaction).
     ReadOnly,
-    /// Anything else: a constraint, a missing table, a type error.
+    /// The database refused this statement for good, without applying it: a value too large
+    /// for the server or a column, data of the wrong type or out of range, a constraint.
+    /// Sending it again fails the same way.
+    Rejected,
+    /// Anything else: a missing table or column, a syntax error, an internal error.
     Other,
 }
 
@@ -41,6 +45,14 @@ pub(crate) fn sqlstate(code: &str) -> DbFailure {
         "40001" | "40P01" | "55P03" => DbFailure::Conflict,
         // read_only_sql_transaction
         "25006" => DbFailure::ReadOnly,
+        // data exceptions (string data right truncation, numeric value out of range, invalid
+        // values), integrity constraint violations, program limits exceeded (a row too big)
+        _ if ["22", "23", "54"]
+            .iter()
+            .any(|class| code.starts_with(class)) =>
+        {
+            DbFailure::Rejected
+        }
         // connection exceptions, insufficient resources, operator intervention (shutdown,
         // cancelled statements), and the rest of "transaction rollback"
         _ if ["08", "53", "57", "40"]
@@ -90,6 +102,11 @@ fn kind<D: Driver>(err: &sqlx::Error, phase: Phase) -> StoreErrorKind {
         return StoreErrorKind::Unavailable;
     }
     match err {
+        // A record row whose columns do not decode (a value of another type, written by hand
+        // or by something else).
+        sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) => StoreErrorKind::Corrupt,
+        // A value the driver cannot send.
+        sqlx::Error::Encode(_) => StoreErrorKind::Rejected,
         sqlx::Error::Io(_) if phase == Phase::Write => StoreErrorKind::OutcomeUnknown,
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut
@@ -100,6 +117,7 @@ fn kind<D: Driver>(err: &sqlx::Error, phase: Phase) -> StoreErrorKind {
         sqlx::Error::Database(db) => match D::classify(&**db) {
             DbFailure::Conflict | DbFailure::Unavailable => StoreErrorKind::Unavailable,
             DbFailure::ReadOnly => StoreErrorKind::Unsafe,
+            DbFailure::Rejected => StoreErrorKind::Rejected,
             DbFailure::Other => StoreErrorKind::Protocol,
         },
         _ => StoreErrorKind::Protocol,
@@ -119,7 +137,15 @@ mod tests {
         assert_eq!(sqlstate("57P01"), DbFailure::Unavailable);
         assert_eq!(sqlstate("08006"), DbFailure::Unavailable);
         assert_eq!(sqlstate("53300"), DbFailure::Unavailable);
-        assert_eq!(sqlstate("23505"), DbFailure::Other);
+        // Seen from PostgreSQL: a check constraint, a bigint overflow. From MariaDB: data too
+        // long for a column (1406), a check constraint (4025).
+        assert_eq!(sqlstate("23514"), DbFailure::Rejected);
+        assert_eq!(sqlstate("22003"), DbFailure::Rejected);
+        assert_eq!(sqlstate("22001"), DbFailure::Rejected);
+        assert_eq!(sqlstate("23000"), DbFailure::Rejected);
+        assert_eq!(sqlstate("23505"), DbFailure::Rejected);
+        assert_eq!(sqlstate("54000"), DbFailure::Rejected);
         assert_eq!(sqlstate("42P01"), DbFailure::Other);
+        assert_eq!(sqlstate("XX000"), DbFailure::Other);
     }
 }

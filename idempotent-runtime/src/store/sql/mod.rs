@@ -53,16 +53,29 @@
 //!   concurrent claims exactly one takes a free record.
 //! - **MySQL / MariaDB**: MySQL has no `RETURNING`, so the claim is
 //!   `INSERT ... ON DUPLICATE KEY UPDATE` with conditional assignments: InnoDB locks the
-//!   duplicate row before the update part runs, the "free" test is made while the columns it
-//!   reads are untouched (assignments run left to right), and the assignments after `token`
-//!   test whether this claim's token is now the record's. The statement reports an
-//!   acquisition in its own reply through `LAST_INSERT_ID(fence)`: one round trip for every
-//!   acquisition. A claim that did not take the key reads the record with a locking read
+//!   duplicate row before the update part runs, the first assignment (`fence`) makes the
+//!   "free" test on the record as it was and leaves the new fence, or 0, in
+//!   `LAST_INSERT_ID()`, and the later assignments test that value (assignments run left to
+//!   right). The statement reports an acquisition in its own reply through
+//!   `LAST_INSERT_ID(fence)`: one round trip for every acquisition. A claim that did not take
+//!   the key reads the record with a locking read
 //!   (a second round trip, for duplicates only).
 //! - **SQLite**: `INSERT ... ON CONFLICT DO UPDATE ... WHERE <free> RETURNING ...`; SQLite runs
 //!   one writing statement at a time. A claim that did not take the key reads the record.
 //!   `sqlite::memory:` is one database shared by the pool's connections, kept alive by a
 //!   connection the pool never closes.
+//!
+//! The fence of an acquisition is [`next_fence`](crate::store::next_fence): one more than
+//! the record's when the key has one (live, released, or a run-out lease taken over); the
+//! database's clock in microseconds since the Unix epoch when it has none (SQLite's clock
+//! counts milliseconds: its fence is those times 1,000); and for a record that expired but is
+//! not purged yet, the higher of the two. Fences therefore keep growing across expiry.
+//!
+//! A record row the store cannot read (an unknown state, a token or fingerprint that is not
+//! 16 bytes, a negative fence, a column of another type) is never taken, changed or treated
+//! as free: every call on its key, claim, complete, release, renew and read, fails with
+//! [`StoreErrorKind::Corrupt`] until it expires or an operator repairs or deletes it. In a
+//! batch, only that key's item fails.
 //!
 //! # Batches
 //!
@@ -106,15 +119,30 @@
 //! isolation on PostgreSQL: under `REPEATABLE READ` or `SERIALIZABLE` a concurrent duplicate
 //! fails with a serialization error instead of waiting.
 //!
+//! # Durations and results
+//!
+//! Leases and ttls are sent in whole milliseconds, rounded up and clamped to
+//! [`MIN_DURATION`] ..= [`MAX_DURATION`] ([`clamped_millis`](crate::store::clamped_millis)),
+//! as on every store: `Duration::MAX` means 36,500 days.
+//!
+//! A stored result is at most [`Store::max_result_size`] bytes ([`Builder::max_result_size`],
+//! 1 MiB by default, never more than the database takes); [`Store::complete`] refuses a
+//! larger one with [`StoreErrorKind::Rejected`] without sending it.
+//!
 //! # Errors
 //!
 //! A connection that cannot be had (server down, pool exhausted past its acquire timeout) is
 //! [`StoreErrorKind::Unavailable`], as is a statement the server aborted (shutdown, deadlock,
 //! serialization failure; autocommit statements are retried a few times first). An I/O error
 //! after a writing statement was sent is [`StoreErrorKind::OutcomeUnknown`]: the engine reads
-//! the record back by token. A read-only database is [`StoreErrorKind::Unsafe`]; any other
-//! database error is [`StoreErrorKind::Protocol`]. The sqlx error is always the
-//! [`source`](std::error::Error::source).
+//! the record back by token. A statement the database refuses for good is
+//! [`StoreErrorKind::Rejected`]: a value too large (MySQL's "packet bigger than
+//! `max_allowed_packet`", 1153, although its SQLSTATE is the connection class 08), data too
+//! long or out of range (SQLSTATE class 22), a constraint (class 23), a program limit (class
+//! 54), SQLite's `TOOBIG`, `CONSTRAINT` and `MISMATCH`. A record that cannot be read is
+//! [`StoreErrorKind::Corrupt`]. A read-only database is [`StoreErrorKind::Unsafe`]; any other
+//! database error (a missing table, say) is [`StoreErrorKind::Protocol`]. The sqlx error is
+//! always the [`source`](std::error::Error::source).
 
 // `sql` is the database features' shared part; on its own it has no database to drive.
 #![cfg_attr(
@@ -139,6 +167,7 @@ use crate::key::Key;
 use crate::policy::default_lease;
 use crate::store::{
     BoxFuture, Claim, ClaimRequest, Completion, ConnectError, Record, SharedStore, Store, Token,
+    DEFAULT_MAX_RESULT_SIZE, MAX_DURATION, MIN_DURATION,
 };
 
 mod driver;
@@ -218,6 +247,7 @@ pub struct SqlStore<DB: Dialect> {
     table: Arc<TableName>,
     sql: Arc<Statements>,
     runtime: tokio::runtime::Handle,
+    max_result_size: usize,
 }
 
 impl<DB: Dialect> Clone for SqlStore<DB> {
@@ -227,6 +257,7 @@ impl<DB: Dialect> Clone for SqlStore<DB> {
             table: self.table.clone(),
             sql: self.sql.clone(),
             runtime: self.runtime.clone(),
+            max_result_size: self.max_result_size,
         }
     }
 }
@@ -236,6 +267,7 @@ impl<DB: Dialect> fmt::Debug for SqlStore<DB> {
         f.debug_struct("SqlStore")
             .field("database", &<DB as Database>::NAME)
             .field("table", &self.table.as_str())
+            .field("max_result_size", &self.max_result_size)
             .finish_non_exhaustive()
     }
 }
@@ -263,6 +295,7 @@ pub struct Builder<DB: Dialect> {
     max_connections: u32,
     acquire_timeout: Duration,
     migrate: bool,
+    max_result_size: usize,
     database: PhantomData<fn() -> DB>,
 }
 
@@ -274,6 +307,7 @@ impl<DB: Dialect> fmt::Debug for Builder<DB> {
             .field("max_connections", &self.max_connections)
             .field("acquire_timeout", &self.acquire_timeout)
             .field("migrate", &self.migrate)
+            .field("max_result_size", &self.max_result_size)
             .finish()
     }
 }
@@ -285,6 +319,7 @@ impl<DB: Dialect> Default for Builder<DB> {
             max_connections: 10,
             acquire_timeout: Duration::from_secs(5),
             migrate: true,
+            max_result_size: DEFAULT_MAX_RESULT_SIZE,
             database: PhantomData,
         }
     }
@@ -322,6 +357,35 @@ impl<DB: Dialect> Builder<DB> {
         self
     }
 
+    /// The largest stored result, in bytes, the store takes (default
+    /// [`DEFAULT_MAX_RESULT_SIZE`], 1 MiB): [`Store::max_result_size`]. The engine completes
+    /// a record whose result is larger without it (duplicates get [`Error::Duplicate`],
+    /// never a re-run), and [`Store::complete`] refuses it with
+    /// [`StoreErrorKind::Rejected`].
+    ///
+    /// A value above what the database takes is lowered to it when the store is built:
+    /// about 1 GiB on PostgreSQL (`bytea`), the `MEDIUMBLOB` column (16 MiB) and the server's
+    /// `max_allowed_packet` (read once, when the store is built) on MySQL / MariaDB, SQLite's
+    /// length limit (10^9 bytes by default), each less 64 KiB for the rest of the statement.
+    ///
+    /// ```no_run
+    /// use idempotent_runtime::Store;
+    /// use idempotent_runtime::sql::MySqlStore;
+    ///
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), idempotent_runtime::StoreError> {
+    /// let store = MySqlStore::builder()
+    ///     .max_result_size(usize::MAX) // as much as the server takes
+    ///     .connect("mysql://app@db/payments")
+    ///     .await?;
+    /// println!("results up to {} bytes are replayed", store.max_result_size());
+    /// # Ok(()) }
+    /// ```
+    pub fn max_result_size(mut self, bytes: usize) -> Self {
+        self.max_result_size = bytes;
+        self
+    }
+
     /// Opens a pool on `url` and builds the store.
     ///
     /// # Errors
@@ -340,11 +404,14 @@ impl<DB: Dialect> Builder<DB> {
         self.finish(pool, table).await
     }
 
-    /// Builds the store on an existing pool (its own size and timeouts apply).
+    /// Builds the store on an existing pool (its own size and timeouts apply). On MySQL /
+    /// MariaDB this reads the server's `max_allowed_packet`, so the database must be
+    /// reachable.
     ///
     /// # Errors
     ///
-    /// The migration's error; an invalid table name.
+    /// The migration's error; [`StoreErrorKind::Unavailable`] when the database cannot be
+    /// reached; an invalid table name.
     pub async fn build(self, pool: Pool<DB>) -> Result<SqlStore<DB>, StoreError> {
         let table = TableName::parse(&self.table, DB::SCHEMA_QUALIFIED, <DB as Database>::NAME)?;
         self.finish(pool, table).await
@@ -358,11 +425,15 @@ impl<DB: Dialect> Builder<DB> {
             )
             .with_source(e)
         })?;
+        let capacity = DB::result_capacity(&pool)
+            .await
+            .map_err(|e| store_error::<DB>(e, Phase::Read, "limits read"))?;
         let store = SqlStore {
             sql: Arc::new(Statements::render(&DB::SQL, &table)),
             table: Arc::new(table),
             pool,
             runtime,
+            max_result_size: self.max_result_size.min(capacity),
         };
         if self.migrate {
             store.migrate().await?;
@@ -566,6 +637,7 @@ impl<DB: Dialect> SqlStore<DB> {
         token: &Token,
         completion: &Completion,
     ) -> Result<bool, StoreError> {
+        refuse_oversized(completion, self.max_result_size)?;
         complete_on::<DB>(&mut **tx, &self.sql, key, token, completion, false).await
     }
 
@@ -595,7 +667,9 @@ impl<DB: Dialect> SqlStore<DB> {
     /// [`Error::Duplicate`] when an earlier transaction committed the key (there is no replay
     /// of results here), [`Error::Held`] for a key held by the engine,
     /// [`Error::InProgress`] when a call outside a transaction holds a live claim,
-    /// [`Error::Store`] when a statement failed (roll back: the transaction may be aborted).
+    /// [`Error::Store`] when a statement failed (roll back: the transaction may be aborted),
+    /// [`Error::InvalidDuration`] for a `ttl` outside [`MIN_DURATION`] ..= [`MAX_DURATION`]
+    /// (nothing is sent).
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -639,6 +713,13 @@ impl<DB: Dialect> SqlStore<DB> {
     where
         E: From<Error>,
     {
+        if !(MIN_DURATION..=MAX_DURATION).contains(&ttl) {
+            return Err(Error::InvalidDuration {
+                setting: "ttl",
+                value: ttl,
+            }
+            .into());
+        }
         let req = ClaimRequest {
             key,
             token: Token::generate(),
@@ -757,6 +838,7 @@ impl<DB: Dialect> Store for SqlStore<DB> {
         completion: &'a Completion,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
+            refuse_oversized(completion, self.max_result_size)?;
             let mut conn = self.acquire().await?;
             complete_on::<DB>(&mut conn, &self.sql, key, token, completion, true).await
         })
@@ -788,7 +870,8 @@ impl<DB: Dialect> Store for SqlStore<DB> {
                 Arg::Bytes(key.as_bytes()),
                 Arg::Bytes(token.as_bytes()),
             ];
-            Ok(write::<DB>(&mut conn, &self.sql.renew, &args, "renew", true).await? > 0)
+            let renewed = write::<DB>(&mut conn, &self.sql.renew, &args, "renew", true).await?;
+            owned::<DB>(&mut conn, &self.sql, key, renewed).await
         })
     }
 
@@ -804,6 +887,10 @@ impl<DB: Dialect> Store for SqlStore<DB> {
                 Some(row) => Ok(Some(Stored::from_row(row, DB::TICK)?.into_record())),
             }
         })
+    }
+
+    fn max_result_size(&self) -> usize {
+        self.max_result_size
     }
 }
 
@@ -972,7 +1059,8 @@ async fn complete_on<DB: Dialect>(
         Arg::Bytes(key.as_bytes()),
         Arg::Bytes(token.as_bytes()),
     ];
-    Ok(write::<DB>(conn, &sql.complete, &args, "complete", autocommit).await? > 0)
+    let completed = write::<DB>(conn, &sql.complete, &args, "complete", autocommit).await?;
+    owned::<DB>(conn, sql, key, completed).await
 }
 
 async fn release_on<DB: Dialect>(
@@ -983,7 +1071,51 @@ async fn release_on<DB: Dialect>(
     autocommit: bool,
 ) -> Result<bool, StoreError> {
     let args = [Arg::Bytes(key.as_bytes()), Arg::Bytes(token.as_bytes())];
-    Ok(write::<DB>(conn, &sql.release, &args, "release", autocommit).await? > 0)
+    let released = write::<DB>(conn, &sql.release, &args, "release", autocommit).await?;
+    owned::<DB>(conn, sql, key, released).await
+}
+
+/// The answer of an owner-checked write that matched `rows` rows: `true` when it matched the
+/// record. When it matched none, the key is someone else's or has no live record, or its
+/// record cannot be read (those writes leave such a record alone): the record is read to
+/// tell the last apart, which is [`StoreErrorKind::Corrupt`], never a lost owner. A failure
+/// of that read leaves the write's answer, `false`.
+async fn owned<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    key: &Key,
+    rows: u64,
+) -> Result<bool, StoreError> {
+    if rows > 0 {
+        return Ok(true);
+    }
+    let args = [Arg::Bytes(key.as_bytes())];
+    let row = match DB::fetch(conn, &sql.read, &args).await {
+        Ok(row) => row,
+        Err(err) => {
+            let err = store_error::<DB>(err, Phase::Read, "read");
+            return if err.kind() == StoreErrorKind::Corrupt {
+                Err(err)
+            } else {
+                Ok(false)
+            };
+        }
+    };
+    if let Some(row) = row {
+        Stored::from_row(row, DB::TICK)?;
+    }
+    Ok(false)
+}
+
+/// Refuses a completion whose result is larger than the store takes, before it is sent.
+fn refuse_oversized(completion: &Completion, limit: usize) -> Result<(), StoreError> {
+    match completion.result.as_ref().map(Vec::len) {
+        Some(len) if len > limit => Err(StoreError::new(
+            StoreErrorKind::Rejected,
+            format!("a result of {len} bytes is larger than the store takes ({limit} bytes)"),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Executes a writing statement; returns the rows it matched.

@@ -9,10 +9,36 @@ use sqlx::mysql::{MySql, MySqlConnection, MySqlDatabaseError};
 use sqlx::pool::PoolOptions;
 use sqlx::{AssertSqlSafe, Pool};
 
-use crate::store::sql::driver::{statement_fns, ticks, Arg, Driver, Statements, Templates};
+use crate::store::sql::driver::{
+    statement_fns, ticks, Arg, Driver, Statements, Templates, HEADROOM,
+};
 use crate::store::sql::error::{sqlstate, DbFailure};
 use crate::store::sql::record::Step;
 use crate::store::{BoxFuture, ClaimRequest};
+
+/// The database's clock in microseconds since the Unix epoch, in UTC whatever the session's
+/// time zone: the fence of a key that has no record
+/// ([`next_fence`](crate::store::next_fence)). `UTC_TIMESTAMP(6)` is one instant for the
+/// whole statement.
+macro_rules! clock_fence {
+    () => {
+        "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+    };
+}
+
+/// A free record: expired, or readable (a fence that is not negative; `token` and
+/// `fingerprint` are `BINARY(16)`) and released or in progress with a run-out lease and no
+/// other payload. A record that is not readable is never taken: it is reported as corrupt.
+macro_rules! free {
+    () => {
+        "expires_at <= UTC_TIMESTAMP(6)
+           OR (fence >= 0
+               AND (state = 'released'
+                    OR (state = 'in_progress' AND lease_until <= UTC_TIMESTAMP(6)
+                        AND NOT (fingerprint IS NOT NULL AND VALUES(fingerprint) IS NOT NULL
+                                 AND fingerprint <> VALUES(fingerprint)))))"
+    };
+}
 
 /// Takes the key when its record is free (absent, expired, released, or in progress with a
 /// run-out lease and no other payload); leaves any other record unchanged.
@@ -20,39 +46,49 @@ use crate::store::{BoxFuture, ClaimRequest};
 /// InnoDB locks the duplicate row exclusively before the `UPDATE` part runs, so exactly one
 /// of any number of concurrent claims takes a free record. The `UPDATE` part's assignments
 /// run left to right and each sees the columns assigned before it, so the "free" test is
-/// evaluated only while the columns it reads (`state`, `lease_until`, `expires_at`,
-/// `fingerprint`) are untouched: by `fence` and `token`. After `token` is assigned,
-/// `token = VALUES(token)` says whether this claim took the record (tokens are never reused).
+/// made once, by the first assignment (`fence`), on the record as it was: it leaves the new
+/// fence in `LAST_INSERT_ID()` when it takes the record, and 0 when it does not. Every later
+/// assignment tests `LAST_INSERT_ID() <> 0` (within a statement, `LAST_INSERT_ID()` returns
+/// the value last given to `LAST_INSERT_ID(expr)`), so a record that is not free, the
+/// caller's own included, is left exactly as it was.
 ///
-/// `LAST_INSERT_ID(n)` makes the reply carry `n`: the fence when the record was inserted
-/// (1) or taken over (the new fence), and 0 when it was left alone. A 0 is answered by a
-/// locking read of the record, so a server that did not report the value would cost a
-/// round trip, never a wrong answer.
-const CLAIM: &str = "\
+/// The new fence is one more than the record's, or, for an absent record, the clock's fence;
+/// for an expired one, the higher of the two, so fences never repeat for a key.
+///
+/// `LAST_INSERT_ID(n)` makes the reply carry `n`: the fence when the record was inserted or
+/// taken over, and 0 when it was left alone. A 0 is answered by a locking read of the
+/// record, so a server that did not report the value would cost a round trip, never a wrong
+/// answer.
+const CLAIM: &str = concat!(
+    "\
 INSERT INTO idempotent_records
     (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
      created_at, updated_at, expires_at)
-VALUES (?, ?, ?, LAST_INSERT_ID(1), 'in_progress', UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
-        NULL, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)
+VALUES (?, ?, ?, LAST_INSERT_ID(",
+    clock_fence!(),
+    "), 'in_progress',
+        UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, NULL, ?,
+        UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)
 ON DUPLICATE KEY UPDATE
-    fence = IF(expires_at <= UTC_TIMESTAMP(6) OR state = 'released'
-                  OR (state = 'in_progress' AND lease_until <= UTC_TIMESTAMP(6)
-                      AND NOT (fingerprint IS NOT NULL AND VALUES(fingerprint) IS NOT NULL
-                               AND fingerprint <> VALUES(fingerprint))),
-               LAST_INSERT_ID(IF(expires_at <= UTC_TIMESTAMP(6), 1, fence + 1)),
-               fence + LAST_INSERT_ID(0)),
-    created_at = IF(expires_at <= UTC_TIMESTAMP(6), VALUES(created_at), created_at),
-    token = IF(expires_at <= UTC_TIMESTAMP(6) OR state = 'released'
-                  OR (state = 'in_progress' AND lease_until <= UTC_TIMESTAMP(6)
-                      AND NOT (fingerprint IS NOT NULL AND VALUES(fingerprint) IS NOT NULL
-                               AND fingerprint <> VALUES(fingerprint))),
-               VALUES(token), token),
-    result = IF(token = VALUES(token), NULL, result),
-    updated_at = IF(token = VALUES(token), VALUES(updated_at), updated_at),
-    lease_until = IF(token = VALUES(token), VALUES(lease_until), lease_until),
-    fingerprint = IF(token = VALUES(token), VALUES(fingerprint), fingerprint),
-    expires_at = IF(token = VALUES(token), VALUES(expires_at), expires_at),
-    state = IF(token = VALUES(token), 'in_progress', state)";
+    fence = IF(",
+    free!(),
+    ",
+               LAST_INSERT_ID(IF(expires_at <= UTC_TIMESTAMP(6),
+                                 GREATEST(fence + 1, ",
+    clock_fence!(),
+    "),
+                                 fence + 1)),
+               fence + CAST(LAST_INSERT_ID(0) AS SIGNED)),
+    created_at = IF(LAST_INSERT_ID() <> 0 AND expires_at <= UTC_TIMESTAMP(6),
+                    VALUES(created_at), created_at),
+    token = IF(LAST_INSERT_ID() <> 0, VALUES(token), token),
+    result = IF(LAST_INSERT_ID() <> 0, NULL, result),
+    updated_at = IF(LAST_INSERT_ID() <> 0, VALUES(updated_at), updated_at),
+    lease_until = IF(LAST_INSERT_ID() <> 0, VALUES(lease_until), lease_until),
+    fingerprint = IF(LAST_INSERT_ID() <> 0, VALUES(fingerprint), fingerprint),
+    expires_at = IF(LAST_INSERT_ID() <> 0, VALUES(expires_at), expires_at),
+    state = IF(LAST_INSERT_ID() <> 0, 'in_progress', state)"
+);
 
 const READ: &str = "\
 SELECT state, token, fence, fingerprint, result,
@@ -69,25 +105,29 @@ FROM idempotent_records
 WHERE record_key = ? AND expires_at > UTC_TIMESTAMP(6)
 FOR UPDATE";
 
-/// `state` is assigned last: the assignments before it test the old state.
+/// `state` is assigned last: the assignments before it test the old state. A record that is
+/// not readable (an unknown state, a negative fence) is left alone, and reported as corrupt.
 const COMPLETE: &str = "\
 UPDATE idempotent_records SET
     result = IF(state = 'in_progress', ?, result),
     expires_at = IF(state = 'in_progress', UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, expires_at),
     updated_at = IF(state = 'in_progress', UTC_TIMESTAMP(6), updated_at),
     state = 'completed'
-WHERE record_key = ? AND token = ? AND state <> 'released' AND expires_at > UTC_TIMESTAMP(6)";
+WHERE record_key = ? AND token = ? AND state IN ('in_progress', 'completed') AND fence >= 0
+  AND expires_at > UTC_TIMESTAMP(6)";
 
 const RELEASE: &str = "\
 UPDATE idempotent_records SET state = 'released', updated_at = UTC_TIMESTAMP(6)
-WHERE record_key = ? AND token = ? AND state = 'in_progress' AND expires_at > UTC_TIMESTAMP(6)";
+WHERE record_key = ? AND token = ? AND state = 'in_progress' AND fence >= 0
+  AND expires_at > UTC_TIMESTAMP(6)";
 
 const RENEW: &str = "\
 UPDATE idempotent_records SET
     lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
     expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND),
     updated_at = UTC_TIMESTAMP(6)
-WHERE record_key = ? AND token = ? AND state = 'in_progress' AND expires_at > UTC_TIMESTAMP(6)";
+WHERE record_key = ? AND token = ? AND state = 'in_progress' AND fence >= 0
+  AND expires_at > UTC_TIMESTAMP(6)";
 
 /// Each row is deleted only if it is still expired when the delete reaches it.
 const PURGE: &str = "\
@@ -95,6 +135,9 @@ DELETE FROM idempotent_records
 WHERE expires_at <= UTC_TIMESTAMP(6)
 ORDER BY expires_at
 LIMIT ?";
+
+/// The capacity of the `result` column, `MEDIUMBLOB`.
+const MEDIUMBLOB: usize = (1 << 24) - 1;
 
 // The migration's column sizes hold every key and prefix the key module can produce.
 const _: () = assert!(crate::key::MAX_KEY_LEN <= 512 && crate::key::MAX_PREFIX_LEN <= 128);
@@ -150,21 +193,62 @@ impl Driver for MySql {
         })
     }
 
+    /// The `MEDIUMBLOB` column's capacity, and the server's `max_allowed_packet` (the whole
+    /// statement must fit in one packet) less [`HEADROOM`].
+    fn result_capacity(pool: &Pool<Self>) -> BoxFuture<'_, Result<usize, sqlx::Error>> {
+        Box::pin(async move {
+            let packet: u64 = sqlx::query_scalar("SELECT CAST(@@max_allowed_packet AS UNSIGNED)")
+                .fetch_one(pool)
+                .await?;
+            let packet = usize::try_from(packet).unwrap_or(usize::MAX);
+            Ok(MEDIUMBLOB.min(packet.saturating_sub(HEADROOM)))
+        })
+    }
+
     statement_fns!(MySqlConnection);
 
     fn classify(err: &dyn DatabaseError) -> DbFailure {
         let number = err
             .try_downcast_ref::<MySqlDatabaseError>()
             .map(MySqlDatabaseError::number);
-        match number {
-            // ER_LOCK_WAIT_TIMEOUT (the statement was rolled back), ER_LOCK_DEADLOCK
-            Some(1205 | 1213) => DbFailure::Conflict,
-            // ER_OPTION_PREVENTS_STATEMENT (--read-only), ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION
-            Some(1290 | 1792) => DbFailure::ReadOnly,
-            // ER_SERVER_SHUTDOWN, ER_QUERY_INTERRUPTED, ER_CON_COUNT_ERROR,
-            // ER_CONNECTION_KILLED (MariaDB)
-            Some(1053 | 1317 | 1040 | 1927) => DbFailure::Unavailable,
-            _ => err.code().map_or(DbFailure::Other, |code| sqlstate(&code)),
-        }
+        number
+            .and_then(by_number)
+            .unwrap_or_else(|| err.code().map_or(DbFailure::Other, |code| sqlstate(&code)))
+    }
+}
+
+/// The server error numbers whose SQLSTATE does not say what they mean.
+fn by_number(number: u16) -> Option<DbFailure> {
+    Some(match number {
+        // ER_LOCK_WAIT_TIMEOUT (the statement was rolled back), ER_LOCK_DEADLOCK
+        1205 | 1213 => DbFailure::Conflict,
+        // ER_OPTION_PREVENTS_STATEMENT (--read-only), ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION
+        1290 | 1792 => DbFailure::ReadOnly,
+        // ER_SERVER_SHUTDOWN, ER_QUERY_INTERRUPTED, ER_CON_COUNT_ERROR,
+        // ER_CONNECTION_KILLED (MariaDB)
+        1053 | 1317 | 1040 | 1927 => DbFailure::Unavailable,
+        // ER_NET_PACKET_TOO_LARGE: the statement is larger than `max_allowed_packet` (SQLSTATE
+        // 08S01, as for a lost connection; the server closes the connection after it).
+        // ER_WARN_ALLOWED_PACKET_OVERFLOWED, ER_TOO_BIG_ROWSIZE,
+        // ER_TRUNCATED_WRONG_VALUE_FOR_FIELD, ER_CHECK_CONSTRAINT_VIOLATED (MySQL; MariaDB's
+        // ER_CONSTRAINT_FAILED is SQLSTATE 23000)
+        1153 | 1301 | 1118 | 1366 | 3819 => DbFailure::Rejected,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permanent_errors_are_rejections() {
+        // Seen from MariaDB 10.11: a result above `max_allowed_packet` is 1153 with SQLSTATE
+        // 08S01, which alone would read as a lost connection.
+        assert_eq!(by_number(1153), Some(DbFailure::Rejected));
+        assert_eq!(sqlstate("08S01"), DbFailure::Unavailable);
+        assert_eq!(by_number(1213), Some(DbFailure::Conflict));
+        assert_eq!(by_number(1406), None);
+        assert_eq!(sqlstate("22001"), DbFailure::Rejected);
     }
 }

@@ -9,10 +9,68 @@ use sqlx::pool::PoolOptions;
 use sqlx::postgres::{PgConnection, Postgres};
 use sqlx::{AssertSqlSafe, Pool};
 
-use crate::store::sql::driver::{statement_fns, ticks, Driver, Statements, Templates};
+use crate::store::sql::driver::{statement_fns, ticks, Driver, Statements, Templates, HEADROOM};
 use crate::store::sql::error::{sqlstate, DbFailure};
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::{BoxFuture, ClaimRequest};
+
+/// The database's clock in microseconds since the Unix epoch: the fence of a key that has no
+/// record ([`next_fence`](crate::store::next_fence)). `statement_timestamp()` is one instant
+/// for the whole statement.
+macro_rules! clock_fence {
+    () => {
+        "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000000)::int8"
+    };
+}
+
+/// The columns of a record row (`$r` is `r.` or empty) hold what the store can read: a fence
+/// that is not negative, a 16-byte token, a 16-byte fingerprint or none. Claims never take,
+/// and owner-checked writes never change, a row that fails this: it is reported as corrupt.
+macro_rules! readable {
+    ($r:literal) => {
+        concat!(
+            $r,
+            "fence >= 0 AND octet_length(",
+            $r,
+            "token) = 16 AND (",
+            $r,
+            "fingerprint IS NULL OR octet_length(",
+            $r,
+            "fingerprint) = 16)"
+        )
+    };
+}
+
+/// The `ON CONFLICT` part of both claim statements: takes the record when it is free
+/// (expired, or readable and released, or readable, in progress with a run-out lease and no
+/// other payload). The fence is one more than the record's, or, once the record expired, the
+/// clock's fence (`EXCLUDED.fence`) if that is higher, so fences never repeat for a key.
+macro_rules! take_if_free {
+    () => {
+        concat!(
+            "ON CONFLICT (record_key) DO UPDATE SET
+        token = EXCLUDED.token,
+        fence = CASE WHEN r.expires_at <= statement_timestamp()
+                     THEN GREATEST(r.fence + 1, EXCLUDED.fence) ELSE r.fence + 1 END,
+        state = 'in_progress',
+        lease_until = EXCLUDED.lease_until,
+        result = NULL,
+        fingerprint = EXCLUDED.fingerprint,
+        created_at = CASE WHEN r.expires_at <= statement_timestamp()
+                          THEN EXCLUDED.created_at ELSE r.created_at END,
+        updated_at = EXCLUDED.updated_at,
+        expires_at = EXCLUDED.expires_at
+    WHERE r.expires_at <= statement_timestamp()
+       OR (",
+            readable!("r."),
+            "
+           AND (r.state = 'released'
+                OR (r.state = 'in_progress' AND r.lease_until <= statement_timestamp()
+                    AND NOT (r.fingerprint IS NOT NULL AND EXCLUDED.fingerprint IS NOT NULL
+                             AND r.fingerprint <> EXCLUDED.fingerprint))))"
+        )
+    };
+}
 
 /// Takes the key when its record is free (absent, expired, released, or in progress with a
 /// run-out lease and no other payload), and reports the record either way.
@@ -22,30 +80,21 @@ use crate::store::{BoxFuture, ClaimRequest};
 /// When it does not take it, `taken` is empty and the second branch reports the record as
 /// of the statement's snapshot; `settle` sends the statement again in the rare case that
 /// the snapshot shows a free record (it changed while the statement waited for the lock).
-const CLAIM: &str = "\
+const CLAIM: &str = concat!(
+    "\
 WITH taken AS (
     INSERT INTO idempotent_records AS r
         (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
          created_at, updated_at, expires_at)
-    VALUES ($1, $2, $3, 1, 'in_progress', statement_timestamp() + $4 * INTERVAL '1 microsecond',
+    VALUES ($1, $2, $3, ",
+    clock_fence!(),
+    ", 'in_progress',
+            statement_timestamp() + $4 * INTERVAL '1 microsecond',
             NULL, $5, statement_timestamp(), statement_timestamp(),
             statement_timestamp() + $6 * INTERVAL '1 microsecond')
-    ON CONFLICT (record_key) DO UPDATE SET
-        token = EXCLUDED.token,
-        fence = CASE WHEN r.expires_at <= statement_timestamp() THEN 1 ELSE r.fence + 1 END,
-        state = 'in_progress',
-        lease_until = EXCLUDED.lease_until,
-        result = NULL,
-        fingerprint = EXCLUDED.fingerprint,
-        created_at = CASE WHEN r.expires_at <= statement_timestamp()
-                          THEN EXCLUDED.created_at ELSE r.created_at END,
-        updated_at = EXCLUDED.updated_at,
-        expires_at = EXCLUDED.expires_at
-    WHERE r.expires_at <= statement_timestamp()
-       OR r.state = 'released'
-       OR (r.state = 'in_progress' AND r.lease_until <= statement_timestamp()
-           AND NOT (r.fingerprint IS NOT NULL AND EXCLUDED.fingerprint IS NOT NULL
-                    AND r.fingerprint <> EXCLUDED.fingerprint))
+    ",
+    take_if_free!(),
+    "
     RETURNING r.state, r.token, r.fence, r.fingerprint, r.result, 0::int8 AS lease_left
 )
 SELECT state, token, fence, fingerprint, result, lease_left FROM taken
@@ -54,7 +103,8 @@ SELECT state, token, fence, fingerprint, result,
        GREATEST(0, (EXTRACT(EPOCH FROM lease_until - statement_timestamp()) * 1000000)::int8)
 FROM idempotent_records
 WHERE record_key = $1 AND expires_at > statement_timestamp()
-  AND NOT EXISTS (SELECT 1 FROM taken)";
+  AND NOT EXISTS (SELECT 1 FROM taken)"
+);
 
 /// The claim of a batch of distinct keys: [`CLAIM`] over the rows of six parallel arrays
 /// (key, prefix, token, lease, fingerprint, ttl), one statement whatever the outcomes. The
@@ -62,7 +112,8 @@ WHERE record_key = $1 AND expires_at > statement_timestamp()
 /// overlapping batches lock their rows in the same order). Each taken key is returned by
 /// `taken`; the live record of every other key is returned as of the statement's snapshot,
 /// as the single claim does. Rows come back in no particular order, `record_key` first.
-const CLAIM_MANY: &str = "\
+const CLAIM_MANY: &str = concat!(
+    "\
 WITH input AS (
     SELECT * FROM unnest($1::bytea[], $2::text[], $3::bytea[], $4::int8[], $5::bytea[],
                          $6::int8[])
@@ -71,28 +122,17 @@ WITH input AS (
     INSERT INTO idempotent_records AS r
         (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
          created_at, updated_at, expires_at)
-    SELECT record_key, prefix, token, 1, 'in_progress',
+    SELECT record_key, prefix, token, ",
+    clock_fence!(),
+    ", 'in_progress',
            statement_timestamp() + lease * INTERVAL '1 microsecond', NULL::bytea, fingerprint,
            statement_timestamp(), statement_timestamp(),
            statement_timestamp() + ttl * INTERVAL '1 microsecond'
     FROM input
     ORDER BY ord
-    ON CONFLICT (record_key) DO UPDATE SET
-        token = EXCLUDED.token,
-        fence = CASE WHEN r.expires_at <= statement_timestamp() THEN 1 ELSE r.fence + 1 END,
-        state = 'in_progress',
-        lease_until = EXCLUDED.lease_until,
-        result = NULL,
-        fingerprint = EXCLUDED.fingerprint,
-        created_at = CASE WHEN r.expires_at <= statement_timestamp()
-                          THEN EXCLUDED.created_at ELSE r.created_at END,
-        updated_at = EXCLUDED.updated_at,
-        expires_at = EXCLUDED.expires_at
-    WHERE r.expires_at <= statement_timestamp()
-       OR r.state = 'released'
-       OR (r.state = 'in_progress' AND r.lease_until <= statement_timestamp()
-           AND NOT (r.fingerprint IS NOT NULL AND EXCLUDED.fingerprint IS NOT NULL
-                    AND r.fingerprint <> EXCLUDED.fingerprint))
+    ",
+    take_if_free!(),
+    "
     RETURNING r.record_key, r.state, r.token, r.fence, r.fingerprint, r.result,
               0::int8 AS lease_left
 )
@@ -103,7 +143,8 @@ SELECT t.record_key, t.state, t.token, t.fence, t.fingerprint, t.result,
 FROM idempotent_records AS t
 WHERE t.record_key IN (SELECT record_key FROM input)
   AND t.expires_at > statement_timestamp()
-  AND t.record_key NOT IN (SELECT record_key FROM taken)";
+  AND t.record_key NOT IN (SELECT record_key FROM taken)"
+);
 
 const READ: &str = "\
 SELECT state, token, fence, fingerprint, result,
@@ -111,7 +152,8 @@ SELECT state, token, fence, fingerprint, result,
 FROM idempotent_records
 WHERE record_key = $1 AND expires_at > statement_timestamp()";
 
-const COMPLETE: &str = "\
+const COMPLETE: &str = concat!(
+    "\
 UPDATE idempotent_records SET
     result = CASE WHEN state = 'in_progress' THEN $1 ELSE result END,
     expires_at = CASE WHEN state = 'in_progress'
@@ -119,21 +161,32 @@ UPDATE idempotent_records SET
                       ELSE expires_at END,
     updated_at = CASE WHEN state = 'in_progress' THEN statement_timestamp() ELSE updated_at END,
     state = 'completed'
-WHERE record_key = $3 AND token = $4 AND state <> 'released'
-  AND expires_at > statement_timestamp()";
+WHERE record_key = $3 AND token = $4 AND state IN ('in_progress', 'completed')
+  AND ",
+    readable!(""),
+    " AND expires_at > statement_timestamp()"
+);
 
-const RELEASE: &str = "\
+const RELEASE: &str = concat!(
+    "\
 UPDATE idempotent_records SET state = 'released', updated_at = statement_timestamp()
 WHERE record_key = $1 AND token = $2 AND state = 'in_progress'
-  AND expires_at > statement_timestamp()";
+  AND ",
+    readable!(""),
+    " AND expires_at > statement_timestamp()"
+);
 
-const RENEW: &str = "\
+const RENEW: &str = concat!(
+    "\
 UPDATE idempotent_records SET
     lease_until = statement_timestamp() + $1 * INTERVAL '1 microsecond',
     expires_at = GREATEST(expires_at, statement_timestamp() + $2 * INTERVAL '1 microsecond'),
     updated_at = statement_timestamp()
 WHERE record_key = $3 AND token = $4 AND state = 'in_progress'
-  AND expires_at > statement_timestamp()";
+  AND ",
+    readable!(""),
+    " AND expires_at > statement_timestamp()"
+);
 
 /// The locked rows are skipped (a claim is reviving them), and the outer condition is
 /// evaluated again on the row's latest version, so a record taken over after the inner
@@ -226,14 +279,19 @@ impl Driver for Postgres {
                 .await?;
             let mut seen = HashMap::with_capacity(rows.len());
             for row in &rows {
-                let (key, record) = RecordRow::decode_keyed(row)?;
-                seen.insert(key, record);
+                let (key, step) = RecordRow::decode_keyed(row)?;
+                seen.insert(key, step);
             }
             Ok(reqs
                 .iter()
-                .map(|req| Step::Seen(seen.remove(req.key.as_bytes())))
+                .map(|req| seen.remove(req.key.as_bytes()).unwrap_or(Step::Seen(None)))
                 .collect())
         })
+    }
+
+    /// A `bytea` value is at most 1 GiB; a row (and the message carrying it) no more.
+    fn result_capacity(_: &Pool<Self>) -> BoxFuture<'_, Result<usize, sqlx::Error>> {
+        Box::pin(async { Ok((1 << 30) - 1 - HEADROOM) })
     }
 
     statement_fns!(PgConnection);

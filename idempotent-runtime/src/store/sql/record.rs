@@ -33,9 +33,11 @@ impl RecordRow {
         RecordRow::decode_from(row, 0)
     }
 
-    /// Decodes a batch row: the `record_key` column, then the six record columns.
+    /// Decodes a batch row: the `record_key` column, then the six record columns. A record
+    /// whose columns do not decode is that key's answer ([`Step::Unreadable`]), not the
+    /// batch's.
     #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
-    pub(crate) fn decode_keyed<R>(row: &R) -> Result<(Vec<u8>, RecordRow), sqlx::Error>
+    pub(crate) fn decode_keyed<R>(row: &R) -> Result<(Vec<u8>, Step), sqlx::Error>
     where
         R: Row,
         usize: ColumnIndex<R>,
@@ -43,7 +45,12 @@ impl RecordRow {
         Vec<u8>: for<'r> Decode<'r, R::Database> + Type<R::Database>,
         i64: for<'r> Decode<'r, R::Database> + Type<R::Database>,
     {
-        Ok((row.try_get(0)?, RecordRow::decode_from(row, 1)?))
+        let key = row.try_get(0)?;
+        let step = match RecordRow::decode_from(row, 1) {
+            Ok(record) => Step::Seen(Some(record)),
+            Err(err) => Step::Unreadable(err),
+        };
+        Ok((key, step))
     }
 
     fn decode_from<R>(row: &R, first: usize) -> Result<RecordRow, sqlx::Error>
@@ -144,6 +151,9 @@ pub enum Step {
     /// The key's record as the statement found it (after its write, if it wrote), or `None`
     /// when there was no live record to report.
     Seen(Option<RecordRow>),
+    /// The key's record row, whose columns did not decode (a batch reports it per key).
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+    Unreadable(sqlx::Error),
 }
 
 /// Reads a claim's outcome from the record the claim statement reported.
@@ -166,6 +176,9 @@ pub(crate) fn settle(
         Step::Acquired(fence) => return Ok(Some(Claim::Acquired { fence })),
         Step::Seen(None) => return Ok(None),
         Step::Seen(Some(row)) => row,
+        Step::Unreadable(err) => {
+            return Err(corrupt("a column does not decode".to_string()).with_source(err))
+        }
     };
     let stored = Stored::from_row(row, tick)?;
     let fence = stored.fence;
@@ -195,7 +208,7 @@ fn sixteen(bytes: &[u8], what: &str) -> Result<[u8; 16], StoreError> {
 
 fn corrupt(message: String) -> StoreError {
     StoreError::new(
-        StoreErrorKind::Protocol,
+        StoreErrorKind::Corrupt,
         format!("corrupt idempotency record: {message}"),
     )
 }
@@ -289,15 +302,20 @@ mod tests {
     }
 
     #[test]
-    fn corrupt_rows_are_protocol_errors() {
+    fn corrupt_rows_are_corrupt_errors() {
         let r = req(None);
-        let mut bad = row("in_progress", &r.token, None, 0);
-        bad.state = "done".into();
-        let err = settle(Step::Seen(Some(bad)), &r, TICK).unwrap_err();
-        assert_eq!(err.kind(), StoreErrorKind::Protocol);
-        let mut short = row("completed", &r.token, None, 0);
-        short.token.pop();
-        assert!(settle(Step::Seen(Some(short)), &r, TICK).is_err());
+        let mut state = row("in_progress", &r.token, None, 0);
+        state.state = "done".into();
+        let mut token = row("released", &r.token, None, 0);
+        token.token.pop();
+        let mut fence = row("released", &r.token, None, 0);
+        fence.fence = -1;
+        let mut fingerprint = row("in_progress", &r.token, Some(Fingerprint::of(&[&1u8])), 5);
+        fingerprint.fingerprint = Some(vec![1]);
+        for bad in [state, token, fence, fingerprint] {
+            let err = settle(Step::Seen(Some(bad.clone())), &r, TICK).unwrap_err();
+            assert_eq!(err.kind(), StoreErrorKind::Corrupt, "{bad:?}");
+        }
     }
 
     #[test]

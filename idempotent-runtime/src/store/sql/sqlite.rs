@@ -10,7 +10,9 @@ use sqlx::pool::PoolOptions;
 use sqlx::sqlite::{Sqlite, SqliteConnectOptions, SqliteConnection, SqliteJournalMode};
 use sqlx::{AssertSqlSafe, Pool};
 
-use crate::store::sql::driver::{statement_fns, ticks, Arg, Driver, Statements, Templates};
+use crate::store::sql::driver::{
+    statement_fns, ticks, Arg, Driver, Statements, Templates, HEADROOM,
+};
 use crate::store::sql::error::DbFailure;
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::{BoxFuture, ClaimRequest};
@@ -23,6 +25,81 @@ macro_rules! now {
     };
 }
 
+/// The database's clock in microseconds since the Unix epoch (SQLite's clock has
+/// milliseconds): the fence of a key that has no record
+/// ([`next_fence`](crate::store::next_fence)).
+macro_rules! clock_fence {
+    () => {
+        concat!(now!(), " * 1000")
+    };
+}
+
+/// The columns of a record row (`$r` is `r.` or empty) hold what the store can read (SQLite
+/// stores any type in any column): an integer fence that is not negative, a 16-byte token, a
+/// 16-byte fingerprint or none. Claims never take, and owner-checked writes never change, a
+/// row that fails this: it is reported as corrupt.
+macro_rules! readable {
+    ($r:literal) => {
+        concat!(
+            "typeof(",
+            $r,
+            "fence) = 'integer' AND ",
+            $r,
+            "fence >= 0
+       AND typeof(",
+            $r,
+            "token) IN ('blob', 'text') AND length(CAST(",
+            $r,
+            "token AS BLOB)) = 16
+       AND (",
+            $r,
+            "fingerprint IS NULL OR (typeof(",
+            $r,
+            "fingerprint) IN ('blob', 'text')
+            AND length(CAST(",
+            $r,
+            "fingerprint AS BLOB)) = 16))"
+        )
+    };
+}
+
+/// The `ON CONFLICT` part of both claim statements: takes the record when it is free
+/// (expired, or readable and released, or readable, in progress with a run-out lease and no
+/// other payload). The fence is one more than the record's, or, once the record expired, the
+/// clock's fence (`excluded.fence`) if that is higher, so fences never repeat for a key.
+macro_rules! take_if_free {
+    () => {
+        concat!(
+            "ON CONFLICT (record_key) DO UPDATE SET
+    token = excluded.token,
+    fence = CASE WHEN r.expires_at <= ",
+            now!(),
+            " THEN MAX(r.fence + 1, excluded.fence) ELSE r.fence + 1 END,
+    state = 'in_progress',
+    lease_until = excluded.lease_until,
+    result = NULL,
+    fingerprint = excluded.fingerprint,
+    created_at = CASE WHEN r.expires_at <= ",
+            now!(),
+            " THEN excluded.created_at ELSE r.created_at END,
+    updated_at = excluded.updated_at,
+    expires_at = excluded.expires_at
+WHERE r.expires_at <= ",
+            now!(),
+            "
+   OR (",
+            readable!("r."),
+            "
+       AND (r.state = 'released'
+            OR (r.state = 'in_progress' AND r.lease_until <= ",
+            now!(),
+            "
+                AND NOT (r.fingerprint IS NOT NULL AND excluded.fingerprint IS NOT NULL
+                         AND r.fingerprint <> excluded.fingerprint))))"
+        )
+    };
+}
+
 /// Takes the key when its record is free (absent, expired, released, or in progress with a
 /// run-out lease and no other payload) and returns it; returns nothing otherwise.
 ///
@@ -32,7 +109,9 @@ const CLAIM: &str = concat!(
     "INSERT INTO idempotent_records AS r
     (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
      created_at, updated_at, expires_at)
-VALUES (?1, ?2, ?3, 1, 'in_progress', ",
+VALUES (?1, ?2, ?3, ",
+    clock_fence!(),
+    ", 'in_progress', ",
     now!(),
     " + ?4, NULL, ?5, ",
     now!(),
@@ -41,29 +120,9 @@ VALUES (?1, ?2, ?3, 1, 'in_progress', ",
     ", ",
     now!(),
     " + ?6)
-ON CONFLICT (record_key) DO UPDATE SET
-    token = excluded.token,
-    fence = CASE WHEN r.expires_at <= ",
-    now!(),
-    " THEN 1 ELSE r.fence + 1 END,
-    state = 'in_progress',
-    lease_until = excluded.lease_until,
-    result = NULL,
-    fingerprint = excluded.fingerprint,
-    created_at = CASE WHEN r.expires_at <= ",
-    now!(),
-    " THEN excluded.created_at ELSE r.created_at END,
-    updated_at = excluded.updated_at,
-    expires_at = excluded.expires_at
-WHERE r.expires_at <= ",
-    now!(),
+",
+    take_if_free!(),
     "
-   OR r.state = 'released'
-   OR (r.state = 'in_progress' AND r.lease_until <= ",
-    now!(),
-    "
-       AND NOT (r.fingerprint IS NOT NULL AND excluded.fingerprint IS NOT NULL
-                AND r.fingerprint <> excluded.fingerprint))
 RETURNING state, token, fence, fingerprint, result, 0"
 );
 
@@ -75,7 +134,9 @@ const CLAIM_MANY: &str = concat!(
     "INSERT INTO idempotent_records AS r
     (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
      created_at, updated_at, expires_at)
-SELECT column1, column2, column3, 1, 'in_progress', ",
+SELECT column1, column2, column3, ",
+    clock_fence!(),
+    ", 'in_progress', ",
     now!(),
     " + column4, NULL, column5, ",
     now!(),
@@ -85,29 +146,9 @@ SELECT column1, column2, column3, 1, 'in_progress', ",
     now!(),
     " + column6
 FROM (VALUES {rows}) WHERE true
-ON CONFLICT (record_key) DO UPDATE SET
-    token = excluded.token,
-    fence = CASE WHEN r.expires_at <= ",
-    now!(),
-    " THEN 1 ELSE r.fence + 1 END,
-    state = 'in_progress',
-    lease_until = excluded.lease_until,
-    result = NULL,
-    fingerprint = excluded.fingerprint,
-    created_at = CASE WHEN r.expires_at <= ",
-    now!(),
-    " THEN excluded.created_at ELSE r.created_at END,
-    updated_at = excluded.updated_at,
-    expires_at = excluded.expires_at
-WHERE r.expires_at <= ",
-    now!(),
+",
+    take_if_free!(),
     "
-   OR r.state = 'released'
-   OR (r.state = 'in_progress' AND r.lease_until <= ",
-    now!(),
-    "
-       AND NOT (r.fingerprint IS NOT NULL AND excluded.fingerprint IS NOT NULL
-                AND r.fingerprint <> excluded.fingerprint))
 RETURNING record_key, state, token, fence, fingerprint, result, 0"
 );
 
@@ -141,7 +182,10 @@ const COMPLETE: &str = concat!(
     now!(),
     " ELSE updated_at END,
     state = 'completed'
-WHERE record_key = ? AND token = ? AND state <> 'released' AND expires_at > ",
+WHERE record_key = ? AND token = ? AND state IN ('in_progress', 'completed')
+  AND ",
+    readable!(""),
+    " AND expires_at > ",
     now!()
 );
 
@@ -149,7 +193,10 @@ const RELEASE: &str = concat!(
     "UPDATE idempotent_records SET state = 'released', updated_at = ",
     now!(),
     "
-WHERE record_key = ? AND token = ? AND state = 'in_progress' AND expires_at > ",
+WHERE record_key = ? AND token = ? AND state = 'in_progress'
+  AND ",
+    readable!(""),
+    " AND expires_at > ",
     now!()
 );
 
@@ -164,7 +211,10 @@ const RENEW: &str = concat!(
     updated_at = ",
     now!(),
     "
-WHERE record_key = ? AND token = ? AND state = 'in_progress' AND expires_at > ",
+WHERE record_key = ? AND token = ? AND state = 'in_progress'
+  AND ",
+    readable!(""),
+    " AND expires_at > ",
     now!()
 );
 
@@ -178,6 +228,9 @@ WHERE record_key IN (SELECT record_key FROM idempotent_records
   AND expires_at <= ",
     now!()
 );
+
+/// SQLite's default length limit on a string or blob (`SQLITE_MAX_LENGTH`).
+const DEFAULT_MAX_LENGTH: usize = 1_000_000_000;
 
 /// How long a statement waits for another connection's lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -276,8 +329,8 @@ impl Driver for Sqlite {
             }
             let mut seen = HashMap::with_capacity(reqs.len());
             for row in &query.fetch_all(&mut *conn).await? {
-                let (key, record) = RecordRow::decode_keyed(row)?;
-                seen.insert(key, record);
+                let (key, step) = RecordRow::decode_keyed(row)?;
+                seen.insert(key, step);
             }
             let rest: Vec<&[u8]> = reqs
                 .iter()
@@ -292,14 +345,31 @@ impl Driver for Sqlite {
                     query = query.bind(*key);
                 }
                 for row in &query.fetch_all(&mut *conn).await? {
-                    let (key, record) = RecordRow::decode_keyed(row)?;
-                    seen.insert(key, record);
+                    let (key, step) = RecordRow::decode_keyed(row)?;
+                    seen.insert(key, step);
                 }
             }
             Ok(reqs
                 .iter()
-                .map(|req| Step::Seen(seen.remove(req.key.as_bytes())))
+                .map(|req| seen.remove(req.key.as_bytes()).unwrap_or(Step::Seen(None)))
                 .collect())
+        })
+    }
+
+    /// SQLite's length limit on a string or blob, which also bounds a row (`MAX_LENGTH` in
+    /// `PRAGMA compile_options` when the library was built with another one than the
+    /// default, 10^9 bytes), less [`HEADROOM`].
+    fn result_capacity(pool: &Pool<Self>) -> BoxFuture<'_, Result<usize, sqlx::Error>> {
+        Box::pin(async move {
+            let options: Vec<String> = sqlx::query_scalar("PRAGMA compile_options")
+                .fetch_all(pool)
+                .await?;
+            let limit = options
+                .iter()
+                .find_map(|option| option.strip_prefix("MAX_LENGTH="))
+                .and_then(|limit| limit.parse::<usize>().ok())
+                .unwrap_or(DEFAULT_MAX_LENGTH);
+            Ok(limit.saturating_sub(HEADROOM))
         })
     }
 
@@ -315,6 +385,8 @@ impl Driver for Sqlite {
             Some(8) => DbFailure::ReadOnly,
             // SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN
             Some(10 | 13 | 14) => DbFailure::Unavailable,
+            // SQLITE_TOOBIG, SQLITE_CONSTRAINT (checks, triggers' RAISE(ABORT)), SQLITE_MISMATCH
+            Some(18..=20) => DbFailure::Rejected,
             _ => DbFailure::Other,
         }
     }
