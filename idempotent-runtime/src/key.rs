@@ -5,15 +5,31 @@
 //! - the **prefix** is kept readable so operators can find records with `SCAN` or `LIKE`;
 //! - the **version** lets a team change what a key means on purpose (bump it) instead of by
 //!   accident;
-//! - the **parts** are each written as `<byte length>:<bytes>`, so `("1:2", "3")` and
+//! - the **parts** are each written as `<length>:<bytes>`, so `("1:2", "3")` and
 //!   `("1", "2:3")` can never produce the same key, whatever bytes the parts contain;
+//! - a part holding a brace is written `<length>%<escaped bytes>` instead: `%` becomes `%25`,
+//!   `{` becomes `%7B` and `}` becomes `%7D`, and the length counts the escaped bytes, so
+//!   `"a}b"` is `5%a%7Db`. The `%` after the length says the part is escaped; parts without
+//!   braces (ordinary identifiers) are written as they are, `%` included;
 //! - the parts sit inside `{...}`, a Redis Cluster hash tag, so every Redis key that belongs
-//!   to one record hashes to the same slot;
+//!   to one record hashes to the same slot. Since no brace is left inside, the tag is always
+//!   the whole parts section: a part cannot end it early to choose the slot (Redis hashes the
+//!   bytes between the first `{` and the next `}`);
 //! - when the encoded parts are longer than [`MAX_INLINE_PARTS`] bytes they are replaced by
 //!   `#` and the hex SHA-256 of their encoding, so a key never grows past [`MAX_KEY_LEN`] bytes.
 //!   An inline encoding always starts with a digit, so a hashed key can never equal an inline one.
 //!
 //! Keys are exact bytes: a part may hold any bytes, including invalid UTF-8.
+//!
+//! # Format changes
+//!
+//! Format 2 (current) escapes parts that hold a brace, as above. Format 1 wrote every part
+//! as `<length>:<bytes>`, braces included, so such a part could end the hash tag early. Keys
+//! whose parts hold no brace are the same in both formats, so their records carry over an
+//! upgrade. A key with an escaped part is new: no format 1 key has a `%` right after a part's
+//! length, so it never equals the format 1 key of another tuple; but a record written by
+//! format 1 for a part holding a brace is not found by format 2 (a duplicate of such a
+//! message arriving across the upgrade runs again unless the handler's `done` check answers).
 
 use std::borrow::Cow;
 use std::fmt;
@@ -213,6 +229,10 @@ pub enum KeyError {
 /// let b = Key::new("order:consume", 1, &[&"1", &"2:3"])?;
 /// assert_ne!(a, b);
 /// assert_eq!(a.to_string(), "order:consume:v1:{3:1:2,1:3}");
+///
+/// // A part holding a brace is escaped, so the hash tag stays the whole `{...}`.
+/// let c = Key::new("order:consume", 1, &[&"A-1}"])?;
+/// assert_eq!(c.to_string(), "order:consume:v1:{6%A-1%7D}");
 /// # Ok::<(), idempotent_runtime::KeyError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -252,9 +272,7 @@ impl Key {
             if index > 0 {
                 body.push(b',');
             }
-            push_decimal(&mut body, scratch.len() as u64);
-            body.push(b':');
-            body.extend_from_slice(&scratch);
+            push_part(&mut body, &scratch);
         }
 
         let mut bytes = Vec::with_capacity(prefix.len() + 16 + body.len().min(70));
@@ -322,6 +340,33 @@ fn validate_prefix(prefix: &str) -> Result<(), KeyError> {
         return Err(KeyError::InvalidPrefix { found });
     }
     Ok(())
+}
+
+/// Writes one part: `<length>:<bytes>` when it holds no brace, otherwise `<length>%<escaped>`
+/// with `%`, `{` and `}` percent-escaped and the length counting the escaped bytes.
+fn push_part(out: &mut Vec<u8>, part: &[u8]) {
+    if !part.iter().any(|b| matches!(b, b'{' | b'}')) {
+        push_decimal(out, part.len() as u64);
+        out.push(b':');
+        out.extend_from_slice(part);
+        return;
+    }
+    // Each escaped byte takes three.
+    let escaped_len = part.len()
+        + 2 * part
+            .iter()
+            .filter(|b| matches!(b, b'%' | b'{' | b'}'))
+            .count();
+    push_decimal(out, escaped_len as u64);
+    out.push(b'%');
+    for &b in part {
+        match b {
+            b'%' => out.extend_from_slice(b"%25"),
+            b'{' => out.extend_from_slice(b"%7B"),
+            b'}' => out.extend_from_slice(b"%7D"),
+            _ => out.push(b),
+        }
+    }
 }
 
 fn push_decimal(out: &mut Vec<u8>, n: u64) {
@@ -410,6 +455,28 @@ mod tests {
                 count: MAX_PARTS + 1
             })
         );
+    }
+
+    #[test]
+    fn braces_are_escaped_and_the_length_counts_escaped_bytes() {
+        let key = Key::new("orders", 1, &[&"2:}x"]).unwrap();
+        assert_eq!(key.to_string(), "orders:v1:{6%2:%7Dx}");
+        let key = Key::new("p", 1, &[&"%{}", &"%"]).unwrap();
+        assert_eq!(key.to_string(), "p:v1:{9%%25%7B%7D,1:%}");
+        // The escaped form of a part is not the same key as its escape text written plainly.
+        let literal = Key::new("p", 1, &[&"a%7Db"]).unwrap();
+        let brace = Key::new("p", 1, &[&"a}b"]).unwrap();
+        assert_ne!(literal, brace);
+        assert_eq!(literal.to_string(), "p:v1:{5:a%7Db}");
+        assert_eq!(brace.to_string(), "p:v1:{5%a%7Db}");
+    }
+
+    #[test]
+    fn escaped_long_parts_are_hashed_and_bounded() {
+        let braces = "}".repeat(MAX_PART_LEN);
+        let key = Key::new(&"p".repeat(MAX_PREFIX_LEN), u32::MAX, &[&braces]).unwrap();
+        assert!(key.is_hashed());
+        assert!(key.as_bytes().len() <= MAX_KEY_LEN);
     }
 
     #[test]
