@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use idempotent::broker::rabbitmq::Queue;
 use idempotent::broker::{rabbitmq, Decision, Policy, Settle};
 use idempotent::idempotent;
 use lapin::options::{
@@ -181,7 +182,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             .await?;
     }
 
-    // The consumer side.
+    // The consumer side: deliveries are counted from the quorum queue's `x-delivery-count`.
+    let source = Queue::quorum(queue.as_str());
     let policy = Policy::new()
         .max_deliveries(3)
         .retry_delay(Duration::from_millis(300));
@@ -204,9 +206,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             .ok_or("the consumer was cancelled")??;
         let msg: OrderMessage = serde_json::from_slice(&delivery.data)?;
         let result = on_order(&msg, &kitchen).await;
-        let decision = rabbitmq::settle(&delivery, &result, &policy).await?;
-        let delivery_no =
-            rabbitmq::deliveries(&delivery).map_or_else(|| "?".to_string(), |n| n.to_string());
+        let decision = rabbitmq::settle(&delivery, &source, &result, &policy).await?;
+        let delivery_no = rabbitmq::deliveries(&delivery, &source)
+            .map_or_else(|| "?".to_string(), |n| n.to_string());
         println!(
             "{:<6} order {:<16} delivery {delivery_no}  {:<50} -> {decision}",
             msg.message_id,

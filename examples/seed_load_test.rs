@@ -307,8 +307,11 @@ impl Consumer {
             .retry_delay(Duration::from_millis(200))
             .in_progress_delay(Duration::from_millis(100));
         let cx = context.clone();
+        // A classic queue: a redelivery carries no count (see `rabbitmq::Queue`).
+        let queue = rabbitmq::Queue::classic(consumer.queue().as_str());
         let task = tokio::spawn(rabbitmq::consume(
             consumer,
+            queue,
             concurrency,
             policy,
             move |delivery| on_order(cx.clone(), delivery),

@@ -1,6 +1,8 @@
 //! Consumers on a real RabbitMQ (`AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`)
-//! with exact counts: duplicates filtered, a failing handler retried then dead-lettered, a
-//! consumer process killed mid-handler, and a store outage during consumption. Effects are
+//! with exact counts: duplicates filtered, a failing handler retried then dead-lettered
+//! after exactly its deliveries (requeued on a quorum queue, or through a dead-letter retry
+//! topology), forged delivery counters ignored, a consumer process killed mid-handler, and a
+//! store outage during consumption. Effects are
 //! counted in a PostgreSQL business table (`IDEMPOTENT_BUSINESS_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/test`); the store is the Redis at
 //! `IDEMPOTENT_REDIS_URL` (default `redis://127.0.0.1:6379`) or one the test starts.
@@ -25,6 +27,7 @@ use std::time::Duration;
 
 use brokers::{unique, wait_for, AppError, ChildConsumer, Kitchen, OrderMessage};
 use business::{Business, Tally};
+use idempotent::broker::rabbitmq::Queue;
 use idempotent::broker::{rabbitmq, Policy, Summary};
 use idempotent::SharedStore;
 use lapin::message::Delivery;
@@ -196,8 +199,10 @@ fn consume(
     policy: Policy,
     kitchen: Arc<Kitchen>,
 ) -> tokio::task::JoinHandle<Result<Summary, rabbitmq::Error>> {
+    let queue = rabbitmq::Queue::classic(consumer.queue().as_str());
     tokio::spawn(rabbitmq::consume(
         consumer,
+        queue,
         concurrency,
         policy,
         move |delivery: Delivery| {
@@ -279,15 +284,25 @@ async fn failing_handler_is_redelivered_then_dead_lettered() {
     let policy = Policy::new()
         .max_deliveries(3)
         .retry_delay(Duration::from_millis(50));
-    let (k, a, c) = (kitchen.clone(), attempts.clone(), counts.clone());
+    let queue = Queue::quorum(fx.queue.as_str());
+    let (k, a, c, q) = (
+        kitchen.clone(),
+        attempts.clone(),
+        counts.clone(),
+        queue.clone(),
+    );
     let task = tokio::spawn(rabbitmq::consume(
         consumer,
+        queue,
         2,
         policy,
         move |delivery: Delivery| {
             let (kitchen, attempts, counts) = (k.clone(), a.clone(), c.clone());
+            counts
+                .lock()
+                .unwrap()
+                .push(rabbitmq::deliveries(&delivery, &q));
             async move {
-                counts.lock().unwrap().push(rabbitmq::deliveries(&delivery));
                 let msg: OrderMessage = serde_json::from_slice(&delivery.data)?;
                 let attempt = {
                     let mut attempts = attempts.lock().unwrap();
@@ -510,4 +525,464 @@ async fn store_outage_during_consumption_loses_nothing() {
     );
     assert_eq!((summary.dead_lettered, summary.unsettled), (0, 0));
     assert_eq!(fx.ready(&fx.queue).await, 0);
+}
+
+/// Headers a publisher forges to look retried: `x-delivery-count` and an `x-death` entry
+/// saying `queue` rejected the message a million times.
+fn forged_counters(queue: &str) -> FieldTable {
+    let mut death = FieldTable::default();
+    death.insert("count".into(), AMQPValue::LongLongInt(1_000_000));
+    death.insert("reason".into(), AMQPValue::LongString("rejected".into()));
+    death.insert("queue".into(), AMQPValue::LongString(queue.into()));
+    death.insert("exchange".into(), AMQPValue::LongString("".into()));
+    death.insert(
+        "routing-keys".into(),
+        AMQPValue::FieldArray(vec![AMQPValue::LongString(queue.into())].into()),
+    );
+    death.insert("time".into(), AMQPValue::Timestamp(1_700_000_000));
+    let mut headers = FieldTable::default();
+    headers.insert("x-delivery-count".into(), AMQPValue::LongLongInt(1_000_000));
+    headers.insert(
+        "x-death".into(),
+        AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
+    );
+    headers
+}
+
+/// A message published with forged delivery counters on a classic queue: its first failure
+/// redelivers it (the counters are the publisher's, not RabbitMQ's), and its second delivery
+/// is applied. Nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_delivery_counters_are_not_trusted() {
+    let fx = Fixture::new(1, false).await;
+    let msg = OrderMessage::new(&fx.tenant, 1, 1);
+    fx.channel
+        .basic_publish(
+            "".into(),
+            fx.queue.as_str().into(),
+            BasicPublishOptions::default(),
+            &msg.to_bytes(),
+            BasicProperties::default()
+                .with_message_id(msg.message_id.as_str().into())
+                .with_headers(forged_counters(&fx.queue)),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let kitchen = fx.kitchen(
+        brokers::store(&brokers::redis_url()).await,
+        Duration::from_millis(1),
+    );
+    let executions: Arc<Mutex<u32>> = Arc::default();
+
+    let (channel, consumer) = fx.consumer("worker", 1).await;
+    let policy = Policy::new()
+        .max_deliveries(3)
+        .retry_delay(Duration::from_millis(20));
+    let (k, e) = (kitchen.clone(), executions.clone());
+    let queue = rabbitmq::Queue::classic(consumer.queue().as_str());
+    let task = tokio::spawn(rabbitmq::consume(
+        consumer,
+        queue,
+        1,
+        policy,
+        move |delivery: Delivery| {
+            let (kitchen, executions) = (k.clone(), e.clone());
+            async move {
+                let msg: OrderMessage = serde_json::from_slice(&delivery.data)?;
+                let first = {
+                    let mut executions = executions.lock().unwrap();
+                    *executions += 1;
+                    *executions == 1
+                };
+                if first {
+                    return Err(AppError::KitchenDown);
+                }
+                let result =
+                    brokers::on_order(&msg, &kitchen.orders, &kitchen.store, kitchen.work).await;
+                kitchen.record(&msg, &result).await?;
+                result
+            }
+        },
+    ));
+    wait_for(
+        "the message settled, applied or dead-lettered",
+        Duration::from_secs(30),
+        || async { fx.settled().await == 1 || fx.ready(&fx.dead).await == 1 },
+    )
+    .await;
+    channel
+        .basic_cancel("worker".into(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    let summary = task.await.unwrap().unwrap();
+
+    assert_eq!(
+        (summary.redelivered, summary.acked, summary.dead_lettered),
+        (1, 1, 0),
+        "{summary:?}"
+    );
+    assert_eq!(*executions.lock().unwrap(), 2);
+    assert_eq!(fx.tally().await.effects, 1);
+    assert_eq!(fx.ready(&fx.dead).await, 0);
+    assert_eq!(fx.ready(&fx.queue).await, 0);
+}
+
+/// The delivery count [`rabbitmq::deliveries`] gave each execution of a handler.
+type Executions = Arc<Mutex<Vec<Option<u32>>>>;
+
+/// Runs a handler that always fails on `consumer`'s deliveries and records what
+/// [`rabbitmq::deliveries`] says for each execution.
+fn consume_failing(
+    consumer: lapin::Consumer,
+    queue: Queue,
+    policy: Policy,
+) -> (
+    tokio::task::JoinHandle<Result<Summary, rabbitmq::Error>>,
+    Executions,
+) {
+    let executions = Executions::default();
+    let (e, q) = (executions.clone(), queue.clone());
+    let task = tokio::spawn(rabbitmq::consume(
+        consumer,
+        queue,
+        1,
+        policy,
+        move |delivery: Delivery| {
+            e.lock().unwrap().push(rabbitmq::deliveries(&delivery, &q));
+            async { Err::<(), _>(AppError::KitchenDown) }
+        },
+    ));
+    (task, executions)
+}
+
+/// On a quorum queue, failures requeued with `basic.nack`: a message whose handler always
+/// fails runs on exactly `max_deliveries` deliveries, counted 1, 2, 3, 4 from RabbitMQ's
+/// `x-delivery-count`, then is dead-lettered. The counters its publisher forged are ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_queue_dead_letters_after_exactly_max_deliveries() {
+    const MAX: u32 = 4;
+    let fx = Fixture::new(0, true).await;
+    fx.channel
+        .basic_publish(
+            "".into(),
+            fx.queue.as_str().into(),
+            BasicPublishOptions::default(),
+            b"{}",
+            BasicProperties::default().with_headers(forged_counters(&fx.queue)),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let (channel, consumer) = fx.consumer("worker", 1).await;
+    let policy = Policy::new()
+        .max_deliveries(MAX)
+        .retry_delay(Duration::from_millis(20));
+    let (task, executions) = consume_failing(consumer, Queue::quorum(fx.queue.as_str()), policy);
+    wait_for(
+        "the message dead-lettered",
+        Duration::from_secs(30),
+        || async { fx.ready(&fx.dead).await == 1 },
+    )
+    .await;
+    channel
+        .basic_cancel("worker".into(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    let summary = task.await.unwrap().unwrap();
+
+    let executions = executions.lock().unwrap().clone();
+    assert_eq!(executions, [Some(1), Some(2), Some(3), Some(4)]);
+    assert_eq!(
+        (
+            summary.redelivered,
+            summary.dead_lettered,
+            summary.acked,
+            summary.unsettled
+        ),
+        (u64::from(MAX) - 1, 1, 0, 0),
+        "{summary:?}"
+    );
+    assert_eq!(fx.ready(&fx.queue).await, 0);
+}
+
+/// A retry topology of one test: `work` dead-letters to `retry`, whose message TTL sends
+/// messages back to `work` through its own dead-letter exchange; dead letters are parked in
+/// `parked`. The three queues are removed on drop, also when the test fails.
+struct RetryTopology {
+    _conn: Connection,
+    /// In confirm mode: publishes the test's message and the parked dead letters.
+    channel: Channel,
+    consumer_channel: Channel,
+    work: String,
+    retry: String,
+    parked: String,
+}
+
+impl RetryTopology {
+    async fn new(quorum: bool) -> RetryTopology {
+        let name = unique("retry");
+        let conn = brokers::rabbitmq().await;
+        let channel = conn.create_channel().await.unwrap();
+        let work = format!("idempotent.test.{name}");
+        let retry = format!("{work}.retry");
+        let parked = format!("{work}.parked");
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        let dead_letters_to = |target: &str| {
+            let mut args = FieldTable::default();
+            args.insert(
+                "x-dead-letter-exchange".into(),
+                AMQPValue::LongString("".into()),
+            );
+            args.insert(
+                "x-dead-letter-routing-key".into(),
+                AMQPValue::LongString(target.into()),
+            );
+            args
+        };
+        let mut work_args = dead_letters_to(&retry);
+        if quorum {
+            work_args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+        }
+        let mut retry_args = dead_letters_to(&work);
+        retry_args.insert("x-message-ttl".into(), AMQPValue::LongInt(50));
+        channel
+            .queue_declare(work.as_str().into(), durable, work_args)
+            .await
+            .unwrap();
+        channel
+            .queue_declare(retry.as_str().into(), durable, retry_args)
+            .await
+            .unwrap();
+        channel
+            .queue_declare(parked.as_str().into(), durable, FieldTable::default())
+            .await
+            .unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let consumer_channel = conn.create_channel().await.unwrap();
+        consumer_channel
+            .basic_qos(1, BasicQosOptions::default())
+            .await
+            .unwrap();
+        RetryTopology {
+            _conn: conn,
+            channel,
+            consumer_channel,
+            work,
+            retry,
+            parked,
+        }
+    }
+
+    async fn ready(&self, queue: &str) -> u32 {
+        self.channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions::default().passive(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+            .message_count()
+    }
+
+    /// Publishes one message, with a forged `x-delivery-count`, and consumes `work` with a
+    /// handler that always fails; returns once the message is parked, with what the
+    /// consumer did and the count of each execution.
+    async fn fail_until_parked(&self, queue: Queue, max: u32) -> (Summary, Vec<Option<u32>>) {
+        let mut forged = FieldTable::default();
+        forged.insert("x-delivery-count".into(), AMQPValue::LongLongInt(1_000_000));
+        self.channel
+            .basic_publish(
+                "".into(),
+                self.work.as_str().into(),
+                BasicPublishOptions::default(),
+                b"{}",
+                BasicProperties::default().with_headers(forged),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        let consumer = self
+            .consumer_channel
+            .basic_consume(
+                self.work.as_str().into(),
+                "worker".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        // The policy's delays are not used: the retry queue's TTL is the delay.
+        let policy = Policy::new()
+            .max_deliveries(max)
+            .retry_delay(Duration::from_secs(3600));
+        let (task, executions) = consume_failing(consumer, queue, policy);
+        wait_for("the message parked", Duration::from_secs(30), || async {
+            self.ready(&self.parked).await == 1
+        })
+        .await;
+        self.consumer_channel
+            .basic_cancel("worker".into(), BasicCancelOptions::default())
+            .await
+            .unwrap();
+        let summary = task.await.unwrap().unwrap();
+        let executions = executions.lock().unwrap().clone();
+        assert_eq!(self.ready(&self.work).await, 0);
+        assert_eq!(self.ready(&self.retry).await, 0);
+        (summary, executions)
+    }
+}
+
+impl Drop for RetryTopology {
+    fn drop(&mut self) {
+        let queues = [self.work.clone(), self.retry.clone(), self.parked.clone()];
+        brokers::cleanup_in_thread(move || async move {
+            if let Ok(conn) =
+                lapin::Connection::connect(&brokers::amqp_url(), Default::default()).await
+            {
+                if let Ok(channel) = conn.create_channel().await {
+                    for name in queues {
+                        let _ = channel
+                            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+                            .await;
+                    }
+                }
+                let _ = conn.close(200, "done".into()).await;
+            }
+        });
+    }
+}
+
+/// A retry topology on a classic work queue: each failure is rejected into the retry queue
+/// and comes back after its TTL, so the message's `x-death` gains two entries per cycle (the
+/// work queue's `rejected`, the retry queue's `expired`); only the first counts. A handler
+/// that always fails runs on exactly `max_deliveries` deliveries, then the message is parked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_topology_parks_after_exactly_max_deliveries() {
+    const MAX: u32 = 4;
+    let topology = RetryTopology::new(false).await;
+    let queue = Queue::classic(topology.work.as_str()).retry_through_dead_letter_exchange(
+        topology.channel.clone(),
+        "",
+        &topology.parked,
+    );
+    let (summary, executions) = topology.fail_until_parked(queue, MAX).await;
+
+    assert_eq!(executions, [Some(1), Some(2), Some(3), Some(4)]);
+    assert_eq!(
+        (
+            summary.redelivered,
+            summary.dead_lettered,
+            summary.acked,
+            summary.unsettled
+        ),
+        (u64::from(MAX) - 1, 1, 0, 0),
+        "{summary:?}"
+    );
+}
+
+/// The same retry topology on a quorum work queue, whose `x-delivery-count` starts again
+/// each time the message comes back from the retry queue: exactly `max_deliveries`
+/// deliveries, then the message is parked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_topology_on_a_quorum_queue_parks_after_exactly_max_deliveries() {
+    const MAX: u32 = 3;
+    let topology = RetryTopology::new(true).await;
+    let queue = Queue::quorum(topology.work.as_str()).retry_through_dead_letter_exchange(
+        topology.channel.clone(),
+        "",
+        &topology.parked,
+    );
+    let (summary, executions) = topology.fail_until_parked(queue, MAX).await;
+
+    assert_eq!(executions, [Some(1), Some(2), Some(3)]);
+    assert_eq!(
+        (
+            summary.redelivered,
+            summary.dead_lettered,
+            summary.acked,
+            summary.unsettled
+        ),
+        (u64::from(MAX) - 1, 1, 0, 0),
+        "{summary:?}"
+    );
+}
+
+/// A dead letter whose parking queue does not exist (RabbitMQ cannot route it) is not lost:
+/// the delivery is requeued and reported unsettled, and the message stays in the topology.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_that_cannot_be_parked_is_requeued() {
+    let topology = RetryTopology::new(false).await;
+    topology
+        .channel
+        .basic_publish(
+            "".into(),
+            topology.work.as_str().into(),
+            BasicPublishOptions::default(),
+            b"{}",
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let nowhere = format!("{}.nowhere", topology.work);
+    let queue = Queue::classic(topology.work.as_str()).retry_through_dead_letter_exchange(
+        topology.channel.clone(),
+        "",
+        &nowhere,
+    );
+    let consumer = topology
+        .consumer_channel
+        .basic_consume(
+            topology.work.as_str().into(),
+            "worker".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let (task, executions) = consume_failing(consumer, queue, Policy::new().max_deliveries(1));
+    wait_for(
+        "three deliveries of the message",
+        Duration::from_secs(30),
+        || async { executions.lock().unwrap().len() >= 3 },
+    )
+    .await;
+    topology
+        .consumer_channel
+        .basic_cancel("worker".into(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    let summary = task.await.unwrap().unwrap();
+
+    assert_eq!(
+        (summary.dead_lettered, summary.acked),
+        (0, 0),
+        "{summary:?}"
+    );
+    assert!(summary.unsettled >= 1, "{summary:?}");
+    wait_for(
+        "the message back in the work or retry queue",
+        Duration::from_secs(30),
+        || async {
+            topology.ready(&topology.work).await + topology.ready(&topology.retry).await == 1
+        },
+    )
+    .await;
+    assert_eq!(topology.ready(&topology.parked).await, 0);
 }

@@ -21,11 +21,13 @@
 //! | the handler's own `Err`, delivery `n` ≥ `max_deliveries`, or [`Settle::is_permanent`] | `DeadLetter` | `basic.reject(requeue = false)` | `+TERM` | the handler's own error response |
 //! | the handler panicked (its claim was given back) | as the handler's own `Err` | as the handler's own `Err` | as the handler's own `Err` | 500 Internal Server Error |
 //!
-//! The delivery count `n` comes from the broker: on RabbitMQ the `x-delivery-count` header of
-//! a quorum queue (or the `x-death` counts of a retry topology; a first delivery is 1), on
-//! NATS JetStream the message's `delivered` count. When the broker cannot tell (a redelivery
-//! on a classic RabbitMQ queue), a failing message is redelivered without bound: use a quorum
-//! queue to bound it. Outcomes of the idempotency layer (`InProgress`, `Store`, ...) are never
+//! The delivery count `n` comes from the broker, and only from what the broker records about
+//! the consuming queue: on RabbitMQ a quorum queue's `x-delivery-count` on redeliveries, and in
+//! a retry topology (`rabbitmq::Queue::retry_through_dead_letter_exchange`) the consuming
+//! queue's `x-death` entry with reason `rejected`; a first delivery is 1. A publisher's
+//! `x-delivery-count` is never read. On NATS JetStream it is the message's `delivered` count.
+//! When the broker cannot tell (a redelivery on a classic RabbitMQ queue), a failing message
+//! is redelivered without bound: use a quorum queue or a retry topology to bound it. Outcomes of the idempotency layer (`InProgress`, `Store`, ...) are never
 //! dead-lettered for their count: a store outage redelivers until the store is back, so
 //! nothing is lost.
 //!

@@ -4,10 +4,13 @@
 //! (see the [table](super)); [`consume`] runs a handler over a consumer with bounded
 //! concurrency and settles every delivery. Neither decodes messages nor knows the business:
 //! the handler does that, through an `#[idempotent]` function or a [`Guard`](crate::Guard).
+//! Both need the [`Queue`] the deliveries come from: its type and how its failed deliveries
+//! come back decide how they are counted and settled.
 //!
 //! ```no_run
 //! use idempotent_runtime::broker::{rabbitmq, Policy, Settle};
 //! use rabbitmq::lapin::{options::*, types::FieldTable, Connection, ConnectionProperties};
+//! use rabbitmq::Queue;
 //!
 //! # async fn on_order(_: &[u8]) -> Result<(), idempotent_runtime::Error> { Ok(()) }
 //! # #[tokio::main]
@@ -20,7 +23,8 @@
 //!     .await?;
 //!
 //! // Up to 50 handlers at once; returns when the consumer is cancelled.
-//! let summary = rabbitmq::consume(consumer, 50, Policy::new(), |delivery| async move {
+//! let queue = Queue::quorum("orders");
+//! let summary = rabbitmq::consume(consumer, queue, 50, Policy::new(), |delivery| async move {
 //!     on_order(&delivery.data).await
 //! })
 //! .await?;
@@ -32,17 +36,26 @@
 //!
 //! - **Dead letters**: a dead-lettered delivery is rejected without requeueing; RabbitMQ
 //!   routes it to the queue's dead-letter exchange (`x-dead-letter-exchange`), or drops it
-//!   when the queue has none. Declare one.
-//! - **Delivery counts**: RabbitMQ tells a consumer how often a message was delivered only on
-//!   quorum queues (`x-queue-type: quorum`, the `x-delivery-count` header) or through the
-//!   `x-death` header of a dead-letter retry topology. On a classic queue a redelivered
-//!   message has no count, so a handler that keeps failing is requeued without bound; declare
-//!   quorum queues to have it dead-lettered after [`Policy::max_deliveries`]. A quorum queue's
-//!   own `x-delivery-limit`, if set, must be above it, since every requeue counts.
+//!   when the queue has none. Declare one. In a [retry topology](Queue::retry_through_dead_letter_exchange)
+//!   the dead-letter exchange is the way back for retries instead, and a message to
+//!   dead-letter is published to a parking queue, then acknowledged.
+//! - **Delivery counts** decide when a handler that keeps failing has its message
+//!   dead-lettered ([`Policy::max_deliveries`]). Only what RabbitMQ itself records about the
+//!   consuming queue is counted: on a quorum queue, the `x-delivery-count` RabbitMQ sets on
+//!   every redelivery (the times the message was returned to the queue; RabbitMQ overwrites a
+//!   publisher's value); in a retry topology, the `x-death` entry of the consuming queue with
+//!   reason `rejected` (the times that queue delivered the message and it failed; the retry
+//!   queue's `expired` entries are not deliveries). RabbitMQ never sets `x-delivery-count`
+//!   on a classic queue, so a value there is the publisher's and is ignored: a redelivery on
+//!   a classic queue has no count, and a handler that keeps failing is requeued without
+//!   bound. Declare quorum queues, or a retry topology, to have it dead-lettered. A quorum
+//!   queue's own `x-delivery-limit`, if set, must be above [`Policy::max_deliveries`], since
+//!   every requeue counts. See [`deliveries`].
 //! - **Redelivery delay**: RabbitMQ has no per-message delay. A delivery to redeliver is held
 //!   by [`settle`] for the delay, then `basic.nack`ed with requeue, so a message whose key is
 //!   being processed elsewhere does not spin through the queue. It keeps its prefetch slot
-//!   while held; a consumer that dies meanwhile has it redelivered at once.
+//!   while held; a consumer that dies meanwhile has it redelivered at once. In a retry
+//!   topology it is rejected at once instead, and the retry queue's message TTL is the delay.
 //! - **Crashes**: unacknowledged deliveries of a closed channel or connection (a killed
 //!   process) are redelivered by RabbitMQ; their claims are taken over when their lease runs
 //!   out, or answered by the handler's `done` check.
@@ -51,9 +64,12 @@ use std::future::Future;
 use std::sync::Arc;
 
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
-use lapin::types::AMQPValue;
-use lapin::{Acker, Consumer};
+use lapin::options::{
+    BasicAckOptions, BasicNackOptions, BasicPublishOptions, BasicRejectOptions,
+    ConfirmSelectOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Acker, BasicProperties, Channel, Confirmation, Consumer};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
@@ -86,42 +102,191 @@ pub enum Error {
         /// The delivery's tag on its channel.
         delivery_tag: u64,
     },
+    /// A delivery to dead-letter could not be parked: RabbitMQ refused the publication or
+    /// could not route it (see [`Queue::retry_through_dead_letter_exchange`]). The delivery
+    /// was requeued, and is parked on a later delivery once its parking queue takes it.
+    #[error("delivery {delivery_tag} could not be parked: RabbitMQ refused or could not route it; it was requeued")]
+    NotParked {
+        /// The delivery's tag on its channel.
+        delivery_tag: u64,
+    },
 }
 
-/// Which delivery of its message this is, counting from 1, as far as RabbitMQ tells: from the
-/// `x-delivery-count` header of a quorum queue, or the `x-death` counts of a dead-letter
-/// retry topology; 1 for a first delivery without either; `None` for a redelivery on a
-/// classic queue, which carries no count.
+/// The queue deliveries come from: its name, whether it is a quorum queue, and how its
+/// failed deliveries come back. RabbitMQ does not say this in a delivery, and delivery
+/// counting needs it: only a quorum queue's `x-delivery-count` is RabbitMQ's own, and
+/// `x-death` is read only when failures go through the queue's dead-letter exchange.
 ///
 /// ```
-/// use idempotent_runtime::broker::rabbitmq::{deliveries, lapin::message::Delivery};
+/// use idempotent_runtime::broker::rabbitmq::Queue;
 ///
-/// let first = Delivery::mock(1, "".into(), "orders".into(), false, b"{}".to_vec());
-/// assert_eq!(deliveries(&first), Some(1));
-/// let again = Delivery::mock(2, "".into(), "orders".into(), true, b"{}".to_vec());
-/// assert_eq!(deliveries(&again), None);
+/// let orders = Queue::quorum("orders");
+/// assert_eq!(orders.name(), "orders");
+/// assert!(orders.is_quorum());
+/// assert!(!Queue::classic("audit").is_quorum());
 /// ```
-pub fn deliveries(delivery: &Delivery) -> Option<u32> {
-    if let Some(headers) = delivery.properties.headers() {
-        let headers = headers.inner();
-        if let Some(count) = headers.get("x-delivery-count").and_then(count) {
-            return Some(attempt(count));
-        }
-        if let Some(AMQPValue::FieldArray(deaths)) = headers.get("x-death") {
-            let died: u64 = deaths
-                .as_slice()
-                .iter()
-                .filter_map(|death| match death {
-                    AMQPValue::FieldTable(death) => death.inner().get("count").and_then(count),
-                    _ => None,
-                })
-                .sum();
-            if died > 0 {
-                return Some(attempt(died));
-            }
+#[derive(Debug, Clone)]
+pub struct Queue {
+    name: String,
+    quorum: bool,
+    parking: Option<Parking>,
+}
+
+/// Where a retry topology's dead letters are published.
+#[derive(Debug, Clone)]
+struct Parking {
+    channel: Channel,
+    exchange: String,
+    routing_key: String,
+}
+
+impl Queue {
+    /// A classic queue: RabbitMQ does not count its redeliveries.
+    pub fn classic(name: impl Into<String>) -> Queue {
+        Queue {
+            name: name.into(),
+            quorum: false,
+            parking: None,
         }
     }
-    (!delivery.redelivered).then_some(1)
+
+    /// A quorum queue (`x-queue-type: quorum`): RabbitMQ counts the times a message was
+    /// returned to it in `x-delivery-count`.
+    pub fn quorum(name: impl Into<String>) -> Queue {
+        Queue {
+            name: name.into(),
+            quorum: true,
+            parking: None,
+        }
+    }
+
+    /// Failed deliveries are retried through the queue's dead-letter exchange: the queue's
+    /// `x-dead-letter-exchange` routes to a retry queue whose `x-message-ttl` is the delay
+    /// and whose own dead-letter exchange routes back to this queue.
+    ///
+    /// A delivery to redeliver is then rejected without requeueing (so RabbitMQ records it in
+    /// the message's `x-death` and holds it for the TTL), whatever the policy's delays. Every
+    /// redelivery goes this way, idempotency outcomes included (another owner at work, a
+    /// store outage), so each counts as a delivery, as every requeue does on a quorum queue.
+    /// A delivery to dead-letter is published unchanged to `park_exchange` with
+    /// `park_routing_key` on `channel` (put in confirm mode if it is not), and acknowledged
+    /// once RabbitMQ confirmed it; a publication RabbitMQ refuses or cannot route
+    /// ([`Error::NotParked`]) requeues the delivery instead.
+    ///
+    /// RabbitMQ keeps an `x-death` header a publisher sent and adds its own counts to it, so
+    /// in this topology a publisher that can write to the queue can have a message parked
+    /// early (never lost). Without it, `x-death` is not read at all.
+    ///
+    /// ```no_run
+    /// use idempotent_runtime::broker::rabbitmq::{lapin::Channel, Queue};
+    ///
+    /// # fn queue(channel: Channel) -> Queue {
+    /// // orders --(dead-letter exchange)--> orders.retry (TTL 5 s) --> orders;
+    /// // dead letters go to orders.parked through the default exchange.
+    /// Queue::classic("orders").retry_through_dead_letter_exchange(channel, "", "orders.parked")
+    /// # }
+    /// ```
+    pub fn retry_through_dead_letter_exchange(
+        mut self,
+        channel: Channel,
+        park_exchange: &str,
+        park_routing_key: &str,
+    ) -> Queue {
+        self.parking = Some(Parking {
+            channel,
+            exchange: park_exchange.to_owned(),
+            routing_key: park_routing_key.to_owned(),
+        });
+        self
+    }
+
+    /// The queue's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether it is a quorum queue.
+    pub fn is_quorum(&self) -> bool {
+        self.quorum
+    }
+}
+
+/// Which delivery of its message this is from `queue`, counting from 1 and counting only
+/// the failed deliveries RabbitMQ itself recorded for `queue`: returns to a quorum queue
+/// (its `x-delivery-count`, trusted on a redelivery, when RabbitMQ sets it) and, in a
+/// [retry topology](Queue::retry_through_dead_letter_exchange), the times `queue` rejected
+/// the message (the `count` of its `x-death` entry for `queue` with reason `rejected`).
+/// `None` for a redelivery whose returns RabbitMQ does not count (on a classic queue).
+///
+/// A publisher's `x-delivery-count` is never read on a classic queue, nor before the first
+/// return on a quorum queue; `x-death` entries of other queues or reasons (the retry
+/// queue's `expired`, say) are not deliveries of `queue`.
+///
+/// ```
+/// use idempotent_runtime::broker::rabbitmq::{deliveries, lapin, Queue};
+/// use lapin::{message::Delivery, types::{AMQPValue, FieldTable}, BasicProperties};
+///
+/// let with = |redelivered, name: &str, value| {
+///     let mut delivery = Delivery::mock(1, "".into(), "orders".into(), redelivered, b"{}".to_vec());
+///     let mut headers = FieldTable::default();
+///     headers.insert(name.into(), value);
+///     delivery.properties = BasicProperties::default().with_headers(headers);
+///     delivery
+/// };
+/// let (classic, quorum) = (Queue::classic("orders"), Queue::quorum("orders"));
+///
+/// // A quorum queue's count is RabbitMQ's on a redelivery: the third delivery.
+/// let again = with(true, "x-delivery-count", AMQPValue::LongLongInt(2));
+/// assert_eq!(deliveries(&again, &quorum), Some(3));
+/// // On a classic queue the header can only be a publisher's: not read.
+/// assert_eq!(deliveries(&again, &classic), None);
+/// let forged = with(false, "x-delivery-count", AMQPValue::LongLongInt(1_000_000));
+/// assert_eq!(deliveries(&forged, &classic), Some(1));
+/// assert_eq!(deliveries(&forged, &quorum), Some(1));
+/// ```
+pub fn deliveries(delivery: &Delivery, queue: &Queue) -> Option<u32> {
+    let headers = delivery
+        .properties
+        .headers()
+        .as_ref()
+        .map(FieldTable::inner);
+    let header = |name: &str| headers.and_then(|headers| headers.get(name));
+    // Returns to the queue since the message last entered it.
+    let returned = if !delivery.redelivered {
+        0
+    } else if queue.quorum {
+        header("x-delivery-count").and_then(count)?
+    } else {
+        return None;
+    };
+    // Rejections by the queue, each followed by a trip through the retry queue.
+    let rejected = match (&queue.parking, header("x-death")) {
+        (Some(_), Some(AMQPValue::FieldArray(deaths))) => deaths
+            .as_slice()
+            .iter()
+            .filter_map(|death| match death {
+                AMQPValue::FieldTable(death) => rejections(death, &queue.name),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0),
+        _ => 0,
+    };
+    Some(attempt(returned.saturating_add(rejected)))
+}
+
+/// The count of an `x-death` entry recording that `queue` rejected the message.
+fn rejections(death: &FieldTable, queue: &str) -> Option<u64> {
+    let death = death.inner();
+    let is = |field: &str, expected: &str| match death.get(field) {
+        Some(AMQPValue::LongString(value)) => value.as_bytes() == expected.as_bytes(),
+        _ => false,
+    };
+    if is("queue", queue) && is("reason", "rejected") {
+        death.get("count").and_then(count)
+    } else {
+        None
+    }
 }
 
 /// The delivery after `previous` earlier ones.
@@ -147,7 +312,10 @@ fn count(value: &AMQPValue) -> Option<u64> {
 
 /// Settles `delivery` from its handler's `result`, per the [table](super): `basic.ack`;
 /// `basic.nack` with requeue after holding it for the policy's delay; or `basic.reject`
-/// without requeue (to the queue's dead-letter exchange). Returns what it did.
+/// without requeue (to the queue's dead-letter exchange). In a
+/// [retry topology](Queue::retry_through_dead_letter_exchange) a delivery to redeliver is
+/// rejected at once, and one to dead-letter is parked, then acknowledged. `queue` is the
+/// queue `delivery` came from. Returns what it did.
 ///
 /// Call it only after the handler returned: the effect is applied (or known to be) before
 /// the message is acknowledged.
@@ -155,45 +323,80 @@ fn count(value: &AMQPValue) -> Option<u64> {
 /// # Errors
 ///
 /// [`Error::Amqp`] when the channel failed while settling, [`Error::Unsettled`] when the
-/// delivery can no longer be settled (its channel closed, or it was settled before). Either
-/// way RabbitMQ redelivers the message if it was not acknowledged.
+/// delivery can no longer be settled (its channel closed, or it was settled before),
+/// [`Error::NotParked`] when a dead letter could not be parked. Either way RabbitMQ
+/// redelivers the message if it was not acknowledged.
 ///
 /// ```no_run
 /// use idempotent_runtime::broker::{rabbitmq, Policy};
-/// use rabbitmq::lapin::message::Delivery;
+/// use rabbitmq::{lapin::message::Delivery, Queue};
 ///
 /// # async fn apply(_: &[u8]) -> Result<(), idempotent_runtime::Error> { Ok(()) }
-/// async fn on_delivery(delivery: Delivery, policy: &Policy) -> Result<(), rabbitmq::Error> {
+/// async fn on_delivery(delivery: Delivery, queue: &Queue, policy: &Policy) -> Result<(), rabbitmq::Error> {
 ///     let result = apply(&delivery.data).await;
-///     let decision = rabbitmq::settle(&delivery, &result, policy).await?;
+///     let decision = rabbitmq::settle(&delivery, queue, &result, policy).await?;
 ///     println!("delivery {} -> {decision}", delivery.delivery_tag);
 ///     Ok(())
 /// }
 /// ```
 pub async fn settle<T, E: Settle>(
     delivery: &Delivery,
+    queue: &Queue,
     result: &Result<T, E>,
     policy: &Policy,
 ) -> Result<Decision, Error> {
-    let decision = policy.decide(result, deliveries(delivery));
-    apply(&delivery.acker, delivery.delivery_tag, decision).await?;
+    let decision = policy.decide(result, deliveries(delivery, queue));
+    let message = Message::of(delivery, queue);
+    apply(&delivery.acker, delivery.delivery_tag, decision, &message).await?;
     Ok(decision)
 }
 
-async fn apply(acker: &Acker, delivery_tag: u64, decision: Decision) -> Result<(), Error> {
-    let settled = match decision {
-        Decision::Ack => acker.ack(BasicAckOptions::default()).await?,
-        Decision::Redeliver { delay } => {
+/// What parking a delivery needs once the handler has taken it: its body and properties,
+/// kept only in a retry topology.
+struct Message<'q> {
+    parking: Option<(&'q Parking, Vec<u8>, BasicProperties)>,
+}
+
+impl<'q> Message<'q> {
+    fn of(delivery: &Delivery, queue: &'q Queue) -> Message<'q> {
+        Message {
+            parking: queue
+                .parking
+                .as_ref()
+                .map(|parking| (parking, delivery.data.clone(), delivery.properties.clone())),
+        }
+    }
+}
+
+async fn apply(
+    acker: &Acker,
+    delivery_tag: u64,
+    decision: Decision,
+    message: &Message<'_>,
+) -> Result<(), Error> {
+    let settled = match (decision, &message.parking) {
+        (Decision::Ack, _) => acker.ack(BasicAckOptions::default()).await?,
+        (Decision::Redeliver { .. }, Some(_)) => {
+            // Through the dead-letter exchange to the retry queue, which holds it for its TTL.
+            acker.reject(BasicRejectOptions { requeue: false }).await?
+        }
+        (Decision::Redeliver { delay }, None) => {
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
-            let requeue = BasicNackOptions {
-                multiple: false,
-                requeue: true,
-            };
-            acker.nack(requeue).await?
+            acker.nack(requeue()).await?
         }
-        Decision::DeadLetter => acker.reject(BasicRejectOptions { requeue: false }).await?,
+        (Decision::DeadLetter, Some((parking, data, properties))) => {
+            match park(parking, data, properties).await {
+                Ok(true) => acker.ack(BasicAckOptions::default()).await?,
+                parked => {
+                    // Not lost: back to the queue, to be parked on a later delivery.
+                    acker.nack(requeue()).await?;
+                    return Err(parked.err().unwrap_or(Error::NotParked { delivery_tag }));
+                }
+            }
+        }
+        (Decision::DeadLetter, None) => acker.reject(BasicRejectOptions { requeue: false }).await?,
     };
     if settled {
         Ok(())
@@ -202,9 +405,47 @@ async fn apply(acker: &Acker, delivery_tag: u64, decision: Decision) -> Result<(
     }
 }
 
-/// Runs `handler` on every delivery of `consumer`, at most `concurrency` at once (at least
-/// one), and [`settle`]s each delivery from its outcome. A handler that panics is treated as
-/// the handler's own error (its claim is given back by the engine).
+fn requeue() -> BasicNackOptions {
+    BasicNackOptions {
+        multiple: false,
+        requeue: true,
+    }
+}
+
+/// Publishes a dead letter to the parking queue and waits for RabbitMQ's confirmation;
+/// `false` when RabbitMQ refused it or could not route it.
+async fn park(parking: &Parking, data: &[u8], properties: &BasicProperties) -> Result<bool, Error> {
+    if !parking.channel.status().confirm() {
+        parking
+            .channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+    }
+    let mandatory = BasicPublishOptions {
+        mandatory: true,
+        ..BasicPublishOptions::default()
+    };
+    let confirmation = parking
+        .channel
+        .basic_publish(
+            parking.exchange.as_str().into(),
+            parking.routing_key.as_str().into(),
+            mandatory,
+            data,
+            properties.clone(),
+        )
+        .await?
+        .await?;
+    Ok(match confirmation {
+        Confirmation::Ack(returned) => returned.is_none(),
+        Confirmation::Nack(_) | Confirmation::NotRequested => false,
+    })
+}
+
+/// Runs `handler` on every delivery of `consumer`, which reads `queue`, at most
+/// `concurrency` at once (at least one), and [`settle`]s each delivery from its outcome. A
+/// handler that panics is treated as the handler's own error (its claim is given back by the
+/// engine).
 ///
 /// Set the channel's prefetch (`basic_qos`) to about `concurrency`: deliveries beyond it
 /// wait in the client. Returns once the consumer ends (cancelled with `basic_cancel`, or
@@ -222,6 +463,7 @@ async fn apply(acker: &Acker, delivery_tag: u64, decision: Decision) -> Result<(
 /// ```no_run
 /// use idempotent_runtime::broker::{rabbitmq, Policy};
 /// use rabbitmq::lapin::{options::*, types::FieldTable, Channel};
+/// use rabbitmq::Queue;
 ///
 /// # async fn apply(_: &[u8]) -> Result<(), idempotent_runtime::Error> { Ok(()) }
 /// async fn run(channel: Channel) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -229,7 +471,8 @@ async fn apply(acker: &Acker, delivery_tag: u64, decision: Decision) -> Result<(
 ///     let consumer = channel
 ///         .basic_consume("orders".into(), "worker".into(), BasicConsumeOptions::default(), FieldTable::default())
 ///         .await?;
-///     let summary = rabbitmq::consume(consumer, 8, Policy::new(), |delivery| async move {
+///     let queue = Queue::quorum("orders");
+///     let summary = rabbitmq::consume(consumer, queue, 8, Policy::new(), |delivery| async move {
 ///         apply(&delivery.data).await
 ///     })
 ///     .await?;
@@ -239,6 +482,7 @@ async fn apply(acker: &Acker, delivery_tag: u64, decision: Decision) -> Result<(
 /// ```
 pub async fn consume<F, Fut, T, E>(
     consumer: Consumer,
+    queue: Queue,
     concurrency: usize,
     policy: Policy,
     handler: F,
@@ -249,9 +493,17 @@ where
     T: Send + 'static,
     E: Settle + Send + 'static,
 {
+    if consumer.queue().as_str() != queue.name {
+        tracing::warn!(
+            consumer = %consumer.queue(),
+            queue = %queue.name,
+            "the consumer reads another queue than the one its deliveries are counted for"
+        );
+    }
     let mut consumer = consumer;
     let handler = Arc::new(handler);
     let policy = Arc::new(policy);
+    let queue = Arc::new(queue);
     let slots = Arc::new(Semaphore::new(concurrency.max(1)));
     let mut tasks = JoinSet::new();
     let mut summary = Summary::default();
@@ -268,9 +520,9 @@ where
             None => break Ok(()),
             Some(Err(err)) => break Err(Error::Amqp(err)),
             Some(Ok(delivery)) => {
-                let (handler, policy) = (handler.clone(), policy.clone());
+                let (handler, policy, queue) = (handler.clone(), policy.clone(), queue.clone());
                 tasks.spawn(async move {
-                    let settled = handle(&*handler, delivery, &policy).await;
+                    let settled = handle(&*handler, delivery, &queue, &policy).await;
                     drop(slot);
                     settled
                 });
@@ -287,6 +539,7 @@ where
 async fn handle<F, Fut, T, E>(
     handler: &F,
     delivery: Delivery,
+    queue: &Queue,
     policy: &Policy,
 ) -> Result<Decision, Error>
 where
@@ -297,7 +550,8 @@ where
 {
     let acker = delivery.acker.clone();
     let delivery_tag = delivery.delivery_tag;
-    let count = deliveries(&delivery);
+    let count = deliveries(&delivery, queue);
+    let message = Message::of(&delivery, queue);
     let decision = match super::contained(handler(delivery)).await {
         Ok(result) => policy.decide(&result, count),
         Err(err) => {
@@ -305,7 +559,7 @@ where
             policy.handler_failed(count, false)
         }
     };
-    let settled = apply(&acker, delivery_tag, decision).await;
+    let settled = apply(&acker, delivery_tag, decision, &message).await;
     match &settled {
         Ok(()) => tracing::debug!(delivery_tag, deliveries = ?count, %decision, "settled"),
         Err(err) => tracing::warn!(delivery_tag, error = %err, "delivery not settled"),
