@@ -38,7 +38,13 @@ use proc_macro::TokenStream;
 /// A **duplicate** (the key was completed) does not run the body and returns
 /// `idempotent::Error::Duplicate`, or with `replay` the first run's `Ok` value. A call that
 /// meets a **live claim** of another owner follows `on_in_progress`. A **store failure**
-/// follows `on_store_error`. Dropping the handler's future gives the claim back.
+/// follows `on_store_error`. Dropping the handler's future before the body finished gives the
+/// claim back; once the body returned, its outcome is recorded (retried in the background if
+/// the store fails) and the claim is never given back.
+///
+/// Inside the body, `idempotent::current()` returns the claim: its key, its **fence** (pass it
+/// to the resource: `UPDATE ... SET ..., fence = $f WHERE id = $id AND fence < $f` refuses a
+/// stale owner) and a signal that resolves if the lease is lost.
 ///
 /// # Arguments
 ///
@@ -81,6 +87,7 @@ use proc_macro::TokenStream;
 /// How many seconds a claim lives without renewal; the runtime renews it every third of it
 /// while the body runs, so a crashed owner's claim is taken over after at most `lease`.
 /// Shorter than `ttl`. Defaults to 30 seconds or a third of `ttl`, whichever is shorter.
+/// `ttl` and `lease` lie between 1 second and 36,500 days.
 ///
 /// ```ignore
 /// #[idempotent(prefix = "report:build", keys = [job.id], ttl = 86400, lease = 120)]

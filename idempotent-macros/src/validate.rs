@@ -497,15 +497,21 @@ fn whole_number(expr: &Expr) -> Option<std::result::Result<u64, Span>> {
     Some(int.base10_parse::<u64>().map_err(|_| int.span()))
 }
 
-/// Checks a duration in whole seconds (`ttl`, `lease`, `wait(...)`).
+/// The longest duration the runtime accepts, in seconds: 36,500 days
+/// (`idempotent_runtime::store::MAX_DURATION`).
+const MAX_SECONDS: u64 = 36_500 * 24 * 3600;
+
+/// Checks a duration in whole seconds (`ttl`, `lease`, `wait(...)`): 1 to [`MAX_SECONDS`].
 fn seconds(expr: &Expr, name: &str, example: &str, errors: &mut Errors) -> Option<u64> {
+    let too_large = format!("`{name}` must be at most {MAX_SECONDS} seconds (36500 days)");
     match whole_number(expr) {
         Some(Ok(0)) => errors.push(Error::new_spanned(
             expr,
             format!("`{name}` must be at least 1 second"),
         )),
+        Some(Ok(secs)) if secs > MAX_SECONDS => errors.push(Error::new_spanned(expr, too_large)),
         Some(Ok(secs)) => return Some(secs),
-        Some(Err(span)) => errors.push(Error::new(span, format!("`{name}` is too large"))),
+        Some(Err(span)) => errors.push(Error::new(span, too_large)),
         None => errors.push(Error::new_spanned(
             expr,
             format!("`{name}` takes a whole number of seconds, e.g. `{example}`"),
@@ -672,7 +678,10 @@ mod tests {
         for value in ["\"3600\"", "1.5", "1h", "-1", "ONE_HOUR", "60 * 60"] {
             assert_eq!(ttl(value), whole, "{value}");
         }
-        assert_eq!(ttl("99999999999999999999"), "`ttl` is too large");
+        let too_large = "`ttl` must be at most 3153600000 seconds (36500 days)";
+        assert_eq!(ttl("99999999999999999999"), too_large);
+        assert_eq!(ttl("3153600001"), too_large);
+        assert!(check("prefix = \"p\", keys = [msg], ttl = 3153600000", HANDLER).is_ok());
         assert!(check("prefix = \"p\", keys = [msg], ttl = 3600u64", HANDLER).is_ok());
         assert_eq!(with("lease = 0"), "`lease` must be at least 1 second");
         assert_eq!(

@@ -29,9 +29,9 @@
 
 mod codec;
 mod default_store;
+mod engine;
 mod error;
 pub mod key;
-mod operation;
 mod policy;
 pub mod store;
 
@@ -43,10 +43,10 @@ pub mod broker;
 pub mod __private;
 
 pub use default_store::{default_store, set_default_store, AlreadySet};
+pub use engine::{current, Current, Done, DoneCheck, Guard, HandlerResult, NoDone, Operation};
 pub use error::{Action, Error, StoreError, StoreErrorKind};
 pub use key::{Key, KeyError, KeyPart};
-pub use operation::{Done, DoneCheck, Guard, HandlerResult, NoDone, Operation};
-pub use policy::{InProgress, OnError, OnStoreError};
+pub use policy::{InProgress, OnError, OnLostLease, OnStoreError};
 pub use store::{
     BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, IntoStore, Record, RecordState,
     SharedStore, Store, Token,

@@ -68,3 +68,29 @@ pub(crate) fn default_lease(ttl: Duration) -> Duration {
         .min(ttl / 3)
         .max(Duration::from_millis(1))
 }
+
+/// What the engine does with a body whose lease is lost while it runs: the store said another
+/// owner holds the key, or no renewal succeeded before the lease ran out (the store was
+/// unreachable for longer than the lease).
+///
+/// Either way the body can see it through [`Current::lost`](crate::Current::lost), and its
+/// completion is refused with [`Error::LostOwnership`](crate::Error::LostOwnership) if another
+/// owner took the key over.
+///
+/// ```
+/// use idempotent_runtime::OnLostLease;
+///
+/// assert_eq!(OnLostLease::default(), OnLostLease::Continue);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnLostLease {
+    /// Let the body run on; it can watch [`Current::lost`](crate::Current::lost) itself. The
+    /// default: stopping a body half-way can be worse than finishing it.
+    #[default]
+    Continue,
+    /// Drop the body at its next `.await` and return
+    /// [`Error::LostOwnership`](crate::Error::LostOwnership); the claim is given back if it is
+    /// still ours. For bodies made of steps that are safe to stop between.
+    Cancel,
+}

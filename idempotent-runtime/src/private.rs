@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-pub use crate::operation::HandlerResult;
-use crate::operation::{Guard, Operation};
+pub use crate::engine::HandlerResult;
+use crate::engine::{Guard, Operation};
 pub use crate::policy::{InProgress, OnError, OnStoreError};
 use crate::store::{IntoStore, SharedStore};
 use crate::{Key, KeyPart};

@@ -31,6 +31,9 @@ use idempotent::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Barrier, Notify};
 
+mod settle;
+pub use settle::*;
+
 /// A backend under test.
 pub trait Backend: Send + Sync + 'static {
     /// A key prefix that only this backend instance uses; the backend deletes everything
@@ -41,6 +44,31 @@ pub trait Backend: Send + Sync + 'static {
     /// Loses every record whose key starts with `prefix`, as a restarted server without
     /// persistence would.
     fn lose_data<'a>(&'a self, prefix: &'a str) -> BoxFuture<'a, ()>;
+    /// Whether in-progress, completed and mismatch answers carry the owner's fence. A tiered
+    /// store answers duplicates from its front, whose fences are its own (only an acquired
+    /// claim carries the authoritative back's fence): there only the kind of answer is checked.
+    fn answers_carry_the_owners_fence(&self) -> bool {
+        true
+    }
+}
+
+/// Whether an answer's fence `seen` is the owner's fence `owner`, as far as `b` reports it.
+fn same_fence(b: &impl Backend, seen: u64, owner: u64) -> bool {
+    seen == owner || !b.answers_carry_the_owners_fence()
+}
+
+/// Asserts that `got` is `want`, fences included where `b` reports the owner's fence.
+#[track_caller]
+fn assert_answer(b: &impl Backend, got: Claim, want: Claim) {
+    if b.answers_carry_the_owners_fence() {
+        assert_eq!(got, want);
+    } else {
+        assert_eq!(
+            std::mem::discriminant(&got),
+            std::mem::discriminant(&want),
+            "{got:?} is not {want:?}"
+        );
+    }
 }
 
 /// The handler error used by the suite.
@@ -156,16 +184,22 @@ pub async fn concurrent_duplicates_run_the_handler_exactly_once(b: impl Backend)
         }));
     }
     let mut ok = 0;
-    let mut in_progress = 0;
+    let mut in_progress = Vec::new();
     for t in tasks {
         match t.await.unwrap() {
             Ok(()) => ok += 1,
-            Err(TestError::Idem(Error::InProgress { fence: 1, .. })) => in_progress += 1,
+            Err(TestError::Idem(Error::InProgress { fence, .. })) => in_progress.push(fence),
             Err(other) => panic!("unexpected outcome: {other:?}"),
         }
     }
     assert_eq!(executions.load(Ordering::SeqCst), 1);
-    assert_eq!((ok, in_progress), (1, 99));
+    assert_eq!((ok, in_progress.len()), (1, 99));
+    // Every duplicate met the one owner's claim.
+    let owner = store.read(&k).await.unwrap().unwrap().fence;
+    assert!(
+        in_progress.iter().all(|f| same_fence(&b, *f, owner)),
+        "owner fence {owner}, duplicates saw {in_progress:?}"
+    );
 
     let again: Result<(), TestError> = guard(&store).run(k, async { Ok(()) }).await;
     assert!(matches!(
@@ -193,22 +227,33 @@ pub async fn concurrent_store_claims_acquire_exactly_once(b: impl Backend) {
                 })
             })
             .collect();
-        let mut acquired = 0;
+        let mut acquired = Vec::new();
+        let mut in_progress = Vec::new();
         for t in tasks {
             match t.await.unwrap() {
-                Claim::Acquired { fence: 1 } => acquired += 1,
-                Claim::InProgress { fence: 1 } => {}
+                Claim::Acquired { fence } => acquired.push(fence),
+                Claim::InProgress { fence } => in_progress.push(fence),
                 other => panic!("unexpected claim: {other:?}"),
             }
         }
-        assert_eq!(acquired, 1, "round {round}");
+        assert_eq!(acquired.len(), 1, "round {round}");
+        assert!(
+            in_progress.iter().all(|f| same_fence(&b, *f, acquired[0])),
+            "round {round}: acquired {acquired:?}, in progress {in_progress:?}"
+        );
     }
 }
 
 pub async fn fence_grows_by_one_on_every_acquisition(b: impl Backend) {
     let store = b.store();
     let k = key(&unique_prefix(&b, "fence"), &[&1u8]);
-    for expected in 1..=5u64 {
+    let first = req(&k, Duration::from_secs(30));
+    let Claim::Acquired { fence: f } = store.claim(&first).await.unwrap() else {
+        panic!("a new key was not acquired")
+    };
+    assert!(f >= 1);
+    assert!(store.release(&k, &first.token).await.unwrap());
+    for expected in f + 1..=f + 4 {
         let r = req(&k, Duration::from_secs(30));
         assert_eq!(
             store.claim(&r).await.unwrap(),
@@ -217,9 +262,50 @@ pub async fn fence_grows_by_one_on_every_acquisition(b: impl Backend) {
         assert!(store.release(&k, &r.token).await.unwrap());
     }
     let r = req(&k, Duration::from_secs(30));
-    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 6 });
+    assert_eq!(
+        store.claim(&r).await.unwrap(),
+        Claim::Acquired { fence: f + 5 }
+    );
     let record = store.read(&k).await.unwrap().unwrap();
-    assert_eq!((record.fence, record.token), (6, r.token));
+    assert_eq!((record.fence, record.token), (f + 5, r.token));
+}
+
+pub async fn fences_grow_across_record_expiry(b: impl Backend) {
+    let store = b.store();
+    let k = key(&unique_prefix(&b, "fence-expiry"), &[&1u8]);
+    let first = req(&k, Duration::from_secs(30));
+    let Claim::Acquired { fence: f } = store.claim(&first).await.unwrap() else {
+        panic!("a new key was not acquired")
+    };
+    assert!(store.release(&k, &first.token).await.unwrap());
+    let second = req(&k, Duration::from_secs(30));
+    assert_eq!(
+        store.claim(&second).await.unwrap(),
+        Claim::Acquired { fence: f + 1 }
+    );
+    let done = Completion {
+        result: None,
+        ttl: Duration::from_millis(300),
+    };
+    assert!(store.complete(&k, &second.token, &done).await.unwrap());
+
+    // Wait (bounded) for the record to expire: its fence is gone with it.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while store.read(&k).await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the record never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // The next owner's fence is still above every earlier one, so a stalled earlier owner's
+    // write is refused by `... WHERE fence < $fence`.
+    let third = req(&k, Duration::from_secs(30));
+    let Claim::Acquired { fence: g } = store.claim(&third).await.unwrap() else {
+        panic!("an expired key was not acquired")
+    };
+    assert!(g > f + 1, "fence {g} after {f} and {}", f + 1);
 }
 
 pub async fn completed_key_is_a_duplicate_and_replays_its_result(b: impl Backend) {
@@ -239,6 +325,7 @@ pub async fn completed_key_is_a_duplicate_and_replays_its_result(b: impl Backend
         }
     };
     assert_eq!(run(10).await.unwrap(), "receipt for 10");
+    let f = store.read(&k).await.unwrap().unwrap().fence;
     // The duplicate gets the first run's result, not its own.
     assert_eq!(run(99).await.unwrap(), "receipt for 10");
     assert_eq!(executions.load(Ordering::SeqCst), 1);
@@ -252,13 +339,10 @@ pub async fn completed_key_is_a_duplicate_and_replays_its_result(b: impl Backend
     ));
 
     let claim = store.claim(&req(&k, Duration::from_secs(1))).await.unwrap();
-    assert!(matches!(
-        claim,
-        Claim::Completed {
-            fence: 1,
-            result: Some(_)
-        }
-    ));
+    assert!(
+        matches!(claim, Claim::Completed { fence, result: Some(_) } if same_fence(&b, fence, f)),
+        "{claim:?}, first fence {f}"
+    );
 }
 
 pub async fn expired_lease_is_taken_over_with_the_next_fence(b: impl Backend) {
@@ -266,16 +350,16 @@ pub async fn expired_lease_is_taken_over_with_the_next_fence(b: impl Backend) {
     let k = key(&unique_prefix(&b, "takeover"), &[&"order-7"]);
     let lease = Duration::from_millis(300);
     let old = req(&k, lease);
-    assert_eq!(
-        store.claim(&old).await.unwrap(),
-        Claim::Acquired { fence: 1 }
-    );
+    let Claim::Acquired { fence: f } = store.claim(&old).await.unwrap() else {
+        panic!("a new key was not acquired")
+    };
 
     // While the lease is live, a claim meets it.
     let early = req(&k, lease);
-    assert_eq!(
+    assert_answer(
+        &b,
         store.claim(&early).await.unwrap(),
-        Claim::InProgress { fence: 1 }
+        Claim::InProgress { fence: f },
     );
 
     // The old owner stops renewing (crashed); once the lease ran out, the key is taken over.
@@ -283,7 +367,7 @@ pub async fn expired_lease_is_taken_over_with_the_next_fence(b: impl Backend) {
     let new = req(&k, lease);
     assert_eq!(
         store.claim(&new).await.unwrap(),
-        Claim::Acquired { fence: 2 }
+        Claim::Acquired { fence: f + 1 }
     );
 
     // The old owner's writes are all refused; the new owner's record is untouched.
@@ -295,7 +379,7 @@ pub async fn expired_lease_is_taken_over_with_the_next_fence(b: impl Backend) {
     assert!(!store.release(&k, &old.token).await.unwrap());
     assert!(!store.renew(&k, &old.token, lease).await.unwrap());
     let record = store.read(&k).await.unwrap().unwrap();
-    assert_eq!((record.fence, record.token), (2, new.token));
+    assert_eq!((record.fence, record.token), (f + 1, new.token));
     assert!(matches!(record.state, RecordState::InProgress { .. }));
     assert!(store.complete(&k, &new.token, &done).await.unwrap());
 }
@@ -327,9 +411,11 @@ pub async fn watchdog_keeps_a_slow_handler_owner(b: impl Backend) {
     });
     let (out, seen) = tokio::join!(handler, probe);
     assert_eq!(out.unwrap(), "done");
+    let f = store.read(&k).await.unwrap().unwrap().fence;
     assert!(
-        seen.iter().all(|c| *c == Claim::InProgress { fence: 1 }),
-        "the live claim was taken over: {seen:?}"
+        seen.iter()
+            .all(|c| matches!(c, Claim::InProgress { fence } if same_fence(&b, *fence, f))),
+        "the live claim (fence {f}) was taken over: {seen:?}"
     );
 }
 
@@ -356,8 +442,10 @@ pub async fn handler_that_outlives_its_lease_loses_ownership(b: impl Backend) {
         out = &mut old => panic!("the old owner finished before its pause: {out:?}"),
         () = started.notified() => {}
     }
+    let f = store.read(&k).await.unwrap().unwrap().fence;
 
-    // A redelivery waits for the lease to run out, takes over with fence 2 and completes.
+    // A redelivery waits for the lease to run out, takes over with the next fence and
+    // completes.
     let new: Result<&str, TestError> = guard(&store)
         .lease(lease)
         .on_in_progress(InProgress::Wait(Duration::from_secs(10)))
@@ -367,11 +455,14 @@ pub async fn handler_that_outlives_its_lease_loses_ownership(b: impl Backend) {
 
     resume.notify_one();
     match old.await {
-        Err(TestError::Idem(Error::LostOwnership { fence: 1, .. })) => {}
-        other => panic!("the old owner's completion was accepted: {other:?}"),
+        Err(TestError::Idem(Error::LostOwnership { fence, .. })) if fence == f => {}
+        other => panic!("the old owner's completion (fence {f}) was accepted: {other:?}"),
     }
     let record = store.read(&k).await.unwrap().unwrap();
-    assert_eq!((record.fence, record.state), (2, RecordState::Completed));
+    assert_eq!(
+        (record.fence, record.state),
+        (f + 1, RecordState::Completed)
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -436,7 +527,8 @@ pub async fn error_releases_and_the_retry_runs(b: impl Backend) {
         .await;
     assert!(matches!(first, Err(TestError::Business(_))));
     let record = store.read(&k).await.unwrap().unwrap();
-    assert_eq!((record.state, record.fence), (RecordState::Released, 1));
+    assert_eq!(record.state, RecordState::Released);
+    let f = record.fence;
 
     let retry: Result<(), TestError> = guard(&store)
         .run(k.clone(), async {
@@ -447,7 +539,10 @@ pub async fn error_releases_and_the_retry_runs(b: impl Backend) {
     retry.unwrap();
     assert_eq!(executions.load(Ordering::SeqCst), 2);
     let record = store.read(&k).await.unwrap().unwrap();
-    assert_eq!((record.state, record.fence), (RecordState::Completed, 2));
+    assert_eq!(
+        (record.state, record.fence),
+        (RecordState::Completed, f + 1)
+    );
 }
 
 pub async fn release_never_removes_another_owners_claim(b: impl Backend) {
@@ -455,17 +550,20 @@ pub async fn release_never_removes_another_owners_claim(b: impl Backend) {
     let k = key(&unique_prefix(&b, "foreign"), &[&"x"]);
     let lease = Duration::from_millis(200);
     let old = req(&k, lease);
-    store.claim(&old).await.unwrap();
+    let Claim::Acquired { fence: f } = store.claim(&old).await.unwrap() else {
+        panic!("a new key was not acquired")
+    };
     tokio::time::sleep(lease * 2).await;
     let new = req(&k, Duration::from_secs(30));
     assert_eq!(
         store.claim(&new).await.unwrap(),
-        Claim::Acquired { fence: 2 }
+        Claim::Acquired { fence: f + 1 }
     );
     assert!(!store.release(&k, &old.token).await.unwrap());
-    assert_eq!(
+    assert_answer(
+        &b,
         store.claim(&req(&k, lease)).await.unwrap(),
-        Claim::InProgress { fence: 2 }
+        Claim::InProgress { fence: f + 1 },
     );
 }
 
@@ -634,7 +732,9 @@ pub async fn done_fallback_answers_an_in_progress_claim(b: impl Backend) {
     let k = key(&prefix, &[&"A-3"]);
     // An owner that crashed after applying the effect: its lease is still live.
     let crashed = req(&k, Duration::from_secs(30));
-    store.claim(&crashed).await.unwrap();
+    let Claim::Acquired { fence: f } = store.claim(&crashed).await.unwrap() else {
+        panic!("a new key was not acquired")
+    };
     let ledger = Ledger::default();
     ledger.apply("A-3");
 
@@ -647,10 +747,10 @@ pub async fn done_fallback_answers_an_in_progress_claim(b: impl Backend) {
 
     // Without the fallback the same call is an in-progress duplicate.
     let out: Result<(), TestError> = guard(&store).run(k, async { Ok(()) }).await;
-    assert!(matches!(
-        out,
-        Err(TestError::Idem(Error::InProgress { fence: 1, .. }))
-    ));
+    assert!(
+        matches!(out, Err(TestError::Idem(Error::InProgress { fence, .. })) if same_fence(&b, fence, f)),
+        "{out:?}, owner fence {f}"
+    );
 }
 
 pub async fn failing_done_check_runs_nothing(b: impl Backend) {
@@ -698,21 +798,22 @@ pub async fn payload_mismatch_is_refused_while_in_progress(b: impl Backend) {
     let k = key(&unique_prefix(&b, "fingerprint-live"), &[&"pay-4"]);
     let mut first = req(&k, Duration::from_secs(30));
     first.fingerprint = Some(idempotent::Fingerprint::of(&[&1u8]));
-    assert_eq!(
-        store.claim(&first).await.unwrap(),
-        Claim::Acquired { fence: 1 }
-    );
+    let Claim::Acquired { fence: f } = store.claim(&first).await.unwrap() else {
+        panic!("a new key was not acquired")
+    };
     let mut same = req(&k, Duration::from_secs(30));
     same.fingerprint = first.fingerprint;
-    assert_eq!(
+    assert_answer(
+        &b,
         store.claim(&same).await.unwrap(),
-        Claim::InProgress { fence: 1 }
+        Claim::InProgress { fence: f },
     );
     let mut other = req(&k, Duration::from_secs(30));
     other.fingerprint = Some(idempotent::Fingerprint::of(&[&2u8]));
-    assert_eq!(
+    assert_answer(
+        &b,
         store.claim(&other).await.unwrap(),
-        Claim::Mismatch { fence: 1 }
+        Claim::Mismatch { fence: f },
     );
 }
 
@@ -735,10 +836,9 @@ pub async fn dropped_future_gives_its_claim_back(b: impl Backend) {
         })
     };
     entered.notified().await;
-    assert!(matches!(
-        store.read(&k).await.unwrap().map(|r| r.state),
-        Some(RecordState::InProgress { .. })
-    ));
+    let record = store.read(&k).await.unwrap().unwrap();
+    assert!(matches!(record.state, RecordState::InProgress { .. }));
+    let f = record.fence;
     call.abort();
     assert!(call.await.unwrap_err().is_cancelled());
     eventually(&store, &k, |r| {
@@ -749,7 +849,7 @@ pub async fn dropped_future_gives_its_claim_back(b: impl Backend) {
     // The redelivery runs at once, with the next fence.
     let retry: Result<(), TestError> = guard(&store).run(k.clone(), async { Ok(()) }).await;
     retry.unwrap();
-    assert_eq!(store.read(&k).await.unwrap().unwrap().fence, 2);
+    assert_eq!(store.read(&k).await.unwrap().unwrap().fence, f + 1);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -771,8 +871,15 @@ pub async fn lost_claim_reply_is_resolved_as_ours(b: impl Backend) {
     out.unwrap();
     assert_eq!(lossy.lost(), 1, "the fault was not injected");
     assert_eq!(executions.load(Ordering::SeqCst), 1);
+    // The record is the lost claim's own acquisition, not a second one.
+    let Some(Claim::Acquired { fence: f }) = lossy.lost_claim() else {
+        panic!(
+            "the lost claim was not an acquisition: {:?}",
+            lossy.lost_claim()
+        )
+    };
     let record = inner.read(&k).await.unwrap().unwrap();
-    assert_eq!((record.state, record.fence), (RecordState::Completed, 1));
+    assert_eq!((record.state, record.fence), (RecordState::Completed, f));
 }
 
 pub async fn lost_complete_reply_is_resolved_as_completed(b: impl Backend) {
@@ -839,19 +946,22 @@ pub async fn wait_policy_returns_the_owners_result(b: impl Backend) {
 pub async fn wait_policy_gives_up_after_its_bound(b: impl Backend) {
     let store = b.store();
     let k = key(&unique_prefix(&b, "wait-bound"), &[&"req-3"]);
-    store
+    let Claim::Acquired { fence: f } = store
         .claim(&req(&k, Duration::from_secs(30)))
         .await
-        .unwrap();
+        .unwrap()
+    else {
+        panic!("a new key was not acquired")
+    };
     let started = tokio::time::Instant::now();
     let out: Result<(), TestError> = guard(&store)
         .on_in_progress(InProgress::Wait(Duration::from_millis(200)))
         .run(k, async { Ok(()) })
         .await;
-    assert!(matches!(
-        out,
-        Err(TestError::Idem(Error::InProgress { fence: 1, .. }))
-    ));
+    assert!(
+        matches!(out, Err(TestError::Idem(Error::InProgress { fence, .. })) if same_fence(&b, fence, f)),
+        "{out:?}, owner fence {f}"
+    );
     assert!(started.elapsed() >= Duration::from_millis(200));
 }
 
@@ -923,14 +1033,17 @@ pub async fn retried_claim_by_the_same_owner_is_acquired_again(b: impl Backend) 
     let store = b.store();
     let k = key(&unique_prefix(&b, "retry-claim"), &[&"x"]);
     let r = req(&k, Duration::from_secs(30));
-    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
-    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: 1 });
-    assert_eq!(
+    let Claim::Acquired { fence: f } = store.claim(&r).await.unwrap() else {
+        panic!("a new key was not acquired")
+    };
+    assert_eq!(store.claim(&r).await.unwrap(), Claim::Acquired { fence: f });
+    assert_answer(
+        &b,
         store
             .claim(&req(&k, Duration::from_secs(30)))
             .await
             .unwrap(),
-        Claim::InProgress { fence: 1 }
+        Claim::InProgress { fence: f },
     );
 }
 
@@ -941,10 +1054,13 @@ pub async fn batch_settles_each_item_by_its_own_outcome(b: impl Backend) {
     // Item 1 is completed, item 2 is held by a live owner, items 3 and 4 are new.
     let done: Result<(), TestError> = g.run(key(&prefix, &[&1u32]), async { Ok(()) }).await;
     done.unwrap();
-    store
+    let Claim::Acquired { fence: f } = store
         .claim(&req(&key(&prefix, &[&2u32]), Duration::from_secs(30)))
         .await
-        .unwrap();
+        .unwrap()
+    else {
+        panic!("a new key was not acquired")
+    };
 
     let executions = AtomicUsize::new(0);
     let items: Vec<(Key, u32)> = (1..=4u32).map(|id| (key(&prefix, &[&id]), id)).collect();
@@ -968,9 +1084,9 @@ pub async fn batch_settles_each_item_by_its_own_outcome(b: impl Backend) {
     assert!(
         matches!(
             results[1],
-            Err(TestError::Idem(Error::InProgress { fence: 1, .. }))
+            Err(TestError::Idem(Error::InProgress { fence, .. })) if same_fence(&b, fence, f)
         ),
-        "{results:?}"
+        "{results:?}, owner fence {f}"
     );
     assert_eq!(results[2].as_ref().unwrap(), &3);
     assert!(
@@ -1150,6 +1266,7 @@ pub struct LostReplies {
     lose_claim: std::sync::atomic::AtomicBool,
     lose_complete: std::sync::atomic::AtomicBool,
     lost: AtomicUsize,
+    lost_claim: Mutex<Option<Claim>>,
 }
 
 impl LostReplies {
@@ -1159,6 +1276,7 @@ impl LostReplies {
             lose_claim: false.into(),
             lose_complete: false.into(),
             lost: AtomicUsize::new(0),
+            lost_claim: Mutex::new(None),
         }
     }
     pub fn lose_next_claim_reply(&self) {
@@ -1169,6 +1287,10 @@ impl LostReplies {
     }
     pub fn lost(&self) -> usize {
         self.lost.load(Ordering::SeqCst)
+    }
+    /// The claim the store applied whose reply was lost last.
+    pub fn lost_claim(&self) -> Option<Claim> {
+        self.lost_claim.lock().unwrap().clone()
     }
     fn lost_reply<T>(
         &self,
@@ -1192,6 +1314,9 @@ impl Store for LostReplies {
     fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
             let applied = self.inner.claim(req).await?;
+            if self.lose_claim.load(Ordering::SeqCst) {
+                *self.lost_claim.lock().unwrap() = Some(applied.clone());
+            }
             self.lost_reply(&self.lose_claim, applied)
         })
     }
@@ -1234,6 +1359,7 @@ macro_rules! conformance_cases {
             concurrent_duplicates_run_the_handler_exactly_once,
             concurrent_store_claims_acquire_exactly_once,
             fence_grows_by_one_on_every_acquisition,
+            fences_grow_across_record_expiry,
             completed_key_is_a_duplicate_and_replays_its_result,
             expired_lease_is_taken_over_with_the_next_fence,
             watchdog_keeps_a_slow_handler_owner,
@@ -1261,7 +1387,15 @@ macro_rules! conformance_cases {
             keys_with_separators_stay_distinct,
             retried_claim_by_the_same_owner_is_acquired_again,
             batch_settles_each_item_by_its_own_outcome,
-            concurrent_overlapping_batches_run_each_key_once
+            concurrent_overlapping_batches_run_each_key_once,
+            failed_completion_never_gives_the_claim_back,
+            dropped_call_after_the_body_completes_its_outcome,
+            dropped_call_during_the_claim_gives_it_back,
+            held_failure_survives_a_store_blip,
+            result_the_store_cannot_take_completes_without_it,
+            out_of_range_durations_are_refused_before_the_store,
+            body_reads_its_key_and_fence,
+            lost_lease_is_signalled_to_the_body
         );
     };
 }

@@ -1,0 +1,84 @@
+//! The one place that decides what a call does with a claim's outcome. The single call, the
+//! batch and every later path (HTTP, a transaction) ask it, so they cannot drift apart.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::policy::InProgress;
+use crate::store::Claim;
+
+/// What to do next, after a claim answered.
+#[derive(Debug)]
+pub(crate) enum Next {
+    /// The key is ours: run the body under `fence`.
+    Run { fence: u64 },
+    /// The operation was completed before: answer from its stored result.
+    Completed { fence: u64, result: Option<Vec<u8>> },
+    /// The key was used with another payload.
+    Mismatch { fence: u64 },
+    /// Another owner holds a live claim. Ask the business check first (if any), then `then`.
+    Busy { fence: u64, then: Busy },
+}
+
+/// What a call does about a live owner, once the business check (if any) said "not done".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Busy {
+    /// Return `Error::InProgress`.
+    Reject,
+    /// Return `Error::Skipped`.
+    Skip,
+    /// Sleep this long, then claim again.
+    Retry(Duration),
+}
+
+/// How long to wait for a live owner, across a call's claim attempts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Waiting {
+    until: Option<Instant>,
+    backoff: Duration,
+}
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(5);
+const MAX_BACKOFF: Duration = Duration::from_millis(250);
+
+impl Waiting {
+    /// The wait budget of a policy, starting now.
+    pub(crate) fn new(policy: InProgress) -> Waiting {
+        let until = match policy {
+            InProgress::Wait(max) => Some(Instant::now() + max),
+            _ => None,
+        };
+        Waiting {
+            until,
+            backoff: FIRST_BACKOFF,
+        }
+    }
+}
+
+/// Maps a claim's outcome and the in-progress policy to the next step. Advances `waiting`'s
+/// backoff when it says [`Busy::Retry`].
+pub(crate) fn decide(claim: Claim, policy: InProgress, waiting: &mut Waiting) -> Next {
+    match claim {
+        Claim::Acquired { fence } => Next::Run { fence },
+        Claim::Completed { fence, result } => Next::Completed { fence, result },
+        Claim::Mismatch { fence } => Next::Mismatch { fence },
+        Claim::InProgress { fence } => {
+            let then = match (policy, waiting.until) {
+                (InProgress::Skip, _) => Busy::Skip,
+                (InProgress::Wait(_), Some(until)) => {
+                    let now = Instant::now();
+                    if now < until {
+                        let pause = waiting.backoff.min(until - now);
+                        waiting.backoff = (waiting.backoff * 2).min(MAX_BACKOFF);
+                        Busy::Retry(pause)
+                    } else {
+                        Busy::Reject
+                    }
+                }
+                _ => Busy::Reject,
+            };
+            Next::Busy { fence, then }
+        }
+    }
+}

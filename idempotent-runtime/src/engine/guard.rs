@@ -1,0 +1,326 @@
+//! [`Guard`]: the settings shared by many calls, and batches.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use tracing::Instrument;
+
+use crate::default_store::default_store;
+use crate::engine::decide::{decide, Busy, Next, Waiting};
+use crate::engine::handler::{HandlerResult, NoDone};
+use crate::engine::operation::Operation;
+use crate::engine::operation::{completed, own, Settle};
+use crate::engine::owner::{self, Claimed, Owner, PendingBatch};
+use crate::error::{Error, StoreError};
+use crate::key::Key;
+use crate::policy::{default_lease, InProgress, OnLostLease, OnStoreError};
+use crate::store::{
+    Claim, ClaimRequest, IntoStore, SharedStore, Token, MAX_DURATION, MIN_DURATION,
+};
+
+/// The settings shared by many idempotent calls: store, ttl, lease and policies.
+///
+/// This is the API for code that cannot use the attribute: closures, keys computed at run
+/// time, generic plumbing.
+///
+/// ```
+/// use std::{sync::Arc, time::Duration};
+/// use idempotent_runtime::{Error, Guard, Key, MemoryStore};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let guard = Guard::new(Duration::from_secs(3600)).store(Arc::new(MemoryStore::new()));
+/// let key = Key::new("coupon:grant", 1, &[&"user-7", &"spring-sale"]).unwrap();
+///
+/// let first: Result<u32, Error> = guard.run(key.clone(), async { Ok(42) }).await;
+/// assert_eq!(first.unwrap(), 42);
+///
+/// let again: Result<u32, Error> = guard.run(key, async { Ok(43) }).await;
+/// assert!(matches!(again, Err(Error::Duplicate { .. })));
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Guard {
+    pub(crate) store: Option<SharedStore>,
+    pub(crate) ttl: Duration,
+    pub(crate) lease: Option<Duration>,
+    pub(crate) in_progress: InProgress,
+    pub(crate) on_store_error: OnStoreError,
+    pub(crate) on_lost_lease: OnLostLease,
+}
+
+impl std::fmt::Debug for Guard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Guard")
+            .field("store", &self.store.as_ref().map(|_| "..."))
+            .field("ttl", &self.ttl)
+            .field("lease", &self.lease_duration())
+            .field("in_progress", &self.in_progress)
+            .field("on_store_error", &self.on_store_error)
+            .field("on_lost_lease", &self.on_lost_lease)
+            .finish()
+    }
+}
+
+impl Guard {
+    /// Settings with the given record ttl, the process-default store, the default lease
+    /// (30 s, or a third of the ttl when that is shorter) and the default policies (reject
+    /// in-progress duplicates, fail closed).
+    ///
+    /// Choose `ttl` to cover the worst handler time plus the broker's longest redelivery delay:
+    /// a duplicate that arrives after the record expired runs again.
+    ///
+    /// `ttl` and the lease must lie within [`MIN_DURATION`] ..= [`MAX_DURATION`]; a guard
+    /// outside that range runs nothing and every call returns [`Error::InvalidDuration`], on
+    /// every store alike. [`check`](Guard::check) finds such a guard at start-up.
+    pub fn new(ttl: Duration) -> Guard {
+        Guard {
+            store: None,
+            ttl,
+            lease: None,
+            in_progress: InProgress::default(),
+            on_store_error: OnStoreError::default(),
+            on_lost_lease: OnLostLease::default(),
+        }
+    }
+
+    /// Uses this store instead of the process default.
+    pub fn store(mut self, store: impl IntoStore) -> Guard {
+        self.store = Some(store.into_store());
+        self
+    }
+
+    /// How long a claim stays live without renewal. While the handler runs the lease is
+    /// renewed every third of it, so it only bounds how long a crashed owner blocks the key.
+    pub fn lease(mut self, lease: Duration) -> Guard {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// What to do when another owner holds a live claim.
+    pub fn on_in_progress(mut self, policy: InProgress) -> Guard {
+        self.in_progress = policy;
+        self
+    }
+
+    /// What to do when the store fails before the handler ran.
+    pub fn on_store_error(mut self, policy: OnStoreError) -> Guard {
+        self.on_store_error = policy;
+        self
+    }
+
+    /// What to do with a body whose lease is lost while it runs.
+    pub fn on_lost_lease(mut self, policy: OnLostLease) -> Guard {
+        self.on_lost_lease = policy;
+        self
+    }
+
+    /// Checks the durations: `Err(`[`Error::InvalidDuration`]`)` when the ttl or the lease lies
+    /// outside [`MIN_DURATION`] ..= [`MAX_DURATION`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotent_runtime::{Error, Guard};
+    ///
+    /// assert!(Guard::new(Duration::from_secs(3600)).check().is_ok());
+    /// assert!(matches!(
+    ///     Guard::new(Duration::MAX).check(),
+    ///     Err(Error::InvalidDuration { setting: "ttl", .. })
+    /// ));
+    /// ```
+    pub fn check(&self) -> Result<(), Error> {
+        let range = MIN_DURATION..=MAX_DURATION;
+        if !range.contains(&self.ttl) {
+            return Err(Error::InvalidDuration {
+                setting: "ttl",
+                value: self.ttl,
+            });
+        }
+        let lease = self.lease_duration();
+        if !range.contains(&lease) {
+            return Err(Error::InvalidDuration {
+                setting: "lease",
+                value: lease,
+            });
+        }
+        Ok(())
+    }
+
+    /// The record ttl.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The effective lease: the one set, or the default for the ttl.
+    pub fn lease_duration(&self) -> Duration {
+        self.lease.unwrap_or_else(|| default_lease(self.ttl))
+    }
+
+    /// One call on `key`, to refine and [`run`](Operation::run).
+    pub fn operation<R: HandlerResult>(&self, key: Key) -> Operation<R> {
+        Operation::new(self.clone(), Ok(key))
+    }
+
+    /// Runs `handler` for a batch of items, claiming all their keys with one
+    /// [`Store::claim_many`](crate::Store::claim_many) (one round trip on Redis), and settles each item by its own
+    /// outcome: results come back in input order, each what [`Operation::run`] would have
+    /// returned for that item alone. Acquired items run concurrently, each under its own lease
+    /// renewal; items held by a live owner follow the guard's in-progress policy (with
+    /// [`InProgress::Wait`] they are claimed again one by one).
+    ///
+    /// Batches have no fingerprint, replay or business check; use [`Operation`] per item
+    /// where those are needed.
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use idempotent_runtime::{Error, Guard, Key, MemoryStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let guard = Guard::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    /// let batch = |ids: &[u32]| {
+    ///     ids.iter().map(|id| (Key::new("order", 1, &[id]).unwrap(), *id)).collect::<Vec<_>>()
+    /// };
+    /// let first: Vec<Result<u32, Error>> =
+    ///     guard.run_batch(batch(&[1, 2]), |id| async move { Ok(id) }).await;
+    /// assert_eq!(first.into_iter().collect::<Result<Vec<_>, _>>().unwrap(), [1, 2]);
+    ///
+    /// let second: Vec<Result<u32, Error>> =
+    ///     guard.run_batch(batch(&[2, 3]), |id| async move { Ok(id) }).await;
+    /// assert!(matches!(second[0], Err(Error::Duplicate { .. })));
+    /// assert_eq!(second[1].as_ref().unwrap(), &3);
+    /// # }
+    /// ```
+    pub async fn run_batch<T, F, Fut, R>(&self, items: Vec<(Key, T)>, handler: F) -> Vec<R>
+    where
+        F: Fn(T) -> Fut,
+        Fut: Future<Output = R>,
+        R: HandlerResult,
+    {
+        let store = match self
+            .check()
+            .map(|()| self.store.clone().or_else(default_store))
+        {
+            Ok(Some(store)) => store,
+            _ => {
+                // Every item fails alike, each with its own error value.
+                let error = || self.check().err().unwrap_or(Error::NoStore);
+                return items
+                    .iter()
+                    .map(|_| R::from_result(Err(error().into())))
+                    .collect();
+            }
+        };
+        let lease = self.lease_duration();
+        let (keys, values): (Vec<Key>, Vec<T>) = items.into_iter().unzip();
+        let reqs: Arc<[ClaimRequest]> = keys
+            .into_iter()
+            .map(|key| ClaimRequest {
+                key,
+                token: Token::generate(),
+                lease,
+                ttl: self.ttl,
+                fingerprint: None,
+            })
+            .collect();
+        let sent_at = tokio::time::Instant::now();
+        let claims = PendingBatch::new(&store, &reqs).await;
+        let handler = &handler;
+        let runs = values
+            .into_iter()
+            .zip(reqs.iter().cloned())
+            .zip(claims)
+            .map(|((item, req), first)| {
+                let store = store.clone();
+                let span = tracing::debug_span!(
+                    "idempotent",
+                    key = %req.key,
+                    fence = tracing::field::Empty,
+                    outcome = tracing::field::Empty,
+                );
+                async move {
+                    R::from_result(
+                        self.settle_claimed(store, req, first, sent_at, item, handler)
+                            .await,
+                    )
+                }
+                .instrument(span)
+            });
+        join_all(runs).await
+    }
+
+    /// One batch item, from its claim's outcome to its result.
+    async fn settle_claimed<T, F, Fut, R>(
+        &self,
+        store: SharedStore,
+        req: ClaimRequest,
+        first: Result<Claim, StoreError>,
+        sent_at: tokio::time::Instant,
+        item: T,
+        handler: &F,
+    ) -> Result<R::Ok, R::Err>
+    where
+        F: Fn(T) -> Fut,
+        Fut: Future<Output = R>,
+        R: HandlerResult,
+    {
+        let span = tracing::Span::current();
+        let claim = match owner::claim(&store, &req, first).await {
+            Ok(claim) => claim,
+            Err(err) => {
+                return match self.on_store_error {
+                    OnStoreError::FailOpen => {
+                        tracing::warn!(error = %err, "store failed; running unguarded (fail open)");
+                        handler(item).await.into_result()
+                    }
+                    _ => {
+                        span.record("outcome", "store_error");
+                        Err(Error::Store(err).into())
+                    }
+                }
+            }
+        };
+        let mut waiting = Waiting::new(self.in_progress);
+        match decide(claim, self.in_progress, &mut waiting) {
+            Next::Run { fence } => {
+                span.record("fence", fence);
+                let owner = Owner::new(Arc::new(Claimed::new(store, req, fence, sent_at)));
+                let settle = Settle::<R>::default();
+                own(owner, &mut NoDone, &settle, self.on_lost_lease, |_| {
+                    handler(item)
+                })
+                .await
+            }
+            Next::Completed { result, .. } => {
+                span.record("outcome", "completed");
+                completed(req.key, result, &Settle::<R>::default())
+            }
+            Next::Mismatch { .. } => Err(Error::PayloadMismatch { key: req.key }.into()),
+            Next::Busy { fence, then } => match then {
+                Busy::Skip => Err(Error::Skipped { key: req.key }.into()),
+                // Waiting for a live owner: claim again as a single call would.
+                Busy::Retry(_) => self.run(req.key, handler(item)).await.into_result(),
+                Busy::Reject => {
+                    span.record("outcome", "in_progress");
+                    Err(Error::InProgress {
+                        key: req.key,
+                        fence,
+                    }
+                    .into())
+                }
+            },
+        }
+    }
+
+    /// Runs `body` at most once for `key`, with this guard's settings: a shorthand for
+    /// `self.operation(key).run(body)`.
+    pub async fn run<R, F>(&self, key: Key, body: F) -> R
+    where
+        R: HandlerResult,
+        F: Future<Output = R>,
+    {
+        self.operation(key).run(body).await
+    }
+}

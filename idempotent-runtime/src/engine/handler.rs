@@ -1,0 +1,72 @@
+//! What a handler returns, and the business-status checks an operation can ask.
+
+use std::future::Future;
+
+use crate::error::Error;
+
+/// The output of an idempotent handler: `Result<T, E>` where `E: From<idempotent::Error>`.
+#[diagnostic::on_unimplemented(
+    message = "idempotent handlers must return `Result<T, E>`, but this one returns `{Self}`",
+    label = "not a `Result`",
+    note = "the handler's error type must also implement `From<idempotent::Error>`"
+)]
+pub trait HandlerResult: Sized {
+    /// The success type.
+    type Ok;
+    /// The error type.
+    type Err: From<Error>;
+    /// Splits the output.
+    fn into_result(self) -> Result<Self::Ok, Self::Err>;
+    /// Builds the output.
+    fn from_result(result: Result<Self::Ok, Self::Err>) -> Self;
+}
+
+impl<T, E: From<Error>> HandlerResult for Result<T, E> {
+    type Ok = T;
+    type Err = E;
+    fn into_result(self) -> Result<T, E> {
+        self
+    }
+    fn from_result(result: Result<T, E>) -> Self {
+        result
+    }
+}
+
+/// A business-status check for [`Operation::done`](crate::Operation::done). Implemented by [`NoDone`] and by the
+/// wrapper that `done` installs; not meant to be implemented by hand.
+pub trait DoneCheck {
+    /// The check's error type.
+    type Error;
+    /// The check's future.
+    type Future: Future<Output = Result<bool, Self::Error>>;
+    /// Starts one check, or `None` when there is no check.
+    fn start(&mut self) -> Option<Self::Future>;
+}
+
+/// No business-status check.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoDone;
+
+impl DoneCheck for NoDone {
+    type Error = Error;
+    type Future = std::future::Ready<Result<bool, Error>>;
+    fn start(&mut self) -> Option<Self::Future> {
+        None
+    }
+}
+
+/// A business-status check installed by [`Operation::done`](crate::Operation::done).
+#[derive(Debug, Clone, Copy)]
+pub struct Done<F>(pub(crate) F);
+
+impl<F, Fut, X> DoneCheck for Done<F>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool, X>>,
+{
+    type Error = X;
+    type Future = Fut;
+    fn start(&mut self) -> Option<Fut> {
+        Some((self.0)())
+    }
+}

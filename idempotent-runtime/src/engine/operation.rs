@@ -1,0 +1,461 @@
+//! [`Operation`]: one idempotent call, from its claim to its answer.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tracing::Instrument;
+
+use crate::codec;
+use crate::default_store::default_store;
+use crate::engine::current::Current;
+use crate::engine::decide::{decide, Busy, Next, Waiting};
+use crate::engine::guard::Guard;
+use crate::engine::handler::{Done, DoneCheck, HandlerResult, NoDone};
+use crate::engine::owner::{Claimed, Owner, PendingClaim, Settled};
+use crate::engine::watch::{watch, Watched};
+use crate::error::Error;
+use crate::key::{Key, KeyError, KeyPart};
+use crate::policy::{OnError, OnLostLease, OnStoreError};
+use crate::store::{ClaimRequest, Fingerprint, Token};
+
+struct Codec<T> {
+    encode: fn(&T) -> Result<Vec<u8>, Error>,
+    decode: fn(&[u8]) -> Result<T, Error>,
+}
+
+/// One idempotent call: built by [`Guard::operation`] (or the attribute), run by
+/// [`Operation::run`].
+///
+/// ```
+/// use std::{sync::Arc, time::Duration};
+/// use idempotent_runtime::{Error, Guard, Key, MemoryStore};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let guard = Guard::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+/// let key = Key::new("payment:capture", 1, &[&"pay-1"]).unwrap();
+///
+/// let first: Result<String, Error> = guard
+///     .operation(key.clone())
+///     .fingerprint(&[&"EUR", &1250u64])
+///     .replay()
+///     .run(async { Ok("receipt-1".to_string()) })
+///     .await;
+/// let replayed: Result<String, Error> = guard
+///     .operation(key)
+///     .fingerprint(&[&"EUR", &1250u64])
+///     .replay()
+///     .run(async { Ok("never runs".to_string()) })
+///     .await;
+/// assert_eq!(first.unwrap(), replayed.unwrap());
+/// # }
+/// ```
+#[must_use = "an operation does nothing until `.run(...).await`"]
+pub struct Operation<R: HandlerResult, D = NoDone> {
+    guard: Guard,
+    key: Result<Key, KeyError>,
+    fingerprint: Option<Fingerprint>,
+    settle: Settle<R>,
+    done: D,
+}
+
+/// How a run's outcome is stored: replay codecs and the error policy.
+pub(crate) struct Settle<R: HandlerResult> {
+    replay: Option<Codec<R::Ok>>,
+    errors: Option<Codec<R::Err>>,
+    on_error: Option<fn(&R::Err) -> OnError>,
+}
+
+impl<R: HandlerResult> Default for Settle<R> {
+    fn default() -> Self {
+        Settle {
+            replay: None,
+            errors: None,
+            on_error: None,
+        }
+    }
+}
+
+impl<R: HandlerResult> Operation<R> {
+    pub(crate) fn new(guard: Guard, key: Result<Key, KeyError>) -> Operation<R> {
+        Operation {
+            guard,
+            key,
+            fingerprint: None,
+            settle: Settle::default(),
+            done: NoDone,
+        }
+    }
+}
+
+impl<R: HandlerResult, D> Operation<R, D> {
+    /// Checks the payload: the fingerprint of `parts` is stored with the claim, and a later
+    /// call with the same key and a different fingerprint fails with
+    /// [`Error::PayloadMismatch`].
+    pub fn fingerprint(self, parts: &[&dyn KeyPart]) -> Self {
+        self.fingerprint_of(Fingerprint::of(parts))
+    }
+
+    /// Like [`fingerprint`](Self::fingerprint), with a fingerprint computed elsewhere (of a
+    /// raw request body, say).
+    pub fn fingerprint_of(mut self, fingerprint: Fingerprint) -> Self {
+        self.fingerprint = Some(fingerprint);
+        self
+    }
+
+    /// Stores the `Ok` value of the first run and returns it to duplicates, instead of
+    /// [`Error::Duplicate`].
+    pub fn replay(mut self) -> Self
+    where
+        R::Ok: Serialize + DeserializeOwned,
+    {
+        self.settle.replay = Some(Codec {
+            encode: |value| codec::encode(codec::OK, value),
+            decode: codec::decode,
+        });
+        self
+    }
+
+    /// Decides, per handler error, what happens to the claim. Without it every error
+    /// releases the claim ([`OnError::Release`]).
+    pub fn on_error(mut self, classify: fn(&R::Err) -> OnError) -> Self {
+        self.settle.on_error = Some(classify);
+        self
+    }
+
+    /// Stores handler errors and replays them to duplicates (every error, unless
+    /// [`on_error`](Self::on_error) classifies them otherwise).
+    pub fn store_errors(mut self) -> Self
+    where
+        R::Err: Serialize + DeserializeOwned,
+    {
+        self.settle.errors = Some(Codec {
+            encode: |err| codec::encode(codec::ERR, err),
+            decode: codec::decode,
+        });
+        if self.settle.on_error.is_none() {
+            self.settle.on_error = Some(|_| OnError::Store);
+        }
+        self
+    }
+
+    /// Installs a business-status check: `check()` returns a future that says whether the
+    /// effect is already applied (an order already `CONSUMED`, say).
+    ///
+    /// It is asked after an acquired claim, before the handler runs (a `true` completes the
+    /// record and the call returns [`Error::Duplicate`] without running), and when the claim
+    /// finds another owner's live claim (a `true` returns [`Error::Duplicate`] at once, leaving
+    /// the record to its owner). This keeps effects exactly-once when the store lost its data.
+    /// A check that fails gives the claim back and returns its error: nothing runs.
+    pub fn done<F, Fut, X>(self, check: F) -> Operation<R, Done<F>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<bool, X>>,
+        R::Err: From<X>,
+    {
+        Operation {
+            guard: self.guard,
+            key: self.key,
+            fingerprint: self.fingerprint,
+            settle: self.settle,
+            done: Done(check),
+        }
+    }
+}
+
+impl<R, D> Operation<R, D>
+where
+    R: HandlerResult,
+    D: DoneCheck,
+    R::Err: From<D::Error>,
+{
+    /// Runs `body` at most once for the key and returns its output, or the outcome of the
+    /// claim: a replayed result, or an error that converts into the handler's error type
+    /// ([`Error::Duplicate`], [`Error::InProgress`], [`Error::Store`], ...).
+    ///
+    /// While `body` runs the lease is renewed every third of it, and [`current()`](crate::current)
+    /// returns the claim (key, fence, lost-lease signal). If this future is dropped before
+    /// `body` finished, the claim is given back (once an in-flight claim lands, if need be).
+    /// Once `body` returned, its outcome is recorded and the claim is never given back: a
+    /// completion the store does not take at once (an outage, a lost reply, this future
+    /// dropped) is retried in the background while the lease is renewed.
+    pub async fn run<F>(self, body: F) -> R
+    where
+        F: Future<Output = R>,
+    {
+        self.run_with(move |_| body).await
+    }
+
+    /// Like [`run`](Self::run), with a body that receives its claim: key, fence, and the
+    /// lost-lease signal.
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use idempotent_runtime::{Error, Guard, Key, MemoryStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let guard = Guard::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    /// let key = Key::new("balance:deduct", 1, &[&"user-7", &"tx-1"]).unwrap();
+    /// let out: Result<String, Error> = guard
+    ///     .operation(key)
+    ///     .run_with(|claim| async move {
+    ///         // UPDATE balance SET amount = amount - 10, fence = $1
+    ///         //  WHERE user_id = 'user-7' AND fence < $1
+    ///         Ok(format!("deducted under fence {}", claim.fence()))
+    ///     })
+    ///     .await;
+    /// assert!(out.unwrap().starts_with("deducted"));
+    /// # }
+    /// ```
+    pub async fn run_with<B, F>(self, body: B) -> R
+    where
+        B: FnOnce(Current) -> F,
+        F: Future<Output = R>,
+    {
+        let span = tracing::debug_span!(
+            "idempotent",
+            key = tracing::field::Empty,
+            fence = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        R::from_result(self.execute(body).instrument(span).await)
+    }
+
+    async fn execute<B, F>(self, body: B) -> Result<R::Ok, R::Err>
+    where
+        B: FnOnce(Current) -> F,
+        F: Future<Output = R>,
+    {
+        let Operation {
+            mut guard,
+            key,
+            fingerprint,
+            settle,
+            mut done,
+        } = self;
+        let span = tracing::Span::current();
+        let key = key.map_err(Error::from)?;
+        span.record("key", tracing::field::display(&key));
+        guard.check()?;
+        let Some(store) = guard.store.take().or_else(default_store) else {
+            return Err(Error::NoStore.into());
+        };
+        let req = Arc::new(ClaimRequest {
+            key,
+            token: Token::generate(),
+            lease: guard.lease_duration(),
+            ttl: guard.ttl,
+            fingerprint,
+        });
+        let mut waiting = Waiting::new(guard.in_progress);
+        loop {
+            let sent_at = tokio::time::Instant::now();
+            let claim = match PendingClaim::new(&store, &req).await {
+                Ok(claim) => claim,
+                Err(err) => {
+                    return match guard.on_store_error {
+                        OnStoreError::FailOpen => {
+                            tracing::warn!(error = %err, "store failed; running unguarded (fail open)");
+                            span.record("outcome", "fail_open");
+                            let unguarded = Claimed::new(store, unwrap_req(req), 0, sent_at);
+                            let current = Current::new(Arc::new(unguarded));
+                            current.clone().scope(body(current)).await.into_result()
+                        }
+                        _ => {
+                            tracing::warn!(error = %err, "store failed; not running (fail closed)");
+                            span.record("outcome", "store_error");
+                            Err(Error::Store(err).into())
+                        }
+                    };
+                }
+            };
+            match decide(claim, guard.in_progress, &mut waiting) {
+                Next::Run { fence } => {
+                    span.record("fence", fence);
+                    let claimed = Claimed::new(store, unwrap_req(req), fence, sent_at);
+                    let owner = Owner::new(Arc::new(claimed));
+                    return own(owner, &mut done, &settle, guard.on_lost_lease, body).await;
+                }
+                Next::Completed { fence, result } => {
+                    span.record("fence", fence);
+                    span.record("outcome", "completed");
+                    return completed(unwrap_req(req).key, result, &settle);
+                }
+                Next::Mismatch { fence } => {
+                    span.record("fence", fence);
+                    span.record("outcome", "mismatch");
+                    return Err(Error::PayloadMismatch {
+                        key: unwrap_req(req).key,
+                    }
+                    .into());
+                }
+                Next::Busy { fence, then } => {
+                    span.record("fence", fence);
+                    if let Some(check) = done.start() {
+                        if check.await? {
+                            span.record("outcome", "done");
+                            return Err(Error::Duplicate {
+                                key: unwrap_req(req).key,
+                            }
+                            .into());
+                        }
+                    }
+                    match then {
+                        Busy::Retry(pause) => tokio::time::sleep(pause).await,
+                        Busy::Skip => {
+                            span.record("outcome", "skipped");
+                            return Err(Error::Skipped {
+                                key: unwrap_req(req).key,
+                            }
+                            .into());
+                        }
+                        Busy::Reject => {
+                            span.record("outcome", "in_progress");
+                            return Err(Error::InProgress {
+                                key: unwrap_req(req).key,
+                                fence,
+                            }
+                            .into());
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The request back out of its `Arc` once no claim round trip holds it (a clone otherwise).
+fn unwrap_req(req: Arc<ClaimRequest>) -> ClaimRequest {
+    Arc::try_unwrap(req).unwrap_or_else(|shared| (*shared).clone())
+}
+
+/// After an acquired claim: the business check, the body under the watchdog, then the
+/// outcome recorded (or the claim given back when the body failed and the policy says so).
+pub(crate) async fn own<R, D, B, F>(
+    owner: Owner,
+    done: &mut D,
+    settle: &Settle<R>,
+    on_lost: OnLostLease,
+    body: B,
+) -> Result<R::Ok, R::Err>
+where
+    R: HandlerResult,
+    D: DoneCheck,
+    R::Err: From<D::Error>,
+    B: FnOnce(Current) -> F,
+    F: Future<Output = R>,
+{
+    let span = tracing::Span::current();
+    let claim = owner.claim().clone();
+    if let Some(check) = done.start() {
+        match watch(check, &claim, OnLostLease::Continue).await {
+            Watched::Done(Ok(true)) => {
+                span.record("outcome", "done");
+                // The effect is applied: record it, never give the claim back.
+                owner.settle(None).await;
+                return Err(Error::Duplicate {
+                    key: claim.key.clone(),
+                }
+                .into());
+            }
+            Watched::Done(Ok(false)) => {}
+            Watched::Done(Err(err)) => {
+                span.record("outcome", "done_check_failed");
+                owner.release().await;
+                return Err(err.into());
+            }
+            Watched::Cancelled => {}
+        }
+    }
+
+    let current = Current::new(claim.clone());
+    let out = match watch(current.clone().scope(body(current)), &claim, on_lost).await {
+        Watched::Done(out) => out.into_result(),
+        Watched::Cancelled => {
+            span.record("outcome", "lost_ownership");
+            owner.release().await;
+            return Err(Error::LostOwnership {
+                key: claim.key.clone(),
+                fence: claim.fence,
+            }
+            .into());
+        }
+    };
+    match out {
+        Ok(value) => {
+            let result = settle.replay.as_ref().and_then(|codec| {
+                (codec.encode)(&value)
+                    .map_err(|err| tracing::error!(error = %err, "result could not be stored for replay"))
+                    .ok()
+            });
+            match owner.settle(result).await {
+                Settled::Recorded => {
+                    span.record("outcome", "executed");
+                    Ok(value)
+                }
+                Settled::Lost => {
+                    span.record("outcome", "lost_ownership");
+                    tracing::warn!("lost ownership before completing");
+                    Err(Error::LostOwnership {
+                        key: claim.key.clone(),
+                        fence: claim.fence,
+                    }
+                    .into())
+                }
+                Settled::Deferred => {
+                    // The effect is applied: reporting failure would make the broker redeliver
+                    // and run it again. The completion is retried in the background.
+                    span.record("outcome", "executed_unrecorded");
+                    Ok(value)
+                }
+            }
+        }
+        Err(err) => {
+            let policy = settle.on_error.map_or(OnError::Release, |f| f(&err));
+            let stored = match (policy, &settle.errors) {
+                (OnError::Release, _) => None,
+                (OnError::Store, Some(codec)) => Some((codec.encode)(&err).unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "handler error could not be stored; holding the key");
+                    vec![codec::HELD]
+                })),
+                (OnError::Hold, _) | (OnError::Store, None) => Some(vec![codec::HELD]),
+            };
+            match stored {
+                None => {
+                    span.record("outcome", "released");
+                    owner.release().await;
+                }
+                Some(result) => {
+                    span.record("outcome", "failed_stored");
+                    if owner.settle(Some(result)).await == Settled::Lost {
+                        tracing::warn!("lost ownership before the failure could be stored");
+                    }
+                }
+            }
+            Err(err)
+        }
+    }
+}
+
+/// The answer for a key whose record is completed.
+pub(crate) fn completed<R: HandlerResult>(
+    key: Key,
+    result: Option<Vec<u8>>,
+    settle: &Settle<R>,
+) -> Result<R::Ok, R::Err> {
+    match result.as_deref().and_then(<[u8]>::split_first) {
+        Some((&codec::OK, body)) => match &settle.replay {
+            Some(codec) => Ok((codec.decode)(body)?),
+            None => Err(Error::Duplicate { key }.into()),
+        },
+        Some((&codec::ERR, body)) => match &settle.errors {
+            Some(codec) => Err((codec.decode)(body)?),
+            None => Err(Error::Duplicate { key }.into()),
+        },
+        Some((&codec::HELD, _)) => Err(Error::Held { key }.into()),
+        _ => Err(Error::Duplicate { key }.into()),
+    }
+}

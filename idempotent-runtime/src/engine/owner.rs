@@ -1,0 +1,514 @@
+//! An owned claim, from the claim round trip to its completion or release.
+//!
+//! The rule this module keeps: **before the body finished, a claim is given back; once the body
+//! returned, its outcome is completed, never given back.** Every path that can end an owned
+//! claim goes through [`Owner`]: a dropped future, a panic, a failed or unknown completion.
+//!
+//! - [`PendingClaim`] is the claim round trip. Dropped while in flight, it finishes the round
+//!   trip on the runtime and gives an acquired claim back, so a cancelled caller never leaves
+//!   the key blocked for a whole lease.
+//! - [`Owner`] holds an acquired claim. Dropped while the body runs (cancellation, panic), it
+//!   releases, token-checked. After the body returned it is *settling*: dropped then, or when
+//!   the completion fails, it hands the completion to a background task that retries with
+//!   backoff while renewing the lease, until the store records it or tells that someone else
+//!   owns the key.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use crate::codec;
+use crate::error::{StoreError, StoreErrorKind};
+use crate::key::Key;
+use crate::store::{BoxFuture, Claim, ClaimRequest, Completion, RecordState, SharedStore, Token};
+
+/// Everything that travels with an acquired claim.
+pub(crate) struct Claimed {
+    pub(crate) store: SharedStore,
+    pub(crate) key: Key,
+    pub(crate) token: Token,
+    pub(crate) fence: u64,
+    pub(crate) lease: Duration,
+    pub(crate) ttl: Duration,
+    /// When the claim was sent: the lease is measured from here on the caller's clock, which
+    /// can only make the caller think it lost the lease early, never late.
+    pub(crate) sent_at: tokio::time::Instant,
+    /// When the last renewal that succeeded was sent (the claim's own send time at first).
+    renewed_at: Mutex<tokio::time::Instant>,
+    lost: AtomicBool,
+    lost_notify: Notify,
+}
+
+impl Claimed {
+    pub(crate) fn new(
+        store: SharedStore,
+        req: ClaimRequest,
+        fence: u64,
+        sent_at: tokio::time::Instant,
+    ) -> Claimed {
+        Claimed {
+            store,
+            key: req.key,
+            token: req.token,
+            fence,
+            lease: req.lease,
+            ttl: req.ttl,
+            sent_at,
+            renewed_at: Mutex::new(sent_at),
+            lost: AtomicBool::new(false),
+            lost_notify: Notify::new(),
+        }
+    }
+
+    /// When the lease runs out, as far as the caller knows.
+    pub(crate) fn lease_until(&self) -> tokio::time::Instant {
+        *self
+            .renewed_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            + self.lease
+    }
+
+    /// Records a renewal that succeeded, sent at `sent_at`.
+    pub(crate) fn renewed(&self, sent_at: tokio::time::Instant) {
+        let mut at = self
+            .renewed_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *at = (*at).max(sent_at);
+    }
+
+    /// Marks the lease lost and wakes whoever waits for that.
+    pub(crate) fn set_lost(&self) {
+        if !self.lost.swap(true, Ordering::SeqCst) {
+            self.lost_notify.notify_waiters();
+        }
+    }
+
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
+    /// Resolves once the lease is lost.
+    pub(crate) async fn lost(&self) {
+        let notified = self.lost_notify.notified();
+        let mut notified = std::pin::pin!(notified);
+        notified.as_mut().enable();
+        if self.is_lost() {
+            return;
+        }
+        notified.await;
+    }
+}
+
+/// Claims, resolving a lost reply by reading the record back by token: a claim that was
+/// applied but whose reply was lost is ours, never a duplicate. When the outcome stays unknown
+/// (the read-back fails too), the claim may be applied with no one to own it: it is given back
+/// in the background, token-checked, so the key is not left blocked.
+pub(crate) async fn claim(
+    store: &SharedStore,
+    req: &ClaimRequest,
+    first: Result<Claim, StoreError>,
+) -> Result<Claim, StoreError> {
+    let unknown = match first {
+        Err(err) if err.is_outcome_unknown() => err,
+        other => return other,
+    };
+    tracing::debug!(error = %unknown, "claim reply lost; reading the record back");
+    let resolved = match store.read(&req.key).await {
+        Ok(Some(record))
+            if record.token == req.token
+                && matches!(record.state, RecordState::InProgress { .. }) =>
+        {
+            Ok(Claim::Acquired {
+                fence: record.fence,
+            })
+        }
+        // Not ours: the claim was not applied, so it is safe to send again.
+        Ok(_) => store.claim(req).await,
+        Err(err) => Err(err),
+    };
+    if resolved.is_err() {
+        let (store, key, token) = (store.clone(), req.key.clone(), req.token);
+        let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
+        run_detached(give_back(store, key, token, give_up_at));
+    }
+    resolved
+}
+
+/// Gives a claim back, token-checked, retrying with backoff while the store fails, until it
+/// answers or `give_up_at` (by then the record has expired on its own).
+async fn give_back(store: SharedStore, key: Key, token: Token, give_up_at: tokio::time::Instant) {
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        match store.release(&key, &token).await {
+            Ok(_) => return,
+            Err(err) if err.is_permanent() || tokio::time::Instant::now() >= give_up_at => {
+                tracing::warn!(key = %key, error = %err, "claim could not be given back; its lease will run out instead");
+                return;
+            }
+            Err(err) => {
+                tracing::debug!(key = %key, error = %err, "giving the claim back failed; retrying");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// A claim round trip that finishes even when its caller is dropped: the claim is then given
+/// back as soon as it lands, so the key is not blocked for a lease.
+pub(crate) struct PendingClaim {
+    store: SharedStore,
+    req: Arc<ClaimRequest>,
+    fut: Option<BoxFuture<'static, Result<Claim, StoreError>>>,
+}
+
+impl PendingClaim {
+    pub(crate) fn new(store: &SharedStore, req: &Arc<ClaimRequest>) -> PendingClaim {
+        let (s, r) = (store.clone(), req.clone());
+        PendingClaim {
+            store: store.clone(),
+            req: req.clone(),
+            fut: Some(Box::pin(async move {
+                let first = s.claim(&r).await;
+                claim(&s, &r, first).await
+            })),
+        }
+    }
+}
+
+impl Future for PendingClaim {
+    type Output = Result<Claim, StoreError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(fut) = self.fut.as_mut() else {
+            return Poll::Ready(Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                "claim polled after it finished",
+            )));
+        };
+        let out = std::task::ready!(fut.as_mut().poll(cx));
+        self.fut = None;
+        Poll::Ready(out)
+    }
+}
+
+impl Drop for PendingClaim {
+    fn drop(&mut self) {
+        let Some(fut) = self.fut.take() else {
+            return;
+        };
+        let (store, req) = (self.store.clone(), self.req.clone());
+        tracing::debug!(key = %req.key, "claim abandoned in flight; giving it back once it lands");
+        let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
+        run_detached(async move {
+            if let Ok(Claim::Acquired { .. }) = fut.await {
+                give_back(store, req.key.clone(), req.token, give_up_at).await;
+            }
+        });
+    }
+}
+
+/// A batch claim round trip that finishes even when its caller is dropped, like
+/// [`PendingClaim`]: every key it acquired is then given back as soon as it lands.
+pub(crate) struct PendingBatch {
+    store: SharedStore,
+    reqs: Arc<[ClaimRequest]>,
+    fut: Option<BoxFuture<'static, Vec<Result<Claim, StoreError>>>>,
+}
+
+impl PendingBatch {
+    pub(crate) fn new(store: &SharedStore, reqs: &Arc<[ClaimRequest]>) -> PendingBatch {
+        let (s, r) = (store.clone(), reqs.clone());
+        PendingBatch {
+            store: store.clone(),
+            reqs: reqs.clone(),
+            fut: Some(Box::pin(async move { s.claim_many(&r).await })),
+        }
+    }
+}
+
+impl Future for PendingBatch {
+    type Output = Vec<Result<Claim, StoreError>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(fut) = self.fut.as_mut() else {
+            return Poll::Ready(Vec::new());
+        };
+        let out = std::task::ready!(fut.as_mut().poll(cx));
+        self.fut = None;
+        Poll::Ready(out)
+    }
+}
+
+impl Drop for PendingBatch {
+    fn drop(&mut self) {
+        let Some(fut) = self.fut.take() else {
+            return;
+        };
+        let (store, reqs) = (self.store.clone(), self.reqs.clone());
+        let give_up_at = tokio::time::Instant::now() + Duration::from_secs(60);
+        run_detached(async move {
+            let claims = fut.await;
+            for (req, first) in reqs.iter().zip(claims) {
+                if let Ok(Claim::Acquired { .. }) = claim(&store, req, first).await {
+                    let give_up_at =
+                        give_up_at.max(tokio::time::Instant::now() + req.ttl.max(req.lease));
+                    give_back(store.clone(), req.key.clone(), req.token, give_up_at).await;
+                }
+            }
+        });
+    }
+}
+
+/// What became of a completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settled {
+    /// The store recorded the outcome.
+    Recorded,
+    /// Someone else owns the key now: the completion was refused.
+    Lost,
+    /// Not recorded yet: a background task keeps trying.
+    Deferred,
+}
+
+enum Phase {
+    /// The body has not finished: dropping gives the claim back.
+    Running,
+    /// The body returned: dropping completes in the background.
+    Settling(Completion),
+    /// Nothing left to do.
+    Done,
+}
+
+/// The owner of an acquired claim (see the module docs).
+pub(crate) struct Owner {
+    claim: Arc<Claimed>,
+    phase: Phase,
+}
+
+impl Owner {
+    pub(crate) fn new(claim: Arc<Claimed>) -> Owner {
+        Owner {
+            claim,
+            phase: Phase::Running,
+        }
+    }
+
+    pub(crate) fn claim(&self) -> &Arc<Claimed> {
+        &self.claim
+    }
+
+    /// Gives the claim back (the body failed, or a business check failed before it ran).
+    pub(crate) async fn release(mut self) {
+        match self
+            .claim
+            .store
+            .release(&self.claim.key, &self.claim.token)
+            .await
+        {
+            Ok(true) => self.phase = Phase::Done,
+            Ok(false) => {
+                self.phase = Phase::Done;
+                tracing::debug!("release skipped: the claim is no longer ours");
+            }
+            // Dropping `self` while running gives the claim back in the background.
+            Err(err) => tracing::warn!(error = %err, "release failed; retrying in the background"),
+        }
+    }
+
+    /// When the record expires on its own, as far as the caller knows.
+    fn expires_at(&self) -> tokio::time::Instant {
+        self.claim
+            .lease_until()
+            .max(self.claim.sent_at + self.claim.ttl)
+    }
+
+    /// Records the body's outcome. From here on the claim is never given back: if the store
+    /// does not record it now, a background task keeps trying (also when this future is
+    /// dropped).
+    pub(crate) async fn settle(mut self, result: Option<Vec<u8>>) -> Settled {
+        let result = fit(result, self.claim.store.max_result_size());
+        self.phase = Phase::Settling(Completion {
+            result,
+            ttl: self.claim.ttl,
+        });
+        let Phase::Settling(completion) = &self.phase else {
+            return Settled::Deferred;
+        };
+        let settled = match complete(&self.claim, completion).await {
+            Ok(true) => Settled::Recorded,
+            Ok(false) => {
+                self.claim.set_lost();
+                Settled::Lost
+            }
+            Err(err) if err.kind() == StoreErrorKind::Corrupt => {
+                tracing::error!(error = %err, "effect applied but its record is unreadable; an operator must look at the key");
+                Settled::Recorded
+            }
+            Err(err) => {
+                tracing::error!(error = %err, "effect applied but its completion could not be recorded yet; retrying in the background");
+                // Dropping `self` while settling hands the completion to the background.
+                return Settled::Deferred;
+            }
+        };
+        self.phase = Phase::Done;
+        settled
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Done => {}
+            Phase::Running => {
+                let claim = &self.claim;
+                tracing::debug!(key = %claim.key, "claim given back");
+                run_detached(give_back(
+                    claim.store.clone(),
+                    claim.key.clone(),
+                    claim.token,
+                    self.expires_at(),
+                ));
+            }
+            Phase::Settling(completion) => {
+                run_detached(complete_in_background(self.claim.clone(), completion));
+            }
+        }
+    }
+}
+
+/// A result the store cannot keep is dropped (an `Ok` value: duplicates get `Duplicate`) or
+/// turned into a hold (a stored error: duplicates get `Held`), never a reason to re-run.
+fn fit(result: Option<Vec<u8>>, max: usize) -> Option<Vec<u8>> {
+    match result {
+        Some(bytes) if bytes.len() > max => {
+            tracing::warn!(
+                size = bytes.len(),
+                max,
+                "result too large for the store; completing without it"
+            );
+            shrink(&bytes)
+        }
+        other => other,
+    }
+}
+
+fn shrink(bytes: &[u8]) -> Option<Vec<u8>> {
+    (bytes.first() == Some(&codec::ERR)).then(|| vec![codec::HELD])
+}
+
+/// One completion attempt: a lost reply is resolved by reading the record back by token, and
+/// a result the store refuses for good is dropped and the record completed without it.
+async fn complete(claim: &Claimed, completion: &Completion) -> Result<bool, StoreError> {
+    match complete_resolving(claim, completion).await {
+        Err(err) if err.kind() == StoreErrorKind::Rejected && completion.result.is_some() => {
+            tracing::warn!(error = %err, "store refused the result; completing without it");
+            let smaller = Completion {
+                result: completion.result.as_deref().and_then(shrink),
+                ttl: completion.ttl,
+            };
+            complete_resolving(claim, &smaller).await
+        }
+        other => other,
+    }
+}
+
+async fn complete_resolving(claim: &Claimed, completion: &Completion) -> Result<bool, StoreError> {
+    let store = &claim.store;
+    match store.complete(&claim.key, &claim.token, completion).await {
+        Err(err) if err.is_outcome_unknown() => {
+            tracing::debug!(error = %err, "completion reply lost; reading the record back");
+            match store.read(&claim.key).await? {
+                Some(record) if record.token == claim.token => match record.state {
+                    RecordState::Completed => Ok(true),
+                    RecordState::InProgress { .. } => {
+                        store.complete(&claim.key, &claim.token, completion).await
+                    }
+                    _ => Ok(false),
+                },
+                _ => Ok(false),
+            }
+        }
+        other => other,
+    }
+}
+
+/// The longest pause between two background completion attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Retries a completion until the store records it or says the key is someone else's, with
+/// bounded backoff, renewing the lease between attempts so no one takes the key over while the
+/// store is failing. Gives up when the record's ttl has passed since the claim (the record is
+/// gone by then): the next owner meets an in-progress record after its lease and the business
+/// check or the fence decides.
+async fn complete_in_background(claim: Arc<Claimed>, completion: Completion) {
+    let give_up_at = claim.sent_at + claim.ttl.max(claim.lease);
+    let mut backoff = Duration::from_millis(10).min(claim.lease / 4);
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        match complete(&claim, &completion).await {
+            Ok(true) => {
+                tracing::info!(key = %claim.key, attempts, "completion recorded after retrying");
+                return;
+            }
+            Ok(false) => {
+                claim.set_lost();
+                tracing::error!(key = %claim.key, fence = claim.fence, "lost ownership before the completion could be recorded");
+                return;
+            }
+            Err(err) if err.kind() == StoreErrorKind::Corrupt => {
+                tracing::error!(key = %claim.key, error = %err, "effect applied but its record is unreadable; an operator must look at the key");
+                return;
+            }
+            Err(err) => {
+                if tokio::time::Instant::now() >= give_up_at {
+                    tracing::error!(key = %claim.key, error = %err, attempts, "completion could not be recorded before the record's ttl; giving up");
+                    return;
+                }
+                tracing::warn!(key = %claim.key, error = %err, attempts, "completion failed; retrying");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF).min(claim.lease / 3);
+        if let Err(err) = claim
+            .store
+            .renew(&claim.key, &claim.token, claim.lease)
+            .await
+        {
+            tracing::debug!(key = %claim.key, error = %err, "lease renewal failed while retrying the completion");
+        }
+    }
+}
+
+/// Runs `fut` to completion without a caller: at once if it finishes on its first poll (a
+/// store that answers without waiting), otherwise on the current Tokio runtime. Without a
+/// runtime it is dropped; the lease then runs out instead.
+fn run_detached<F>(fut: F)
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let mut fut = Box::pin(fut);
+    if fut
+        .as_mut()
+        .poll(&mut Context::from_waker(Waker::noop()))
+        .is_ready()
+    {
+        return;
+    }
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => {
+            handle.spawn(fut);
+        }
+        Err(_) => tracing::warn!(
+            "no Tokio runtime to finish a claim's cleanup; its lease will run out instead"
+        ),
+    }
+}

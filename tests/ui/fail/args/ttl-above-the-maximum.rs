@@ -1,0 +1,24 @@
+#![allow(dead_code)]
+
+use idempotent::idempotent;
+
+#[derive(Debug)]
+struct AppError;
+
+impl From<idempotent::Error> for AppError {
+    fn from(_: idempotent::Error) -> Self {
+        AppError
+    }
+}
+
+struct OrderMessage {
+    order_id: String,
+    activity_id: u64,
+}
+
+#[idempotent(prefix = "order:consume", keys = [msg.order_id], ttl = 3153600001)]
+async fn on_order(msg: &OrderMessage) -> Result<u64, AppError> {
+    Ok(msg.activity_id)
+}
+
+fn main() {}
