@@ -1,6 +1,9 @@
 //! A TCP proxy that can lose a reply: it forwards a request to the server (which applies it)
 //! and closes the client's connection instead of forwarding the reply. This is how a real
 //! network loses the answer to a command that did take effect.
+//!
+//! In chaos mode it also does so at random, and cuts connections before a request reaches the
+//! server, so a workload meets both kinds of fault on real connections.
 
 #![allow(
     dead_code,
@@ -22,6 +25,23 @@ use tokio::task::JoinSet;
 struct Shared {
     armed: Mutex<Option<Vec<u8>>>,
     dropped: AtomicUsize,
+    /// Chaos: per mille of requests cut before reaching the server, and of replies lost.
+    cut_permille: AtomicUsize,
+    lose_permille: AtomicUsize,
+    rng: Mutex<u64>,
+    cut: AtomicUsize,
+    requests: AtomicUsize,
+}
+
+impl Shared {
+    /// A number below 1000.
+    fn roll(&self) -> usize {
+        let mut state = self.rng.lock().unwrap();
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        (*state % 1000) as usize
+    }
 }
 
 pub struct Proxy {
@@ -63,6 +83,11 @@ impl Proxy {
         format!("redis://{}", self.addr)
     }
 
+    /// The proxy's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
     /// The next request whose bytes contain `marker` reaches the server, but its reply is
     /// lost and the connection closed.
     pub fn lose_reply_to(&self, marker: &[u8]) {
@@ -72,6 +97,30 @@ impl Proxy {
     /// How many replies were lost.
     pub fn lost(&self) -> usize {
         self.shared.dropped.load(Ordering::SeqCst)
+    }
+
+    /// Chaos: from now on, of every thousand requests, `cut` have their connection cut before
+    /// they reach the server and `lose` reach it but lose their reply. Seeded, so a run's
+    /// faults are reproducible for the same traffic.
+    pub fn chaos(&self, cut: usize, lose: usize, seed: u64) {
+        *self.shared.rng.lock().unwrap() = seed | 1;
+        self.shared.cut_permille.store(cut, Ordering::SeqCst);
+        self.shared.lose_permille.store(lose, Ordering::SeqCst);
+    }
+
+    /// Ends chaos mode.
+    pub fn calm(&self) {
+        self.chaos(0, 0, 1);
+    }
+
+    /// How many requests (reads from a client) passed through.
+    pub fn requests(&self) -> usize {
+        self.shared.requests.load(Ordering::SeqCst)
+    }
+
+    /// How many connections were cut before a request reached the server.
+    pub fn cut(&self) -> usize {
+        self.shared.cut.load(Ordering::SeqCst)
     }
 }
 
@@ -102,6 +151,21 @@ async fn relay(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
                             swallow.store(true, Ordering::SeqCst);
                             *armed = None;
                         }
+                    }
+                }
+                shared.requests.fetch_add(1, Ordering::SeqCst);
+                let (cut, lose) = (
+                    shared.cut_permille.load(Ordering::SeqCst),
+                    shared.lose_permille.load(Ordering::SeqCst),
+                );
+                if cut + lose > 0 {
+                    let roll = shared.roll();
+                    if roll < cut {
+                        shared.cut.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                    if roll < cut + lose {
+                        swallow.store(true, Ordering::SeqCst);
                     }
                 }
                 if server_tx.write_all(&buf[..n]).await.is_err() {

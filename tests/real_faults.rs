@@ -1,0 +1,334 @@
+//! The simulation's invariants on real servers: a workload of duplicate deliveries runs against
+//! real Redis and real PostgreSQL through a TCP proxy that, at random, cuts connections before
+//! a request reaches the server and drops replies after the server applied the request; calls
+//! are also dropped at random (a timeout around the handler). Effects are rows in a PostgreSQL
+//! business table written over a direct connection.
+//!
+//! Checked: with a business check (`done`), exactly one effect per key; without it, no more
+//! than one plus the lost ownerships reported; no key left in progress once the workload is
+//! over and a lease has passed. Each run prints one line with its figures.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "support/proxy.rs"]
+mod proxy;
+#[path = "support/sql_tables.rs"]
+mod sql_tables;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotent::redis::RedisStore;
+use idempotent::sql::sqlx::{self, AssertSqlSafe, PgPool};
+use idempotent::sql::PostgresStore;
+use idempotent::{Action, Error, Guard, Key, RecordState, SharedStore};
+use proxy::Proxy;
+use sql_tables::{Scratch, Server};
+
+const KEYS: usize = 150;
+const DELIVERIES: usize = 3;
+const WORKERS: usize = 24;
+const LEASE: Duration = Duration::from_secs(2);
+
+#[derive(Debug, thiserror::Error)]
+enum AppError {
+    #[error(transparent)]
+    Idem(#[from] Error),
+    #[error("business database: {0}")]
+    Db(#[from] sqlx::Error),
+}
+
+#[derive(Default)]
+struct Counts {
+    deliveries: AtomicUsize,
+    executed: AtomicUsize,
+    duplicates: AtomicUsize,
+    redelivered: AtomicUsize,
+    dropped_calls: AtomicUsize,
+    /// Calls dropped after their effect committed but before the body returned: by the
+    /// contract their claim is given back, so without a business check the effect can repeat.
+    dropped_after_effect: AtomicUsize,
+    lost_ownership: AtomicUsize,
+    dead_lettered: AtomicUsize,
+}
+
+struct Workload {
+    name: &'static str,
+    business: PgPool,
+    /// The business table of effects, dropped with the workload.
+    _effects_table: Scratch,
+    table: String,
+    prefix: String,
+}
+
+impl Workload {
+    async fn new(name: &'static str) -> Workload {
+        let effects_table = Scratch::table(Server::Postgres);
+        let business = PgPool::connect(effects_table.url()).await.unwrap();
+        let table = effects_table.name().to_string();
+        sqlx::query(AssertSqlSafe(format!(
+            "CREATE TABLE {table} (op_key TEXT NOT NULL, fence BIGINT NOT NULL)"
+        )))
+        .execute(&business)
+        .await
+        .unwrap();
+        Workload {
+            name,
+            business,
+            prefix: format!("faults:{name}:{table}"),
+            _effects_table: effects_table,
+            table,
+        }
+    }
+
+    fn key(&self, n: usize) -> Key {
+        Key::new(&self.prefix, 1, &[&(n as u64)]).unwrap()
+    }
+
+    async fn effects(&self, key: &Key) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {} WHERE op_key = $1",
+            self.table
+        )))
+        .bind(key.to_string())
+        .fetch_one(&self.business)
+        .await
+        .unwrap()
+    }
+
+    /// One delivery, redelivered until the consumer acknowledges it.
+    async fn deliver(&self, store: &SharedStore, n: usize, counts: &Counts, seed: &mut u64) {
+        let key = self.key(n);
+        // Even keys have a business check; odd keys rely on the store alone.
+        let with_done = n % 2 == 0;
+        loop {
+            counts.deliveries.fetch_add(1, Ordering::Relaxed);
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            // One call in ten is dropped after a random moment (a consumer's timeout).
+            let deadline = if *seed % 10 == 0 {
+                Duration::from_millis(*seed / 10 % 40)
+            } else {
+                Duration::from_secs(30)
+            };
+            let guard = Guard::new(Duration::from_secs(600))
+                .lease(LEASE)
+                .store(store.clone());
+            let committed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let body = |claim: idempotent::Current| {
+                let (pool, table, key) = (self.business.clone(), self.table.clone(), key.clone());
+                let committed = committed.clone();
+                async move {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    sqlx::query(AssertSqlSafe(format!(
+                        "INSERT INTO {table} (op_key, fence) VALUES ($1, $2)"
+                    )))
+                    .bind(key.to_string())
+                    .bind(claim.fence() as i64)
+                    .execute(&pool)
+                    .await?;
+                    committed.store(true, Ordering::SeqCst);
+                    Ok::<_, AppError>(())
+                }
+            };
+            let call = async {
+                if with_done {
+                    let check = || async { Ok::<_, AppError>(self.effects(&key).await > 0) };
+                    guard
+                        .operation(key.clone())
+                        .done(check)
+                        .run_with(body)
+                        .await
+                } else {
+                    guard.operation(key.clone()).run_with(body).await
+                }
+            };
+            let action = match tokio::time::timeout(deadline, call).await {
+                Err(_) => {
+                    counts.dropped_calls.fetch_add(1, Ordering::Relaxed);
+                    if committed.load(Ordering::SeqCst) {
+                        counts.dropped_after_effect.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Action::Redeliver
+                }
+                Ok(Ok(())) => {
+                    counts.executed.fetch_add(1, Ordering::Relaxed);
+                    Action::Ack
+                }
+                Ok(Err(AppError::Idem(err))) => {
+                    match &err {
+                        Error::Duplicate { .. } => {
+                            counts.duplicates.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Error::LostOwnership { .. } => {
+                            counts.lost_ownership.fetch_add(1, Ordering::Relaxed);
+                        }
+                        _ => {}
+                    }
+                    err.action()
+                }
+                Ok(Err(AppError::Db(err))) => panic!("business database failed: {err}"),
+            };
+            match action {
+                Action::Ack => return,
+                Action::DeadLetter => {
+                    counts.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                _ => {
+                    counts.redelivered.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    }
+
+    /// Runs every delivery through `store` (behind `proxy`), then checks the invariants with
+    /// `direct`, a store on the same server without the proxy.
+    async fn run(
+        self,
+        proxy: &Proxy,
+        chaos_permille: usize,
+        store: SharedStore,
+        direct: SharedStore,
+    ) {
+        let counts = Arc::new(Counts::default());
+        let this = Arc::new(self);
+        let next = Arc::new(AtomicUsize::new(0));
+        proxy.chaos(chaos_permille, chaos_permille, 0x00C0_FFEE);
+        let workers: Vec<_> = (0..WORKERS)
+            .map(|w| {
+                let (this, store, counts, next) =
+                    (this.clone(), store.clone(), counts.clone(), next.clone());
+                tokio::spawn(async move {
+                    let mut seed = 0x9E37_79B9_7F4A_7C15 ^ (w as u64 + 1);
+                    loop {
+                        let i = next.fetch_add(1, Ordering::SeqCst);
+                        if i >= KEYS * DELIVERIES {
+                            return;
+                        }
+                        this.deliver(&store, i % KEYS, &counts, &mut seed).await;
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.await.unwrap();
+        }
+        proxy.calm();
+        // Background completions and give-backs land; then one lease passes.
+        tokio::time::sleep(LEASE + Duration::from_millis(500)).await;
+
+        let (mut effects, mut duplicate_effects, mut stuck) = (0, 0, 0);
+        for n in 0..KEYS {
+            let key = this.key(n);
+            let e = this.effects(&key).await;
+            effects += e;
+            if n % 2 == 0 {
+                assert!(
+                    e <= 1,
+                    "{}: `{key}` has {e} effects with a business check",
+                    this.name
+                );
+            }
+            duplicate_effects += (e - 1).max(0);
+            assert!(e >= 1, "{}: `{key}` was never applied", this.name);
+            if let Some(record) = direct.read(&key).await.unwrap() {
+                if matches!(record.state, RecordState::InProgress { .. }) {
+                    stuck += 1;
+                }
+            }
+        }
+        let lost = counts.lost_ownership.load(Ordering::SeqCst) as i64;
+        let dropped_after_effect = counts.dropped_after_effect.load(Ordering::SeqCst) as i64;
+        println!(
+            "backend={} keys={KEYS} requests={} deliveries={} executed={} duplicates={} redelivered={} dropped_calls={} faults_cut={} faults_lost_replies={} effects={effects} duplicate_effects={duplicate_effects} lost_ownership={lost} dropped_after_effect={dropped_after_effect} dead_lettered={} stuck={stuck}",
+            this.name,
+            proxy.requests(),
+            counts.deliveries.load(Ordering::SeqCst),
+            counts.executed.load(Ordering::SeqCst),
+            counts.duplicates.load(Ordering::SeqCst),
+            counts.redelivered.load(Ordering::SeqCst),
+            counts.dropped_calls.load(Ordering::SeqCst),
+            proxy.cut(),
+            proxy.lost(),
+            counts.dead_lettered.load(Ordering::SeqCst),
+        );
+        assert!(proxy.cut() > 0 && proxy.lost() > 0, "no fault was injected");
+        assert!(
+            duplicate_effects <= lost + dropped_after_effect,
+            "{}: {duplicate_effects} duplicate effects but {lost} lost ownerships and {dropped_after_effect} calls dropped after their effect",
+            this.name
+        );
+        assert_eq!(stuck, 0, "{}: keys left in progress", this.name);
+        assert_eq!(counts.dead_lettered.load(Ordering::SeqCst), 0);
+    }
+}
+
+fn addr(url: &str) -> SocketAddr {
+    url.parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_under_random_connection_faults_keeps_effects_exact() {
+    let proxy = Proxy::start(addr("127.0.0.1:6379")).await;
+    let store = RedisStore::builder(&proxy.url())
+        .response_timeout(Duration::from_millis(500))
+        .connection_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .expect("Redis at 127.0.0.1:6379 must be running");
+    let direct = RedisStore::connect("redis://127.0.0.1:6379").await.unwrap();
+    let workload = Workload::new("redis").await;
+    let prefix = workload.prefix.clone();
+    // One multiplexed connection carries many commands per read: fault reads more often.
+    workload
+        .run(&proxy, 150, Arc::new(store), Arc::new(direct))
+        .await;
+    let client = redis::Client::open("redis://127.0.0.1:6379").unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    if !keys.is_empty() {
+        let _: () = redis::cmd("DEL")
+            .arg(keys)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_under_random_connection_faults_keeps_effects_exact() {
+    let records = Scratch::table(Server::Postgres);
+    let url = records.url().to_string();
+    let server = url
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap();
+    let proxy = Proxy::start(addr(server)).await;
+    let proxied_url = url.replacen(server, &proxy.addr().to_string(), 1);
+    let store = PostgresStore::builder()
+        .table(records.name().to_string())
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&proxied_url)
+        .await
+        .expect("PostgreSQL at 127.0.0.1:5432 must be running");
+    let direct = PostgresStore::builder()
+        .table(records.name().to_string())
+        .connect(&url)
+        .await
+        .unwrap();
+    let workload = Workload::new("postgres").await;
+    workload
+        .run(&proxy, 30, Arc::new(store), Arc::new(direct))
+        .await;
+}

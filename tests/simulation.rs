@@ -1,0 +1,798 @@
+//! A deterministic simulation of the engine under faults, in the spirit of FoundationDB's
+//! simulator: a seeded scheduler drives several concurrent callers of the real engine
+//! (`Operation::run_with`, replay on, sometimes a business `done` check) over the real
+//! `MemoryStore`, and decides everything a real deployment leaves to chance:
+//!
+//! - at every store command: applied and answered, refused before being applied, applied with
+//!   its reply lost, or left in flight for later (and possibly applied after its caller is gone);
+//! - at every await point of a caller: poll it now, later, or drop it (a timeout, a client
+//!   hanging up);
+//! - between steps: let background tasks run, or move the clock (the store's clock and Tokio's
+//!   are the same paused clock) past leases and ttls.
+//!
+//! After every schedule it checks:
+//!
+//! 1. per key, effects <= 1 + the owners whose completion was refused (lost ownership); with
+//!    `done`, effects applied while their owner held the live claim <= 1 (an owner stalled past
+//!    its lease is what the fence at the resource is for: the engine cannot stop it);
+//! 2. no owner whose body returned `Ok` ever gives its claim back;
+//! 3. once every caller is gone and a lease has passed, no key is in progress;
+//! 4. every duplicate answer follows an applied effect, and every replayed value is one a body
+//!    of that key returned.
+//!
+//! `SIM_SCHEDULES` sets how many schedules run (default 100,000 in release builds, 2,000 in
+//! debug builds), `SIM_SEED` replays one seed with a trace of every step. A violation prints its
+//! seed and a shrunk schedule. The test ends with one line:
+//! `schedules=<n> violations=0 seconds=<s>`.
+//!
+//! `cargo test --release --all-features --test simulation -- --nocapture`
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use idempotent::memory::{Clock, MemoryStore};
+use idempotent::{
+    BoxFuture, Claim, ClaimRequest, Completion, Error, Guard, Key, Record, RecordState,
+    SharedStore, Store, StoreError, StoreErrorKind, Token,
+};
+
+const LEASE: Duration = Duration::from_millis(300);
+const TTL: Duration = Duration::from_secs(5);
+
+// ---------------------------------------------------------------------------------------
+// Choices: a seeded generator, or a recorded list replayed (and shrunk).
+
+struct Choices {
+    state: u64,
+    replay: Option<Vec<u32>>,
+    at: usize,
+    taken: Vec<u32>,
+}
+
+impl Choices {
+    fn seeded(seed: u64) -> Choices {
+        Choices {
+            state: seed ^ 0x9E37_79B9_7F4A_7C15,
+            replay: None,
+            at: 0,
+            taken: Vec::new(),
+        }
+    }
+
+    fn replaying(choices: Vec<u32>) -> Choices {
+        Choices {
+            state: 0,
+            replay: Some(choices),
+            at: 0,
+            taken: Vec::new(),
+        }
+    }
+
+    /// A number below `n` (n >= 1).
+    fn pick(&mut self, n: u32) -> u32 {
+        let raw = match &self.replay {
+            Some(list) => list.get(self.at).copied().unwrap_or(0),
+            None => {
+                // splitmix64
+                self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = self.state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                ((z ^ (z >> 31)) >> 32) as u32
+            }
+        };
+        self.at += 1;
+        let value = raw % n;
+        self.taken.push(value);
+        value
+    }
+
+    /// True with probability `num / den`.
+    fn chance(&mut self, num: u32, den: u32) -> bool {
+        self.pick(den) < num
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The store: every command waits in flight until the scheduler settles it.
+
+/// The store's clock is Tokio's paused clock, so leases, ttls and the engine's timers move
+/// together.
+struct TokioClock {
+    origin: tokio::time::Instant,
+}
+
+impl Clock for TokioClock {
+    fn now(&self) -> Duration {
+        tokio::time::Instant::now() - self.origin
+    }
+    fn unix_micros(&self) -> u64 {
+        1_000_000 + self.now().as_micros() as u64
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Command {
+    Claim(ClaimRequest),
+    Complete(Key, Token, Completion),
+    Release(Key, Token),
+    Renew(Key, Token, Duration),
+    Read(Key),
+}
+
+#[derive(Debug)]
+enum Reply {
+    Claim(Result<Claim, StoreError>),
+    Bool(Result<bool, StoreError>),
+    Read(Result<Option<Record>, StoreError>),
+}
+
+struct InFlight {
+    id: u64,
+    command: Command,
+    reply: Option<Reply>,
+    waker: Option<Waker>,
+    /// Settled: the scheduler no longer chooses it.
+    settled: bool,
+}
+
+#[derive(Default)]
+struct World {
+    next_id: u64,
+    in_flight: Vec<InFlight>,
+    /// Fences of owners whose body returned `Ok`, per key index.
+    ok_fences: BTreeMap<usize, BTreeSet<u64>>,
+    /// Completions the store refused (the owner had lost the key), per key index.
+    refused: BTreeMap<usize, usize>,
+    violations: Vec<String>,
+    trace: Option<Vec<String>>,
+}
+
+impl World {
+    fn log(&mut self, line: impl FnOnce() -> String) {
+        if let Some(trace) = &mut self.trace {
+            trace.push(line());
+        }
+    }
+}
+
+struct SimStore {
+    inner: MemoryStore,
+    world: Arc<Mutex<World>>,
+    keys: Vec<Key>,
+}
+
+impl SimStore {
+    fn key_index(&self, key: &Key) -> usize {
+        self.keys
+            .iter()
+            .position(|k| k == key)
+            .unwrap_or(usize::MAX)
+    }
+
+    fn send(&self, command: Command) -> Sent {
+        let mut world = self.world.lock().unwrap();
+        let id = world.next_id;
+        world.next_id += 1;
+        world.log(|| format!("  send #{id} {}", describe(&command)));
+        world.in_flight.push(InFlight {
+            id,
+            command,
+            reply: None,
+            waker: None,
+            settled: false,
+        });
+        Sent {
+            id,
+            world: self.world.clone(),
+        }
+    }
+
+    /// Applies a command to the real store, checking rule 2 on the way.
+    fn apply(&self, command: &Command, world: &mut World) -> Reply {
+        match command {
+            Command::Claim(req) => Reply::Claim(ready(self.inner.claim(req))),
+            Command::Complete(key, token, completion) => {
+                let out: Result<bool, StoreError> =
+                    ready(self.inner.complete(key, token, completion));
+                if let Ok(false) = out {
+                    *world.refused.entry(self.key_index(key)).or_default() += 1;
+                }
+                Reply::Bool(out)
+            }
+            Command::Release(key, token) => {
+                let before: Option<Record> = ready(self.inner.read(key)).unwrap();
+                if let Some(record) = before {
+                    if record.token == *token
+                        && matches!(record.state, RecordState::InProgress { .. })
+                        && world
+                            .ok_fences
+                            .get(&self.key_index(key))
+                            .is_some_and(|f| f.contains(&record.fence))
+                    {
+                        world.violations.push(format!(
+                            "the owner of `{key}` (fence {}) gave its claim back after its body returned Ok",
+                            record.fence
+                        ));
+                    }
+                }
+                Reply::Bool(ready(self.inner.release(key, token)))
+            }
+            Command::Renew(key, token, lease) => {
+                Reply::Bool(ready(self.inner.renew(key, token, *lease)))
+            }
+            Command::Read(key) => Reply::Read(ready(self.inner.read(key))),
+        }
+    }
+
+    /// Settles in-flight command number `index` with `fault`: 0 applied and answered, 1 refused
+    /// before being applied, 2 applied with its reply lost.
+    fn settle(&self, index: usize, fault: u32) {
+        let mut world = self.world.lock().unwrap();
+        let command = world.in_flight[index].command.clone();
+        let reply = match fault {
+            1 => fail(&command, StoreErrorKind::Unavailable),
+            2 => {
+                self.apply(&command, &mut world);
+                fail(&command, StoreErrorKind::OutcomeUnknown)
+            }
+            _ => self.apply(&command, &mut world),
+        };
+        let id = world.in_flight[index].id;
+        world.log(|| {
+            format!(
+                "  settle #{id} {} -> {reply:?}",
+                ["applied", "refused", "applied, reply lost"][fault as usize]
+            )
+        });
+        let entry = &mut world.in_flight[index];
+        entry.reply = Some(reply);
+        entry.settled = true;
+        if let Some(waker) = entry.waker.take() {
+            waker.wake();
+        }
+    }
+
+    fn unsettled(&self) -> Vec<usize> {
+        let world = self.world.lock().unwrap();
+        (0..world.in_flight.len())
+            .filter(|&i| !world.in_flight[i].settled)
+            .collect()
+    }
+}
+
+/// The answer of a memory store future, which is ready at once.
+fn ready<T>(mut fut: BoxFuture<'_, T>) -> T {
+    match fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(out) => out,
+        Poll::Pending => panic!("the memory store answers at once"),
+    }
+}
+
+fn fail(command: &Command, kind: StoreErrorKind) -> Reply {
+    let err = StoreError::new(kind, "simulated fault");
+    match command {
+        Command::Claim(_) => Reply::Claim(Err(err)),
+        Command::Read(_) => Reply::Read(Err(err)),
+        _ => Reply::Bool(Err(err)),
+    }
+}
+
+fn describe(command: &Command) -> String {
+    match command {
+        Command::Claim(req) => format!("claim {} token {:?}", req.key, req.token),
+        Command::Complete(key, token, c) => format!(
+            "complete {key} token {token:?} result {:?}",
+            c.result.as_ref().map(Vec::len)
+        ),
+        Command::Release(key, token) => format!("release {key} token {token:?}"),
+        Command::Renew(key, token, _) => format!("renew {key} token {token:?}"),
+        Command::Read(key) => format!("read {key}"),
+    }
+}
+
+/// The caller's side of an in-flight command.
+struct Sent {
+    id: u64,
+    world: Arc<Mutex<World>>,
+}
+
+impl Sent {
+    fn poll_reply(&self, cx: &mut Context<'_>) -> Poll<Reply> {
+        let mut world = self.world.lock().unwrap();
+        let Some(entry) = world.in_flight.iter_mut().find(|e| e.id == self.id) else {
+            panic!("command #{} vanished", self.id);
+        };
+        match entry.reply.take() {
+            Some(reply) => Poll::Ready(reply),
+            None => {
+                entry.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+fn sent<T: Send + 'static>(sent: Sent, unpack: fn(Reply) -> Option<T>) -> BoxFuture<'static, T> {
+    Box::pin(async move {
+        let reply = std::future::poll_fn(|cx| sent.poll_reply(cx)).await;
+        unpack(reply).expect("a reply of the command's kind")
+    })
+}
+
+impl Store for SimStore {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        sent(self.send(Command::Claim(req.clone())), |r| match r {
+            Reply::Claim(c) => Some(c),
+            _ => None,
+        })
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        sent(
+            self.send(Command::Complete(key.clone(), *token, completion.clone())),
+            bool_reply,
+        )
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        sent(self.send(Command::Release(key.clone(), *token)), bool_reply)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        sent(
+            self.send(Command::Renew(key.clone(), *token, lease)),
+            bool_reply,
+        )
+    }
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        sent(self.send(Command::Read(key.clone())), |r| match r {
+            Reply::Read(r) => Some(r),
+            _ => None,
+        })
+    }
+}
+
+fn bool_reply(reply: Reply) -> Option<Result<bool, StoreError>> {
+    match reply {
+        Reply::Bool(b) => Some(b),
+        _ => None,
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Callers and their bodies.
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum AppError {
+    Idem(String),
+    Business,
+}
+
+impl From<Error> for AppError {
+    fn from(e: Error) -> Self {
+        AppError::Idem(match e {
+            Error::Duplicate { .. } => "duplicate".into(),
+            Error::InProgress { .. } => "in_progress".into(),
+            Error::LostOwnership { .. } => "lost_ownership".into(),
+            Error::Store(_) => "store".into(),
+            other => format!("{other:?}"),
+        })
+    }
+}
+
+/// Per key: effects applied (all of them, and those applied by the store's live owner of the
+/// key at that moment), and the values bodies returned.
+#[derive(Default)]
+struct Effects {
+    applied: Vec<u32>,
+    by_live_owner: Vec<u32>,
+    values: Vec<BTreeSet<u64>>,
+}
+
+struct Caller {
+    key: usize,
+    future: Pin<Box<dyn Future<Output = Result<u64, AppError>>>>,
+    /// Whether this caller's body ran (so an `Ok` is its own value, not a replay).
+    ran: Arc<Mutex<bool>>,
+}
+
+/// A body: waits `steps` polls (await points where it can be dropped), then applies its effect
+/// and returns in the same poll, or fails without an effect.
+struct Body {
+    steps: u32,
+    fails: bool,
+    store: Arc<SimStore>,
+    key: usize,
+    value: u64,
+    effects: Arc<Mutex<Effects>>,
+    world: Arc<Mutex<World>>,
+    ran: Arc<Mutex<bool>>,
+}
+
+impl Future for Body {
+    type Output = Result<u64, AppError>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        if self.steps > 0 {
+            self.steps -= 1;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        *self.ran.lock().unwrap() = true;
+        if self.fails {
+            return Poll::Ready(Err(AppError::Business));
+        }
+        let fence = idempotent::current().expect("the body's claim").fence();
+        let record = ready(self.store.inner.read(&self.store.keys[self.key])).unwrap();
+        let live_owner = record.is_some_and(|r| {
+            r.fence == fence
+                && matches!(r.state, RecordState::InProgress { lease_left } if lease_left > Duration::ZERO)
+        });
+        let mut effects = self.effects.lock().unwrap();
+        effects.applied[self.key] += 1;
+        effects.by_live_owner[self.key] += u32::from(live_owner);
+        effects.values[self.key].insert(self.value);
+        self.world
+            .lock()
+            .unwrap()
+            .ok_fences
+            .entry(self.key)
+            .or_default()
+            .insert(fence);
+        Poll::Ready(Ok(self.value))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// One schedule.
+
+struct Outcome {
+    violations: Vec<String>,
+    trace: Vec<String>,
+}
+
+fn run_schedule(choices: &mut Choices, traced: bool) -> Outcome {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    rt.block_on(schedule(choices, traced))
+}
+
+async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
+    let world = Arc::new(Mutex::new(World {
+        trace: traced.then(Vec::new),
+        ..World::default()
+    }));
+    let n_keys = 1 + choices.pick(2) as usize;
+    let keys: Vec<Key> = (0..n_keys)
+        .map(|i| Key::new("sim", 1, &[&(i as u64)]).unwrap())
+        .collect();
+    let store = Arc::new(SimStore {
+        inner: MemoryStore::with_clock(TokioClock {
+            origin: tokio::time::Instant::now(),
+        }),
+        world: world.clone(),
+        keys: keys.clone(),
+    });
+    let shared: SharedStore = store.clone();
+    let with_done = choices.chance(1, 3);
+    let effects = Arc::new(Mutex::new(Effects {
+        applied: vec![0; n_keys],
+        by_live_owner: vec![0; n_keys],
+        values: vec![BTreeSet::new(); n_keys],
+    }));
+    let log = |line: String| world.lock().unwrap().log(|| line);
+    log(format!("keys={n_keys} done_check={with_done}"));
+
+    let n_callers = 2 + choices.pick(4) as usize;
+    let mut waiting: Vec<Caller> = Vec::new();
+    for i in 0..n_callers {
+        let key = choices.pick(n_keys as u32) as usize;
+        let ran = Arc::new(Mutex::new(false));
+        let body = Body {
+            steps: choices.pick(4),
+            fails: choices.chance(1, 5),
+            store: store.clone(),
+            key,
+            value: i as u64,
+            effects: effects.clone(),
+            world: world.clone(),
+            ran: ran.clone(),
+        };
+        let guard = Guard::new(TTL).lease(LEASE).store(shared.clone());
+        let op = guard.operation(keys[key].clone()).replay();
+        let future: Pin<Box<dyn Future<Output = Result<u64, AppError>>>> = if with_done {
+            let effects = effects.clone();
+            Box::pin(
+                op.done(move || {
+                    let done = effects.lock().unwrap().applied[key] > 0;
+                    async move { Ok::<_, AppError>(done) }
+                })
+                .run_with(|_| body),
+            )
+        } else {
+            Box::pin(op.run_with(|_| body))
+        };
+        log(format!("caller {i}: key {key}"));
+        waiting.push(Caller { key, future, ran });
+    }
+    let mut live: Vec<(usize, Caller)> = Vec::new();
+    let mut next_caller = 0usize;
+
+    let check_answer = |i: usize, caller: &Caller, out: &Result<u64, AppError>| -> Option<String> {
+        let effects = effects.lock().unwrap();
+        let ran = *caller.ran.lock().unwrap();
+        match out {
+            Ok(v) if !ran && !effects.values[caller.key].contains(v) => Some(format!(
+                "caller {i} got replayed value {v} that no body of key {} returned",
+                caller.key
+            )),
+            Err(AppError::Idem(kind))
+                if kind == "duplicate" && effects.applied[caller.key] == 0 =>
+            {
+                Some(format!(
+                    "caller {i} was told duplicate before any effect of key {}",
+                    caller.key
+                ))
+            }
+            _ => None,
+        }
+    };
+
+    let steps = 20 + choices.pick(100);
+    for _ in 0..steps {
+        match choices.pick(16) {
+            // Start the next caller.
+            0 | 1 if next_caller < waiting.len() => {
+                let caller = waiting.remove(0);
+                live.push((next_caller, caller));
+                log(format!("start caller {next_caller}"));
+                next_caller += 1;
+            }
+            // Poll a caller.
+            0..=5 if !live.is_empty() => {
+                let at = choices.pick(live.len() as u32) as usize;
+                let (i, caller) = &mut live[at];
+                let i = *i;
+                if let Poll::Ready(out) = caller
+                    .future
+                    .as_mut()
+                    .poll(&mut Context::from_waker(Waker::noop()))
+                {
+                    log(format!("caller {i} answered {out:?}"));
+                    if let Some(v) = check_answer(i, caller, &out) {
+                        world.lock().unwrap().violations.push(v);
+                    }
+                    live.remove(at);
+                } else {
+                    log(format!("poll caller {i}: pending"));
+                }
+            }
+            // Drop a caller at its current await point.
+            6 if !live.is_empty() => {
+                let at = choices.pick(live.len() as u32) as usize;
+                let (i, _) = live.remove(at);
+                log(format!("drop caller {i}"));
+            }
+            // Settle a store command.
+            7..=11 => {
+                let unsettled = store.unsettled();
+                if !unsettled.is_empty() {
+                    let index = unsettled[choices.pick(unsettled.len() as u32) as usize];
+                    let fault = match choices.pick(10) {
+                        0 => 1,
+                        1 => 2,
+                        _ => 0,
+                    };
+                    store.settle(index, fault);
+                }
+            }
+            // Let background tasks run.
+            12 | 13 => {
+                tokio::task::yield_now().await;
+            }
+            // Move the clock.
+            _ => {
+                let by = match choices.pick(4) {
+                    0 => Duration::from_millis(1),
+                    1 => LEASE / 2,
+                    2 => LEASE + Duration::from_millis(1),
+                    _ => Duration::from_millis(20),
+                };
+                log(format!("clock +{by:?}"));
+                tokio::time::advance(by).await;
+            }
+        }
+    }
+
+    // Quiesce: no more faults; every caller left runs to its end, background tasks finish.
+    log("quiesce".into());
+    let mut quiet = 0;
+    for _ in 0..1000 {
+        let mut active = !store.unsettled().is_empty();
+        for at in (0..live.len()).rev() {
+            let (i, caller) = &mut live[at];
+            let i = *i;
+            if let Poll::Ready(out) = caller
+                .future
+                .as_mut()
+                .poll(&mut Context::from_waker(Waker::noop()))
+            {
+                log(format!("caller {i} answered {out:?}"));
+                if let Some(v) = check_answer(i, caller, &out) {
+                    world.lock().unwrap().violations.push(v);
+                }
+                live.remove(at);
+                active = true;
+            }
+        }
+        for index in store.unsettled() {
+            store.settle(index, 0);
+        }
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        // Quiet for longer than any backoff of a background task: everything has landed.
+        quiet = if active || !live.is_empty() {
+            0
+        } else {
+            quiet + 1
+        };
+        if quiet > 2 * LEASE.as_millis() / 10 {
+            break;
+        }
+        tokio::time::advance(Duration::from_millis(10)).await;
+    }
+    assert!(live.is_empty(), "callers still running after quiescing");
+    // One lease later, nothing may be in progress.
+    tokio::time::advance(LEASE + Duration::from_millis(1)).await;
+    for _ in 0..4 {
+        tokio::task::yield_now().await;
+    }
+
+    let mut world_guard = world.lock().unwrap();
+    let effects = effects.lock().unwrap();
+    for (i, key) in keys.iter().enumerate() {
+        let applied = effects.applied[i];
+        let refused = world_guard.refused.get(&i).copied().unwrap_or(0) as u32;
+        let by_live_owner = effects.by_live_owner[i];
+        if with_done && by_live_owner > 1 {
+            world_guard.violations.push(format!(
+                "`{key}`: {by_live_owner} effects by live owners with a done check"
+            ));
+        }
+        if applied > 1 + refused {
+            world_guard.violations.push(format!(
+                "`{key}`: {applied} effects but only {refused} lost ownerships"
+            ));
+        }
+        let mut read = store.inner.read(key);
+        let record = match read.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(r) => r.unwrap(),
+            Poll::Pending => None,
+        };
+        if let Some(record) = record {
+            if matches!(record.state, RecordState::InProgress { .. }) {
+                world_guard.violations.push(format!(
+                    "`{key}` is still in progress after every caller left and a lease passed"
+                ));
+            }
+        }
+    }
+    Outcome {
+        violations: std::mem::take(&mut world_guard.violations),
+        trace: world_guard.trace.take().unwrap_or_default(),
+    }
+}
+
+/// Shrinks a failing list of choices: drops chunks, then lowers values, while it still fails.
+fn shrink(mut choices: Vec<u32>) -> Vec<u32> {
+    let fails = |c: &[u32]| {
+        !run_schedule(&mut Choices::replaying(c.to_vec()), false)
+            .violations
+            .is_empty()
+    };
+    let mut chunk = choices.len() / 2;
+    while chunk >= 1 {
+        let mut start = 0;
+        while start + chunk <= choices.len() {
+            let mut candidate = choices.clone();
+            candidate.drain(start..start + chunk);
+            if fails(&candidate) {
+                choices = candidate;
+            } else {
+                start += chunk;
+            }
+        }
+        chunk /= 2;
+    }
+    for i in 0..choices.len() {
+        while choices[i] > 0 {
+            let mut candidate = choices.clone();
+            candidate[i] -= 1;
+            if fails(&candidate) {
+                choices = candidate;
+            } else {
+                break;
+            }
+        }
+    }
+    choices
+}
+
+#[test]
+fn engine_keeps_its_invariants_under_every_schedule() {
+    let started = std::time::Instant::now();
+    if let Ok(seed) = std::env::var("SIM_SEED") {
+        let seed: u64 = seed.parse().expect("SIM_SEED is a number");
+        let outcome = run_schedule(&mut Choices::seeded(seed), true);
+        for line in &outcome.trace {
+            println!("{line}");
+        }
+        assert!(
+            outcome.violations.is_empty(),
+            "seed {seed}: {:#?}",
+            outcome.violations
+        );
+        return;
+    }
+    let schedules: u64 = match std::env::var("SIM_SCHEDULES") {
+        Ok(n) => n.parse().expect("SIM_SCHEDULES is a number"),
+        Err(_) if cfg!(debug_assertions) => 2_000,
+        Err(_) => 100_000,
+    };
+    let base: u64 = std::env::var("SIM_BASE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5EED);
+    let mut violations = 0u64;
+    let mut ran = 0u64;
+    for n in 0..schedules {
+        ran += 1;
+        let seed = base.wrapping_add(n);
+        let mut choices = Choices::seeded(seed);
+        let outcome = run_schedule(&mut choices, false);
+        if !outcome.violations.is_empty() {
+            violations += 1;
+            let shrunk = shrink(choices.taken.clone());
+            let replay = run_schedule(&mut Choices::replaying(shrunk.clone()), true);
+            println!("violation with seed {seed} (replay: SIM_SEED={seed}):");
+            for v in &outcome.violations {
+                println!("  {v}");
+            }
+            println!("shrunk schedule ({} choices): {shrunk:?}", shrunk.len());
+            for line in &replay.trace {
+                println!("{line}");
+            }
+            for v in &replay.violations {
+                println!("  shrunk: {v}");
+            }
+            break;
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    println!("schedules={ran} violations={violations} seconds={seconds:.1}");
+    assert_eq!(
+        violations, 0,
+        "the engine broke an invariant; see the schedule above"
+    );
+}
