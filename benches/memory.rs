@@ -18,7 +18,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idempotent::{
+use idempotency::{
     idempotent, Claim, ClaimRequest, Completion, Error, Guard, Key, MemoryStore, Store, Token,
 };
 

@@ -46,7 +46,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idempotent::{idempotent, Guard, Key, RedisStore};
+use idempotency::{idempotent, Guard, Key, RedisStore};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Script, Value};
 use serde::{Deserialize, Serialize};
@@ -88,7 +88,7 @@ async fn framework_cycle(
     store: &Arc<RedisStore>,
     tag: &str,
     id: u64,
-) -> Result<(), idempotent::Error> {
+) -> Result<(), idempotency::Error> {
     Ok(())
 }
 
@@ -98,7 +98,7 @@ async fn consume_cycle(
     store: &Arc<RedisStore>,
     tag: &str,
     id: u64,
-) -> Result<(), idempotent::Error> {
+) -> Result<(), idempotency::Error> {
     Ok(())
 }
 
@@ -111,7 +111,7 @@ struct OrderMessage {
 
 /// A consumer that stores no result: duplicates get `Error::Duplicate`.
 #[idempotent(prefix = "order:consume", keys = [msg.order_id, msg.activity_id], ttl = 3600, store = store)]
-async fn on_order(store: &Arc<RedisStore>, msg: &OrderMessage) -> Result<(), idempotent::Error> {
+async fn on_order(store: &Arc<RedisStore>, msg: &OrderMessage) -> Result<(), idempotency::Error> {
     Ok(())
 }
 
@@ -138,7 +138,7 @@ impl Receipt {
 async fn on_order_receipt(
     store: &Arc<RedisStore>,
     msg: &OrderMessage,
-) -> Result<Receipt, idempotent::Error> {
+) -> Result<Receipt, idempotency::Error> {
     Ok(Receipt::sample())
 }
 

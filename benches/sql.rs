@@ -24,9 +24,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idempotent::sql::sqlx::{self, AssertSqlSafe, Row};
-use idempotent::sql::{Dialect, SqlStore};
-use idempotent::{Error, Guard, Key, Token};
+use idempotency::sql::sqlx::{self, AssertSqlSafe, Row};
+use idempotency::sql::{Dialect, SqlStore};
+use idempotency::{Error, Guard, Key, Token};
 use sql_tables::{Scratch, Server};
 
 const TASKS: usize = 50;

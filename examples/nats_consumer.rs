@@ -30,8 +30,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, stream};
 use futures_util::StreamExt;
-use idempotent::broker::{nats, Decision, Policy, Settle};
-use idempotent::{idempotent, Guard, Key};
+use idempotency::broker::{nats, Decision, Policy, Settle};
+use idempotency::{idempotent, Guard, Key};
 use serde::{Deserialize, Serialize};
 
 /// "Cook this free-meal order for this activity."
@@ -45,11 +45,11 @@ struct OrderMessage {
 #[derive(Debug, thiserror::Error)]
 enum AppError {
     #[error(transparent)]
-    Idempotency(#[from] idempotent::Error),
+    Idempotency(#[from] idempotency::Error),
 }
 
 impl Settle for AppError {
-    fn idempotency_error(&self) -> Option<&idempotent::Error> {
+    fn idempotency_error(&self) -> Option<&idempotency::Error> {
         match self {
             AppError::Idempotency(err) => Some(err),
         }
@@ -76,17 +76,17 @@ async fn on_order(msg: &OrderMessage, kitchen: &Kitchen) -> Result<u32, AppError
 }
 
 /// The key the attribute builds for a message, for the batch path.
-fn order_key(msg: &OrderMessage) -> Result<Key, idempotent::KeyError> {
+fn order_key(msg: &OrderMessage) -> Result<Key, idempotency::KeyError> {
     Key::new("order:consume", 1, &[&msg.order_id, &msg.activity_id])
 }
 
 fn outcome(result: &Result<u32, AppError>) -> String {
     match result {
         Ok(meal) => format!("handler ran: meal #{meal} cooked"),
-        Err(AppError::Idempotency(idempotent::Error::Duplicate { .. })) => {
+        Err(AppError::Idempotency(idempotency::Error::Duplicate { .. })) => {
             "duplicate: already processed, not run again".into()
         }
-        Err(AppError::Idempotency(idempotent::Error::InProgress { .. })) => {
+        Err(AppError::Idempotency(idempotency::Error::InProgress { .. })) => {
             "in progress: the same order is being cooked".into()
         }
         Err(err) => err.to_string(),
@@ -97,7 +97,7 @@ fn outcome(result: &Result<u32, AppError>) -> String {
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let store_url =
         std::env::var("IDEMPOTENT_STORE_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-    idempotent::set_default_store(idempotent::connect(&store_url).await?)?;
+    idempotency::set_default_store(idempotency::connect(&store_url).await?)?;
     let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into());
     let client = async_nats::connect(&nats_url).await.map_err(|e| {
         format!("NATS is not reachable at {nats_url} ({e}); start it with JetStream enabled (`nats-server -js`)")
@@ -196,7 +196,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let items = decoded
             .iter()
             .map(|msg| Ok((order_key(msg)?, msg)))
-            .collect::<Result<Vec<_>, idempotent::KeyError>>()?;
+            .collect::<Result<Vec<_>, idempotency::KeyError>>()?;
         let results: Vec<Result<u32, AppError>> =
             guard.run_batch(items, |msg| kitchen.cook(msg)).await;
         println!("   batch of {}:", batch.len());

@@ -17,7 +17,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
-use idempotent::{idempotent, Action};
+use idempotency::{idempotent, Action};
 use serde::{Deserialize, Serialize};
 
 /// A message from the order service: "cook this free-meal order for this activity".
@@ -31,7 +31,7 @@ struct OrderMessage {
 #[derive(Debug, thiserror::Error)]
 enum AppError {
     #[error(transparent)]
-    Idempotency(#[from] idempotent::Error),
+    Idempotency(#[from] idempotency::Error),
     #[error("the kitchen service timed out")]
     KitchenTimeout,
 }
@@ -102,7 +102,7 @@ fn action(action: Action) -> &'static str {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Set once at start-up: handlers use it unless their attribute names a store.
     let url = std::env::var("IDEMPOTENT_STORE_URL").unwrap_or_else(|_| "memory:".into());
-    idempotent::set_default_store(idempotent::connect(&url).await?)?;
+    idempotency::set_default_store(idempotency::connect(&url).await?)?;
     println!("store: {url}");
     // A tag per run, so a run against a persistent store does not meet the last run's records.
     let run = std::time::SystemTime::now()

@@ -7,7 +7,7 @@
 //!    activity) is acknowledged without running the handler again;
 //! 2. `broker::rabbitmq::settle` turning each outcome into `basic.ack`, `basic.nack` with
 //!    requeue, or `basic.reject` to the dead-letter queue, as the table in
-//!    `idempotent::broker` says;
+//!    `idempotency::broker` says;
 //! 3. a handler that keeps failing, redelivered until its third delivery (counted by the
 //!    quorum queue's `x-delivery-count`) and then dead-lettered; a message with an empty
 //!    order id, dead-lettered at once.
@@ -31,9 +31,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use idempotent::broker::rabbitmq::Queue;
-use idempotent::broker::{rabbitmq, Decision, Policy, Settle};
-use idempotent::idempotent;
+use idempotency::broker::rabbitmq::Queue;
+use idempotency::broker::{rabbitmq, Decision, Policy, Settle};
+use idempotency::idempotent;
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -53,7 +53,7 @@ struct OrderMessage {
 #[derive(Debug, thiserror::Error)]
 enum AppError {
     #[error(transparent)]
-    Idempotency(#[from] idempotent::Error),
+    Idempotency(#[from] idempotency::Error),
     #[error("the kitchen is down")]
     KitchenDown,
 }
@@ -61,7 +61,7 @@ enum AppError {
 /// Tells the broker integration which errors are idempotency outcomes (duplicates, a store
 /// outage, ...) and which are the handler's own (retried, then dead-lettered).
 impl Settle for AppError {
-    fn idempotency_error(&self) -> Option<&idempotent::Error> {
+    fn idempotency_error(&self) -> Option<&idempotency::Error> {
         match self {
             AppError::Idempotency(err) => Some(err),
             AppError::KitchenDown => None,
@@ -94,10 +94,10 @@ async fn on_order(msg: &OrderMessage, kitchen: &Kitchen) -> Result<u32, AppError
 fn outcome(result: &Result<u32, AppError>) -> String {
     match result {
         Ok(meal) => format!("handler ran: meal #{meal} cooked"),
-        Err(AppError::Idempotency(idempotent::Error::Duplicate { .. })) => {
+        Err(AppError::Idempotency(idempotency::Error::Duplicate { .. })) => {
             "duplicate: already processed, not run again".into()
         }
-        Err(AppError::Idempotency(idempotent::Error::InvalidKey(err))) => {
+        Err(AppError::Idempotency(idempotency::Error::InvalidKey(err))) => {
             format!("invalid key ({err})")
         }
         Err(err) => format!("{err}"),
@@ -108,7 +108,7 @@ fn outcome(result: &Result<u32, AppError>) -> String {
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let store_url =
         std::env::var("IDEMPOTENT_STORE_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-    idempotent::set_default_store(idempotent::connect(&store_url).await?)?;
+    idempotency::set_default_store(idempotency::connect(&store_url).await?)?;
     let amqp_url = std::env::var("AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     let conn = Connection::connect(&amqp_url, ConnectionProperties::default())

@@ -53,8 +53,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use business::{Business, Effect};
-use idempotent::broker::{rabbitmq, Policy, Settle, Summary};
-use idempotent::{
+use idempotency::broker::{rabbitmq, Policy, Settle, Summary};
+use idempotency::{
     BoxFuture, Claim, ClaimRequest, Completion, Guard, Key, Record, SharedStore, Store, StoreError,
     Token,
 };
@@ -90,7 +90,7 @@ struct OrderMessage {
 #[derive(Debug, thiserror::Error)]
 enum AppError {
     #[error(transparent)]
-    Idempotency(#[from] idempotent::Error),
+    Idempotency(#[from] idempotency::Error),
     #[error("business database error")]
     Business(#[from] sqlx::Error),
     #[error("malformed message")]
@@ -98,7 +98,7 @@ enum AppError {
 }
 
 impl Settle for AppError {
-    fn idempotency_error(&self) -> Option<&idempotent::Error> {
+    fn idempotency_error(&self) -> Option<&idempotency::Error> {
         match self {
             AppError::Idempotency(err) => Some(err),
             _ => None,
@@ -163,7 +163,7 @@ struct Context {
 async fn on_order(cx: Arc<Context>, delivery: Delivery) -> Result<Effect, AppError> {
     let msg: OrderMessage = serde_json::from_slice(&delivery.data)?;
     let key = Key::new(&cx.prefix, 1, &[&msg.order_id, &msg.activity_id])
-        .map_err(idempotent::Error::from)?;
+        .map_err(idempotency::Error::from)?;
     let (business, counters, order_id) = (&cx.business, &cx.counters, msg.order_id.as_str());
     let result: Result<Effect, AppError> = cx
         .guard
@@ -186,11 +186,11 @@ async fn on_order(cx: Arc<Context>, delivery: Delivery) -> Result<Effect, AppErr
         Ok(Effect::Applied) => Some("executed"),
         Ok(Effect::AlreadyApplied) => Some("absorbed"),
         Err(AppError::Idempotency(err)) if err.is_duplicate() => Some("filtered"),
-        Err(AppError::Idempotency(idempotent::Error::Store(_))) => {
+        Err(AppError::Idempotency(idempotency::Error::Store(_))) => {
             cx.counters.store_errors.fetch_add(1, Ordering::Relaxed);
             None
         }
-        Err(AppError::Idempotency(idempotent::Error::InProgress { .. })) => {
+        Err(AppError::Idempotency(idempotency::Error::InProgress { .. })) => {
             cx.counters.in_progress.fetch_add(1, Ordering::Relaxed);
             None
         }
@@ -271,7 +271,7 @@ impl Consumer {
         concurrency: usize,
     ) -> Result<Consumer, Box<dyn std::error::Error + Send + Sync>> {
         let timed = Arc::new(Timed {
-            inner: idempotent::connect(&setup.store_url).await?,
+            inner: idempotency::connect(&setup.store_url).await?,
             samples: Mutex::new(Vec::new()),
         });
         let business = Business::connect(

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use idempotent::{idempotent, Error, Key, MemoryStore, OnError, RecordState, Store};
+use idempotency::{idempotent, Error, Key, MemoryStore, OnError, RecordState, Store};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
@@ -220,9 +220,9 @@ impl AppError {
 async fn on_in_progress_skip() {
     let c = Consumer::new();
     let key = Key::new("skip", 1, &[&"S-1"]).unwrap();
-    let live = idempotent::ClaimRequest {
+    let live = idempotency::ClaimRequest {
         key,
-        token: idempotent::Token::generate(),
+        token: idempotency::Token::generate(),
         lease: std::time::Duration::from_secs(30),
         ttl: std::time::Duration::from_secs(60),
         fingerprint: None,

@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use idempotent::{idempotent, Action, Error, MemoryStore};
+use idempotency::{idempotent, Action, Error, MemoryStore};
 
 #[derive(Debug)]
 enum AppError {
@@ -38,7 +38,7 @@ async fn handlers_use_the_default_store_once_it_is_set() {
     assert_eq!(EXECUTIONS.load(Ordering::SeqCst), 0);
 
     let store = Arc::new(MemoryStore::new());
-    idempotent::set_default_store(store.clone()).unwrap();
+    idempotency::set_default_store(store.clone()).unwrap();
     assert_eq!(handler(1).await.unwrap(), 1);
     assert!(matches!(
         handler(1).await,
@@ -48,7 +48,7 @@ async fn handlers_use_the_default_store_once_it_is_set() {
     assert_eq!(store.len(), 1);
 
     // The first default stays.
-    assert!(idempotent::set_default_store(Arc::new(MemoryStore::new())).is_err());
+    assert!(idempotency::set_default_store(Arc::new(MemoryStore::new())).is_err());
     assert!(matches!(
         handler(1).await,
         Err(AppError::Idem(Error::Duplicate { .. }))

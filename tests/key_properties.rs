@@ -6,8 +6,8 @@
 
 use std::collections::HashSet;
 
-use idempotent::key::{MAX_KEY_LEN, MAX_PARTS, MAX_PART_LEN};
-use idempotent::{Key, KeyPart};
+use idempotency::key::{MAX_KEY_LEN, MAX_PARTS, MAX_PART_LEN};
+use idempotency::{Key, KeyPart};
 use proptest::prelude::*;
 
 /// Parts drawn to provoke ambiguous joins: separators, braces, escapes, digits and arbitrary

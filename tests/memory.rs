@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idempotent::memory::{Clock, ManualClock, MemoryStore};
-use idempotent::store::{next_fence, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
-use idempotent::{
+use idempotency::memory::{Clock, ManualClock, MemoryStore};
+use idempotency::store::{next_fence, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
+use idempotency::{
     BoxFuture, Claim, ClaimRequest, Completion, Key, RecordState, SharedStore, Store, Token,
 };
 

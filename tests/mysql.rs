@@ -18,9 +18,9 @@ mod sql_tables;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotent::sql::sqlx::{self, AssertSqlSafe};
-use idempotent::sql::MySqlStore;
-use idempotent::{BoxFuture, Claim, Completion, Key, SharedStore, Store, StoreErrorKind};
+use idempotency::sql::sqlx::{self, AssertSqlSafe};
+use idempotency::sql::MySqlStore;
+use idempotency::{BoxFuture, Claim, Completion, Key, SharedStore, Store, StoreErrorKind};
 
 use sql_cases::{acquired, req, Harness};
 use sql_tables::{Scratch, Server};
@@ -245,7 +245,7 @@ async fn result_size_limit_defaults_and_is_clamped_to_the_server() {
     let store = store_on(&records).await;
     assert_eq!(
         store.max_result_size(),
-        idempotent::store::DEFAULT_MAX_RESULT_SIZE
+        idempotency::store::DEFAULT_MAX_RESULT_SIZE
     );
     let store = MySqlStore::builder()
         .table(records.name().to_string())

@@ -29,8 +29,8 @@ use async_nats::jetstream::{self, stream, Message};
 use brokers::{unique, wait_for, AppError, ChildConsumer, Kitchen, OrderMessage};
 use business::{Business, Effect, Tally};
 use futures_util::StreamExt;
-use idempotent::broker::{nats, Decision, Policy, Summary};
-use idempotent::{Guard, Key, SharedStore};
+use idempotency::broker::{nats, Decision, Policy, Summary};
+use idempotency::{Guard, Key, SharedStore};
 use redis_server::RedisServer;
 
 /// A stream, a pull consumer, a business schema and a tenant of one test; removed on drop,

@@ -22,9 +22,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idempotent::sql::sqlx::{self, AssertSqlSafe};
-use idempotent::sql::PostgresStore;
-use idempotent::{
+use idempotency::sql::sqlx::{self, AssertSqlSafe};
+use idempotency::sql::PostgresStore;
+use idempotency::{
     Action, BoxFuture, Error, Guard, Key, RecordState, SharedStore, Store, StoreErrorKind,
 };
 
@@ -313,7 +313,7 @@ async fn result_size_limit_defaults_and_is_clamped_to_bytea() {
     let store = store_on(&records).await;
     assert_eq!(
         store.max_result_size(),
-        idempotent::store::DEFAULT_MAX_RESULT_SIZE
+        idempotency::store::DEFAULT_MAX_RESULT_SIZE
     );
     let store = PostgresStore::builder()
         .table(records.name().to_string())

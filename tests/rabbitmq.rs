@@ -27,9 +27,9 @@ use std::time::Duration;
 
 use brokers::{unique, wait_for, AppError, ChildConsumer, Kitchen, OrderMessage};
 use business::{Business, Tally};
-use idempotent::broker::rabbitmq::Queue;
-use idempotent::broker::{rabbitmq, Policy, Summary};
-use idempotent::SharedStore;
+use idempotency::broker::rabbitmq::Queue;
+use idempotency::broker::{rabbitmq, Policy, Summary};
+use idempotency::SharedStore;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,

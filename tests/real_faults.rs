@@ -20,10 +20,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotent::redis::RedisStore;
-use idempotent::sql::sqlx::{self, AssertSqlSafe, PgPool};
-use idempotent::sql::PostgresStore;
-use idempotent::{Action, Error, Guard, Key, RecordState, SharedStore};
+use idempotency::redis::RedisStore;
+use idempotency::sql::sqlx::{self, AssertSqlSafe, PgPool};
+use idempotency::sql::PostgresStore;
+use idempotency::{Action, Error, Guard, Key, RecordState, SharedStore};
 use proxy::Proxy;
 use sql_tables::{Scratch, Server};
 
@@ -118,7 +118,7 @@ impl Workload {
                 .lease(LEASE)
                 .store(store.clone());
             let committed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-            let body = |claim: idempotent::Current| {
+            let body = |claim: idempotency::Current| {
                 let (pool, table, key) = (self.business.clone(), self.table.clone(), key.clone());
                 let committed = committed.clone();
                 async move {

@@ -17,9 +17,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use conformance::{unique_namespace, Backend};
-use idempotent::redis::{RedisStore, UnsafeConfig};
-use idempotent::store::{DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
-use idempotent::{
+use idempotency::redis::{RedisStore, UnsafeConfig};
+use idempotency::store::{DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
+use idempotency::{
     Action, BoxFuture, Claim, ClaimRequest, Completion, Error, Guard, Key, RecordState,
     SharedStore, Store, StoreErrorKind, Token,
 };
@@ -520,7 +520,7 @@ async fn unreachable_server_is_a_typed_error() {
         .await
         .unwrap_err();
     assert_eq!(err.kind(), StoreErrorKind::Unavailable);
-    let Err(err) = idempotent::connect(&format!("redis://user:secret@127.0.0.1:{port}")).await
+    let Err(err) = idempotency::connect(&format!("redis://user:secret@127.0.0.1:{port}")).await
     else {
         panic!("connected to a closed port");
     };

@@ -36,8 +36,8 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use idempotent::memory::{Clock, MemoryStore};
-use idempotent::{
+use idempotency::memory::{Clock, MemoryStore};
+use idempotency::{
     BoxFuture, Claim, ClaimRequest, Completion, Error, Guard, Key, Record, RecordState,
     SharedStore, Store, StoreError, StoreErrorKind, Token,
 };
@@ -439,7 +439,7 @@ impl Future for Body {
         if self.fails {
             return Poll::Ready(Err(AppError::Business));
         }
-        let fence = idempotent::current().expect("the body's claim").fence();
+        let fence = idempotency::current().expect("the body's claim").fence();
         let record = ready(self.store.inner.read(&self.store.keys[self.key])).unwrap();
         let live_owner = record.is_some_and(|r| {
             r.fence == fence

@@ -16,9 +16,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotent::sql::sqlx::{self, AssertSqlSafe};
-use idempotent::sql::SqliteStore;
-use idempotent::{BoxFuture, Claim, Key, SharedStore, Store};
+use idempotency::sql::sqlx::{self, AssertSqlSafe};
+use idempotency::sql::SqliteStore;
+use idempotency::{BoxFuture, Claim, Key, SharedStore, Store};
 
 use sql_cases::{acquired, req, Harness};
 
@@ -28,7 +28,7 @@ struct TempFile(PathBuf);
 impl TempFile {
     fn new() -> TempFile {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let token = format!("{:?}", idempotent::Token::generate());
+        let token = format!("{:?}", idempotency::Token::generate());
         let name = format!(
             "idempotent-{}-{}-{}.db",
             std::process::id(),
@@ -255,7 +255,7 @@ async fn records_survive_reopening_the_file() {
 
 #[tokio::test]
 async fn store_urls_pick_the_sqlite_store() {
-    let store = idempotent::connect("sqlite::memory:").await.unwrap();
+    let store = idempotency::connect("sqlite::memory:").await.unwrap();
     let key = Key::new("url", 1, &[&1u8]).unwrap();
     let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
     acquired(store.claim(&r).await);
@@ -314,7 +314,7 @@ async fn result_size_limit_defaults_and_is_clamped_to_the_length_limit() {
     let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
     assert_eq!(
         store.max_result_size(),
-        idempotent::store::DEFAULT_MAX_RESULT_SIZE
+        idempotency::store::DEFAULT_MAX_RESULT_SIZE
     );
     let store = SqliteStore::builder()
         .max_result_size(usize::MAX)

@@ -15,10 +15,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use conformance::{unique_namespace, Backend, Down};
-use idempotent::sql::sqlx::{self, AssertSqlSafe};
-use idempotent::sql::PostgresStore;
-use idempotent::store::TieredStore;
-use idempotent::{BoxFuture, Error, Guard, Key, MemoryStore, RecordState, SharedStore, Store};
+use idempotency::sql::sqlx::{self, AssertSqlSafe};
+use idempotency::sql::PostgresStore;
+use idempotency::store::TieredStore;
+use idempotency::{BoxFuture, Error, Guard, Key, MemoryStore, RecordState, SharedStore, Store};
 use redis_server::{delete_matching, redis_url};
 
 struct Tiered {

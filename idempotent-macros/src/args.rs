@@ -8,7 +8,7 @@ use proc_macro2::Span;
 use syn::ext::IdentExt as _;
 use syn::parse::{Lookahead1, Parse, ParseStream};
 use syn::punctuated::Punctuated;
-use syn::{bracketed, parenthesized, token, Error, Expr, ExprPath, Ident, Result, Token};
+use syn::{bracketed, parenthesized, token, Error, Expr, ExprPath, Ident, Path, Result, Token};
 
 /// The argument names and the policy words.
 pub(crate) mod kw {
@@ -35,7 +35,7 @@ pub(crate) mod kw {
 }
 
 /// Every argument name, in the order the documentation lists them.
-pub(crate) const NAMES: [&str; 12] = [
+pub(crate) const NAMES: [&str; 13] = [
     "prefix",
     "keys",
     "ttl",
@@ -48,6 +48,7 @@ pub(crate) const NAMES: [&str; 12] = [
     "fingerprint",
     "done",
     "replay",
+    "crate",
 ];
 
 /// The arguments of one `#[idempotent(...)]`, each at most once.
@@ -66,6 +67,8 @@ pub(crate) struct Args {
     pub(crate) done: Option<Arg<Expr>>,
     /// The span of the `replay` flag.
     pub(crate) replay: Option<Arg<()>>,
+    /// `crate = path`: where the runtime is, when not at `::idempotency`.
+    pub(crate) krate: Option<Arg<Path>>,
 }
 
 /// One argument's value and the span of its name.
@@ -99,7 +102,7 @@ pub(crate) enum OnError {
     Release,
     Hold(Span),
     Store(Span),
-    /// A path to a `fn(&E) -> idempotent::OnError`.
+    /// A path to a `fn(&E) -> idempotency::OnError`.
     Classify(ExprPath),
 }
 
@@ -157,6 +160,17 @@ impl Parse for Args {
                     ));
                 }
                 set_once(&mut args.replay, "replay", name, ())?;
+            } else if lookahead.peek(Token![crate]) {
+                let name = input.parse::<Token![crate]>()?.span;
+                input.parse::<Token![=]>()?;
+                if input.peek(syn::LitStr) {
+                    return Err(Error::new(
+                        input.span(),
+                        "`crate` takes a path, not a string: write `crate = ::idempotency`",
+                    ));
+                }
+                let path = input.call(Path::parse_mod_style)?;
+                set_once(&mut args.krate, "crate", name, path)?;
             } else {
                 return Err(unknown_argument(input, lookahead));
             }

@@ -9,10 +9,10 @@ use syn::{Block, Expr, GenericArgument, LitStr, PathArguments, ReturnType, Stmt,
 use crate::args::{OnError, OnStoreError};
 use crate::validate::{Handler, InProgress};
 
-/// The handler with its body replaced by the call into `::idempotent::__private`:
+/// The handler with its body replaced by the call into `::idempotency::__private`:
 ///
 /// ```text
-/// let __idempotent_operation = ::idempotent::__private::operation::<R>(spec, store, &[parts]);
+/// let __idempotent_operation = ::idempotency::__private::operation::<R>(spec, store, &[parts]);
 /// let __idempotent_fingerprint = __idempotent_operation.fingerprint(&[parts]);
 /// let __idempotent_on_error = __idempotent_fingerprint.on_error(classify);
 /// let __idempotent_done = __idempotent_on_error.done(|| into_future(check));
@@ -41,7 +41,9 @@ pub(crate) fn handler(handler: Handler) -> TokenStream {
         fingerprint,
         done,
         replay,
+        krate,
     } = handler;
+    let private = quote!(#krate::__private);
 
     let output = match &item.sig.output {
         ReturnType::Type(_, ty) => Some(&**ty),
@@ -50,26 +52,34 @@ pub(crate) fn handler(handler: Handler) -> TokenStream {
     // Where a handler whose output is not a `Result` is told so: its declared return type.
     let output_span = output.map_or_else(|| item.sig.ident.span(), first_span);
 
-    let spec = spec(&prefix, version, ttl, lease, &in_progress, &on_store_error);
+    let spec = spec(
+        &private,
+        &prefix,
+        version,
+        ttl,
+        lease,
+        &in_progress,
+        &on_store_error,
+    );
     let store = match store {
         Some(store) => {
-            let store = call_on(quote!(::idempotent::__private::store), &store, Pass::Borrow);
+            let store = call_on(quote!(#private::store), &store, Pass::Borrow);
             quote!(::core::option::Option::Some(#store))
         }
         None => quote!(::core::option::Option::None),
     };
-    let keys = keys.iter().map(part);
+    let keys = keys.iter().map(|key| part(&private, key));
     // `operation::<declared return type>`: a type that is not a `Result` is reported on it.
     let operation = match output {
         Some(output) => {
             let (first, last) = first_and_last_span(output);
             let mut output = output.clone();
             erase_impl_trait(&mut output);
-            let path = respan(quote!(::idempotent::__private::operation::<), first);
+            let path = respan(quote!(#private::operation::<), first);
             let close = respan(quote!(>), last);
             quote!(#path #output #close)
         }
-        None => respan(quote!(::idempotent::__private::operation), output_span),
+        None => respan(quote!(#private::operation), output_span),
     };
     let arguments = spanned_group(quote!(#spec, #store, &[#(#keys),*]), output_span);
     let mut chain = Chain {
@@ -78,7 +88,7 @@ pub(crate) fn handler(handler: Handler) -> TokenStream {
     };
 
     if !fingerprint.is_empty() {
-        let parts = fingerprint.iter().map(part);
+        let parts = fingerprint.iter().map(|key| part(&private, key));
         let call_site = Span::call_site();
         chain.step(
             "fingerprint",
@@ -90,7 +100,7 @@ pub(crate) fn handler(handler: Handler) -> TokenStream {
         OnError::Release => {}
         OnError::Hold(span) => chain.step(
             "on_error",
-            quote_spanned!(span=> ::idempotent::__private::hold),
+            quote_spanned!(span=> #private::hold),
             (span, span),
         ),
         OnError::Store(span) => chain.step("store_errors", TokenStream::new(), (span, span)),
@@ -135,8 +145,9 @@ pub(crate) fn handler(handler: Handler) -> TokenStream {
     item.into_token_stream()
 }
 
-/// The attribute's constant settings: `::idempotent::__private::Spec { ... }`.
+/// The attribute's constant settings: `::idempotency::__private::Spec { ... }`.
 fn spec(
+    private: &TokenStream,
     prefix: &LitStr,
     version: u32,
     ttl: u64,
@@ -148,19 +159,19 @@ fn spec(
     let ttl = Literal::u64_suffixed(ttl);
     let lease = Literal::u64_suffixed(lease);
     let in_progress = match in_progress {
-        InProgress::Reject => quote!(::idempotent::InProgress::Reject),
-        InProgress::Skip => quote!(::idempotent::InProgress::Skip),
+        InProgress::Reject => quote!(#private::InProgress::Reject),
+        InProgress::Skip => quote!(#private::InProgress::Skip),
         InProgress::Wait(secs) => {
             let secs = Literal::u64_suffixed(*secs);
-            quote!(::idempotent::InProgress::Wait(::core::time::Duration::from_secs(#secs)))
+            quote!(#private::InProgress::Wait(::core::time::Duration::from_secs(#secs)))
         }
     };
     let on_store_error = match on_store_error {
-        OnStoreError::FailClosed => quote!(::idempotent::OnStoreError::FailClosed),
-        OnStoreError::FailOpen => quote!(::idempotent::OnStoreError::FailOpen),
+        OnStoreError::FailClosed => quote!(#private::OnStoreError::FailClosed),
+        OnStoreError::FailOpen => quote!(#private::OnStoreError::FailOpen),
     };
     quote! {
-        ::idempotent::__private::Spec {
+        #private::Spec {
             prefix: #prefix,
             version: #version,
             ttl_secs: #ttl,
@@ -224,14 +235,10 @@ fn fake_return(output: &Type) -> TokenStream {
     }
 }
 
-/// `::idempotent::__private::part(&key)`, spanned from the first to the last token of `key`,
+/// `::idempotency::__private::part(&key)`, spanned from the first to the last token of `key`,
 /// so a key whose type is not a `KeyPart` is reported on the key.
-fn part(key: &Expr) -> TokenStream {
-    call_on(
-        quote!(::idempotent::__private::part),
-        key,
-        Pass::BorrowPlace,
-    )
+fn part(private: &TokenStream, key: &Expr) -> TokenStream {
+    call_on(quote!(#private::part), key, Pass::BorrowPlace)
 }
 
 /// How `call_on` passes the user's expression.

@@ -11,7 +11,7 @@ use proc_macro::TokenStream;
 /// message consumers and HTTP handlers.
 ///
 /// ```ignore
-/// use idempotent::idempotent;
+/// use idempotency::idempotent;
 ///
 /// #[idempotent(prefix = "order:consume", keys = [msg.order_id, msg.activity_id], ttl = 3600)]
 /// async fn on_order(msg: &OrderMessage) -> Result<Receipt, AppError> {
@@ -22,27 +22,27 @@ use proc_macro::TokenStream;
 ///
 /// The handler keeps its signature, visibility, generics and attributes; it works on free
 /// functions and on methods (`&self`, `&mut self`, `self`). It must be an `async fn` that
-/// returns `Result<T, E>` where `E: From<idempotent::Error>`: every outcome that is not the
+/// returns `Result<T, E>` where `E: From<idempotency::Error>`: every outcome that is not the
 /// handler's own result arrives as an ordinary `Err`, which a consumer maps to ack, nack or
-/// dead-letter with `idempotent::Error::action`.
+/// dead-letter with `idempotency::Error::action`.
 ///
 /// # What a call does
 ///
 /// 1. **Claim** the key (`prefix`, `version` and the `keys` values, encoded without
 ///    ambiguity) in one atomic store operation. The store is `store = ...` if given, or the
-///    process default set with `idempotent::set_default_store`.
+///    process default set with `idempotency::set_default_store`.
 /// 2. **Run** the body if the claim was acquired, renewing the claim's lease while it runs.
 /// 3. **Complete** the record on `Ok` (kept `ttl` seconds), or apply the `on_error` policy on
 ///    `Err` (by default, **release** the claim so a redelivery runs the handler again).
 ///
 /// A **duplicate** (the key was completed) does not run the body and returns
-/// `idempotent::Error::Duplicate`, or with `replay` the first run's `Ok` value. A call that
+/// `idempotency::Error::Duplicate`, or with `replay` the first run's `Ok` value. A call that
 /// meets a **live claim** of another owner follows `on_in_progress`. A **store failure**
 /// follows `on_store_error`. Dropping the handler's future before the body finished gives the
 /// claim back; once the body returned, its outcome is recorded (retried in the background if
 /// the store fails) and the claim is never given back.
 ///
-/// Inside the body, `idempotent::current()` returns the claim: its key, its **fence** (pass it
+/// Inside the body, `idempotency::current()` returns the claim: its key, its **fence** (pass it
 /// to the resource: `UPDATE ... SET ..., fence = $f WHERE id = $id AND fence < $f` refuses a
 /// stale owner) and a signal that resolves if the lease is lost.
 ///
@@ -63,7 +63,7 @@ use proc_macro::TokenStream;
 ///
 /// The smallest business unit of idempotency: 1 to 16 parameters or field paths of
 /// parameters (`msg`, `msg.order_id`, `msg.meta.tenant`, `self.tenant`, `pair.0`), borrowed
-/// when the handler is called. Each one's type must implement `idempotent::KeyPart`
+/// when the handler is called. Each one's type must implement `idempotency::KeyPart`
 /// (strings, byte strings, integers, `bool`, `char`, and references to them, or your own
 /// identifier types). Key on the business operation (order and activity), not on a message
 /// id that a producer's retry changes.
@@ -105,7 +105,7 @@ use proc_macro::TokenStream;
 /// ## `store = <expression>`
 ///
 /// The store to use, evaluated on every call and borrowed (it must implement
-/// `idempotent::IntoStore + Clone`; an `Arc` of a store is cheap to clone). Without it the
+/// `idempotency::IntoStore + Clone`; an `Arc` of a store is cheap to clone). Without it the
 /// process default is used.
 ///
 /// ```ignore
@@ -116,9 +116,9 @@ use proc_macro::TokenStream;
 ///
 /// What a call does when another owner holds a live claim on the key:
 ///
-/// - `reject` (the default): return `idempotent::Error::InProgress`, so the broker
+/// - `reject` (the default): return `idempotency::Error::InProgress`, so the broker
 ///   redelivers the message later;
-/// - `skip`: return `idempotent::Error::Skipped`, which a consumer acknowledges;
+/// - `skip`: return `idempotency::Error::Skipped`, which a consumer acknowledges;
 /// - `wait(N)`: wait up to `N` seconds for the owner to finish, then behave as for a
 ///   completed key (or claim the key if the owner gave it up).
 ///
@@ -129,7 +129,7 @@ use proc_macro::TokenStream;
 /// ## `on_store_error = fail_closed | fail_open`
 ///
 /// What a call does when the store fails before the body ran: `fail_closed` (the default)
-/// returns `idempotent::Error::Store` without running the body, so the message is
+/// returns `idempotency::Error::Store` without running the body, so the message is
 /// redelivered; `fail_open` runs the body unguarded.
 ///
 /// ```ignore
@@ -141,17 +141,17 @@ use proc_macro::TokenStream;
 /// What happens to the claim when the body returns `Err`:
 ///
 /// - `release` (the default): give the claim back, so a redelivery runs the body again;
-/// - `hold`: keep the key blocked; duplicates get `idempotent::Error::Held` until the record
+/// - `hold`: keep the key blocked; duplicates get `idempotency::Error::Held` until the record
 ///   expires or an operator clears it;
 /// - `store`: store the error and return it to duplicates (the error type must implement
 ///   `serde::Serialize` and `serde::de::DeserializeOwned`);
-/// - a path to a `fn(&E) -> idempotent::OnError`, to decide per error.
+/// - a path to a `fn(&E) -> idempotency::OnError`, to decide per error.
 ///
 /// ```ignore
-/// fn classify(error: &AppError) -> idempotent::OnError {
+/// fn classify(error: &AppError) -> idempotency::OnError {
 ///     match error {
-///         AppError::Timeout => idempotent::OnError::Hold,
-///         _ => idempotent::OnError::Release,
+///         AppError::Timeout => idempotency::OnError::Hold,
+///         _ => idempotency::OnError::Release,
 ///     }
 /// }
 ///
@@ -161,7 +161,7 @@ use proc_macro::TokenStream;
 /// ## `fingerprint = [...]`
 ///
 /// Parameters or field paths (as in `keys`) that describe the payload. A duplicate key with
-/// a different fingerprint fails with `idempotent::Error::PayloadMismatch` instead of being
+/// a different fingerprint fails with `idempotency::Error::PayloadMismatch` instead of being
 /// treated as the same operation.
 ///
 /// ```ignore
@@ -183,12 +183,23 @@ use proc_macro::TokenStream;
 /// ## `replay`
 ///
 /// Store the first run's `Ok` value and return it to duplicates instead of
-/// `idempotent::Error::Duplicate`. `T` must implement `serde::Serialize` and
+/// `idempotency::Error::Duplicate`. `T` must implement `serde::Serialize` and
 /// `serde::de::DeserializeOwned`.
 ///
 /// ```ignore
 /// #[idempotent(prefix = "http:create-order", keys = [req.idempotency_key], ttl = 86400, replay)]
 /// async fn create_order(req: &CreateOrder) -> Result<OrderCreated, ApiError> { /* ... */ }
+/// ```
+///
+/// ## `crate = path`
+///
+/// Where the runtime is, when it is not at `::idempotency`: a renamed dependency
+/// (`crate = ::idem` after `idem = { package = "idempotency", .. }`), or the runtime crate used
+/// directly (`crate = idempotent_runtime`). The expansion only names items under
+/// `<path>::__private`.
+///
+/// ```ignore
+/// #[idempotent(crate = idempotent_runtime, prefix = "order:consume", keys = [id], ttl = 60)]
 /// ```
 ///
 /// # Compile errors

@@ -31,6 +31,8 @@ pub(crate) struct Handler {
     pub(crate) done: Option<Expr>,
     /// The span of the `replay` flag.
     pub(crate) replay: Option<Span>,
+    /// The path of the runtime: `crate = path`, or `::idempotency`.
+    pub(crate) krate: syn::Path,
 }
 
 /// A checked `on_in_progress` policy.
@@ -147,6 +149,9 @@ pub(crate) fn handler(args: Result<Args>, item: Result<Item>, call_site: Span) -
         fingerprint,
         done,
         replay: args.replay.map(|replay| replay.name),
+        krate: args
+            .krate
+            .map_or_else(|| syn::parse_quote!(::idempotency), |krate| krate.value),
     })
 }
 
@@ -215,7 +220,7 @@ fn function(item: Item, errors: &mut Errors) -> Option<ItemFn> {
         tokens.extend([TokenTree::Ident(close)]);
         errors.push(Error::new_spanned(
             tokens,
-            "`#[idempotent]` handlers must return `Result<T, E>` where `E: From<idempotent::Error>`",
+            "`#[idempotent]` handlers must return `Result<T, E>` where `E: From<idempotency::Error>`",
         ));
     }
     // Returned even when wrong, so the arguments are checked against its parameters too.
@@ -786,7 +791,7 @@ mod tests {
         );
         assert_eq!(
             sig("async fn h(msg: &Msg) {}"),
-            ["`#[idempotent]` handlers must return `Result<T, E>` where `E: From<idempotent::Error>`"]
+            ["`#[idempotent]` handlers must return `Result<T, E>` where `E: From<idempotency::Error>`"]
         );
         assert_eq!(
             sig("async unsafe fn h(msg: &Msg) -> Result<(), E> {}"),
@@ -816,9 +821,9 @@ mod tests {
             [
                 "unknown argument `retries`; the arguments are `prefix`, `keys`, `ttl`, `lease`, \
                  `version`, `store`, `on_in_progress`, `on_store_error`, `on_error`, \
-                 `fingerprint`, `done`, `replay`",
+                 `fingerprint`, `done`, `replay`, `crate`",
                 "`#[idempotent]` handlers must be `async fn`",
-                "`#[idempotent]` handlers must return `Result<T, E>` where `E: From<idempotent::Error>`",
+                "`#[idempotent]` handlers must return `Result<T, E>` where `E: From<idempotency::Error>`",
             ]
         );
     }

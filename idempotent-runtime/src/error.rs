@@ -26,7 +26,7 @@ pub enum Action {
 
 /// Errors returned by idempotent handlers, the guard API and stores.
 ///
-/// Handlers convert it into their own error type (`AppError: From<idempotent::Error>`), so a
+/// Handlers convert it into their own error type (`AppError: From<idempotency::Error>`), so a
 /// duplicate or a store outage arrives as an ordinary `Err`. [`Error::action`] tells a
 /// consumer what to do with the message.
 ///
@@ -121,7 +121,7 @@ pub enum Error {
     /// nor [`set_default_store`](crate::set_default_store) at start-up. Nothing ran.
     ///
     /// Consumer: [`Action::Redeliver`]; fix the start-up code.
-    #[error("no idempotency store is configured: call `idempotent::set_default_store` at start-up or pass `store = ...`")]
+    #[error("no idempotency store is configured: call `idempotency::set_default_store` at start-up or pass `store = ...`")]
     NoStore,
 
     /// A duration setting (`ttl`, `lease`) is outside [`MIN_DURATION`](crate::store::MIN_DURATION)

@@ -70,7 +70,7 @@ pub const MAX_KEY_LEN: usize = MAX_PREFIX_LEN + ":v4294967295:{}".len() + MAX_IN
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be part of an idempotency key",
     label = "this is not a key part",
-    note = "key parts are business identifiers: strings, byte strings, integers, `bool`, `char`, or a type that implements `idempotent::KeyPart`"
+    note = "key parts are business identifiers: strings, byte strings, integers, `bool`, `char`, or a type that implements `idempotency::KeyPart`"
 )]
 pub trait KeyPart {
     /// Appends this part's canonical bytes to `out`.

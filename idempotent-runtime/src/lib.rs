@@ -1,7 +1,7 @@
 //! The runtime behind the `#[idempotent]` attribute: key encoding, the [`Store`] trait and
 //! its backends, and the claim → run → complete / release engine.
 //!
-//! Most users depend on the `idempotent` crate, which re-exports this one together with the
+//! Most users depend on the `idempotency` crate, which re-exports this one together with the
 //! attribute. Use this crate directly for the guard API ([`Guard`], [`Operation`]) or to
 //! write a backend.
 //!
@@ -58,7 +58,7 @@ pub use store::memory::{self, MemoryStore};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::redis::{self, RedisStore};
-#[cfg(feature = "sql")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 #[cfg_attr(
     docsrs,
     doc(cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite")))

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idempotent::{
+use idempotency::{
     BoxFuture, Claim, ClaimRequest, Completion, Error, Guard, InProgress, Key, OnError,
     OnStoreError, Record, RecordState, SharedStore, Store, StoreError, StoreErrorKind, Token,
 };
@@ -110,7 +110,7 @@ pub fn unique_namespace() -> String {
     format!("conf:{}", &token[6..token.len() - 1])
 }
 
-pub fn key(prefix: &str, parts: &[&dyn idempotent::KeyPart]) -> Key {
+pub fn key(prefix: &str, parts: &[&dyn idempotency::KeyPart]) -> Key {
     Key::new(prefix, 1, parts).unwrap()
 }
 
@@ -628,7 +628,7 @@ pub async fn store_outage_fails_closed(b: impl Backend) {
         .await;
     match out {
         Err(TestError::Idem(err @ Error::Store(_))) => {
-            assert_eq!(err.action(), idempotent::Action::Redeliver)
+            assert_eq!(err.action(), idempotency::Action::Redeliver)
         }
         other => panic!("expected a store error, got {other:?}"),
     }
@@ -787,7 +787,7 @@ pub async fn payload_mismatch_is_refused(b: impl Backend) {
     assert_eq!(call(1250).await.unwrap(), 1250);
     match call(9999).await {
         Err(TestError::Idem(err @ Error::PayloadMismatch { .. })) => {
-            assert_eq!(err.action(), idempotent::Action::DeadLetter)
+            assert_eq!(err.action(), idempotency::Action::DeadLetter)
         }
         other => panic!("someone else's result was replayed: {other:?}"),
     }
@@ -797,7 +797,7 @@ pub async fn payload_mismatch_is_refused_while_in_progress(b: impl Backend) {
     let store = b.store();
     let k = key(&unique_prefix(&b, "fingerprint-live"), &[&"pay-4"]);
     let mut first = req(&k, Duration::from_secs(30));
-    first.fingerprint = Some(idempotent::Fingerprint::of(&[&1u8]));
+    first.fingerprint = Some(idempotency::Fingerprint::of(&[&1u8]));
     let Claim::Acquired { fence: f } = store.claim(&first).await.unwrap() else {
         panic!("a new key was not acquired")
     };
@@ -809,7 +809,7 @@ pub async fn payload_mismatch_is_refused_while_in_progress(b: impl Backend) {
         Claim::InProgress { fence: f },
     );
     let mut other = req(&k, Duration::from_secs(30));
-    other.fingerprint = Some(idempotent::Fingerprint::of(&[&2u8]));
+    other.fingerprint = Some(idempotency::Fingerprint::of(&[&2u8]));
     assert_answer(
         &b,
         store.claim(&other).await.unwrap(),
@@ -978,7 +978,7 @@ pub async fn skip_policy_drops_the_duplicate(b: impl Backend) {
         .await;
     match out {
         Err(TestError::Idem(err @ Error::Skipped { .. })) => {
-            assert_eq!(err.action(), idempotent::Action::Ack)
+            assert_eq!(err.action(), idempotency::Action::Ack)
         }
         other => panic!("expected a skip, got {other:?}"),
     }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotent::{
+use idempotency::{
     current, BoxFuture, Claim, ClaimRequest, Completion, Error, Guard, Key, OnError, OnLostLease,
     Record, RecordState, SharedStore, Store, StoreError, StoreErrorKind, Token,
 };
@@ -451,8 +451,8 @@ pub async fn out_of_range_durations_are_refused_before_the_store(b: impl Backend
         "the store was called"
     );
     // The bounds themselves are accepted.
-    let edge: Result<(), TestError> = Guard::new(idempotent::store::MAX_DURATION)
-        .lease(idempotent::store::MIN_DURATION * 1000)
+    let edge: Result<(), TestError> = Guard::new(idempotency::store::MAX_DURATION)
+        .lease(idempotency::store::MIN_DURATION * 1000)
         .store(store.clone())
         .run(k, async { Ok(()) })
         .await;

@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use idempotent::broker::Settle;
-use idempotent::{idempotent, SharedStore};
+use idempotency::broker::Settle;
+use idempotency::{idempotent, SharedStore};
 use serde::{Deserialize, Serialize};
 
 use crate::business::{Business, Effect};
@@ -84,7 +84,7 @@ pub async fn nats() -> async_nats::Client {
 }
 
 pub async fn store(url: &str) -> SharedStore {
-    match idempotent::connect(url).await {
+    match idempotency::connect(url).await {
         Ok(store) => store,
         Err(err) => panic!(
             "the store at {url} is not reachable: {err:?}\n\
@@ -171,7 +171,7 @@ pub fn messages(tenant: &str, orders: u32, copies: u32) -> Vec<OrderMessage> {
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
     #[error(transparent)]
-    Idempotency(#[from] idempotent::Error),
+    Idempotency(#[from] idempotency::Error),
     #[error("business database error")]
     Business(#[from] sqlx::Error),
     #[error("malformed message")]
@@ -181,7 +181,7 @@ pub enum AppError {
 }
 
 impl Settle for AppError {
-    fn idempotency_error(&self) -> Option<&idempotent::Error> {
+    fn idempotency_error(&self) -> Option<&idempotency::Error> {
         match self {
             AppError::Idempotency(err) => Some(err),
             _ => None,
@@ -259,11 +259,11 @@ impl Kitchen {
             Ok(Effect::Applied) => "executed",
             Ok(Effect::AlreadyApplied) => "absorbed",
             Err(AppError::Idempotency(err)) if err.is_duplicate() => "filtered",
-            Err(AppError::Idempotency(idempotent::Error::InProgress { .. })) => {
+            Err(AppError::Idempotency(idempotency::Error::InProgress { .. })) => {
                 self.seen.in_progress.fetch_add(1, Ordering::SeqCst);
                 return Ok(());
             }
-            Err(AppError::Idempotency(idempotent::Error::Store(_))) => {
+            Err(AppError::Idempotency(idempotency::Error::Store(_))) => {
                 self.seen.store_errors.fetch_add(1, Ordering::SeqCst);
                 return Ok(());
             }

@@ -24,8 +24,8 @@ pub fn redis_url() -> String {
 
 /// A store on `url` (unsafe configurations only warned about), or a panic that says how to
 /// start Redis.
-pub async fn connect(url: &str) -> idempotent::redis::RedisStore {
-    use idempotent::redis::{RedisStore, UnsafeConfig};
+pub async fn connect(url: &str) -> idempotency::redis::RedisStore {
+    use idempotency::redis::{RedisStore, UnsafeConfig};
     match RedisStore::builder(url)
         .on_unsafe_config(UnsafeConfig::Warn)
         .build()

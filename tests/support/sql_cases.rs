@@ -16,10 +16,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotent::sql::sqlx::{self, Database};
-use idempotent::sql::{Dialect, SqlStore};
-use idempotent::store::MAX_DURATION;
-use idempotent::{
+use idempotency::sql::sqlx::{self, Database};
+use idempotency::sql::{Dialect, SqlStore};
+use idempotency::store::MAX_DURATION;
+use idempotency::{
     BoxFuture, Claim, ClaimRequest, Completion, Error, Fingerprint, Key, RecordState, Store,
     StoreError, StoreErrorKind, Token,
 };
@@ -692,7 +692,7 @@ pub async fn longest_durations_work<H: Harness>(store: &SqlStore<H::Db>) {
             .claim(&req(&century, MAX_DURATION, MAX_DURATION))
             .await,
     );
-    let lease_left = |record: Option<idempotent::Record>| match record.map(|r| r.state) {
+    let lease_left = |record: Option<idempotency::Record>| match record.map(|r| r.state) {
         Some(RecordState::InProgress { lease_left }) => lease_left,
         other => panic!("expected a live claim, got {other:?}"),
     };

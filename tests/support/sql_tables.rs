@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, Once};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idempotent::sql::sqlx::{self, Connection, Executor, Row};
+use idempotency::sql::sqlx::{self, Connection, Executor, Row};
 
 const PREFIX: &str = "idem_";
 const LEFTOVER_AGE: Duration = Duration::from_secs(3600);
@@ -103,7 +103,7 @@ pub fn unique_name() -> String {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_secs();
-    let token = format!("{:?}", idempotent::Token::generate());
+    let token = format!("{:?}", idempotency::Token::generate());
     // `Token(<32 hex digits>)`: the first 16 are per process, the rest a counter.
     let salt = &token[6..14];
     let n = NEXT.fetch_add(1, Ordering::Relaxed);

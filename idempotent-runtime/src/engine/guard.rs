@@ -235,7 +235,7 @@ impl Guard {
             .map(|((item, req), first)| {
                 let store = store.clone();
                 let span = tracing::debug_span!(
-                    "idempotent",
+                    "idempotency",
                     key = %req.key,
                     fence = tracing::field::Empty,
                     outcome = tracing::field::Empty,

@@ -4,11 +4,11 @@ use std::future::Future;
 
 use crate::error::Error;
 
-/// The output of an idempotent handler: `Result<T, E>` where `E: From<idempotent::Error>`.
+/// The output of an idempotent handler: `Result<T, E>` where `E: From<idempotency::Error>`.
 #[diagnostic::on_unimplemented(
     message = "idempotent handlers must return `Result<T, E>`, but this one returns `{Self}`",
     label = "not a `Result`",
-    note = "the handler's error type must also implement `From<idempotent::Error>`"
+    note = "the handler's error type must also implement `From<idempotency::Error>`"
 )]
 pub trait HandlerResult: Sized {
     /// The success type.

@@ -216,7 +216,7 @@ where
         F: Future<Output = R>,
     {
         let span = tracing::debug_span!(
-            "idempotent",
+            "idempotency",
             key = tracing::field::Empty,
             fence = tracing::field::Empty,
             outcome = tracing::field::Empty,

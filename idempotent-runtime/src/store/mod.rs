@@ -27,7 +27,7 @@ use crate::key::{Key, KeyPart};
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
-#[cfg(feature = "sql")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod sql;
 mod tiered;
 mod url;
@@ -256,7 +256,7 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 /// ```
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not an idempotency store handle",
-    note = "pass an `Arc` of a store, e.g. `Arc<MemoryStore>` or `idempotent::SharedStore`"
+    note = "pass an `Arc` of a store, e.g. `Arc<MemoryStore>` or `idempotency::SharedStore`"
 )]
 pub trait IntoStore {
     /// The shared handle.

@@ -14,7 +14,7 @@ pub enum ConnectError {
         url: String,
     },
     /// The backend for the URL's scheme is not compiled in.
-    #[error("`{scheme}` URLs need the `{feature}` feature of `idempotent` (add `features = [\"{feature}\"]` to the dependency)")]
+    #[error("`{scheme}` URLs need the `{feature}` feature of `idempotency` (add `features = [\"{feature}\"]` to the dependency)")]
     FeatureDisabled {
         /// The URL's scheme.
         scheme: &'static str,
@@ -90,7 +90,7 @@ async fn redis(_: &str) -> Result<SharedStore, ConnectError> {
     })
 }
 
-#[cfg(feature = "sql")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 async fn sql(
     url: &str,
     scheme: &'static str,
@@ -99,7 +99,7 @@ async fn sql(
     crate::store::sql::connect(url, scheme, feature).await
 }
 
-#[cfg(not(feature = "sql"))]
+#[cfg(not(any(feature = "postgres", feature = "mysql", feature = "sqlite")))]
 async fn sql(
     _: &str,
     scheme: &'static str,

@@ -3,18 +3,18 @@
 
 use std::sync::Arc;
 
-use idempotent::MemoryStore;
+use idempotency::MemoryStore;
 
 /// The handlers.
 pub mod handlers {
-    use idempotent::idempotent;
+    use idempotency::idempotent;
 
     /// The application's error.
     #[derive(Debug)]
     pub struct AppError;
 
-    impl From<idempotent::Error> for AppError {
-        fn from(_: idempotent::Error) -> Self {
+    impl From<idempotency::Error> for AppError {
+        fn from(_: idempotency::Error) -> Self {
             AppError
         }
     }
@@ -24,7 +24,7 @@ pub mod handlers {
     #[inline]
     #[allow(clippy::needless_lifetimes, clippy::mixed_attributes_style)]
     pub async fn handle<'a>(
-        store: &std::sync::Arc<idempotent::MemoryStore>,
+        store: &std::sync::Arc<idempotency::MemoryStore>,
         id: &'a str,
     ) -> Result<&'a str, AppError> {
         #![allow(unused_mut)]

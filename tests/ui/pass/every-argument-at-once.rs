@@ -5,14 +5,14 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use idempotent::{idempotent, MemoryStore};
+use idempotency::{idempotent, MemoryStore};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug)]
 pub struct AppError;
 
-impl From<idempotent::Error> for AppError {
-    fn from(_: idempotent::Error) -> Self {
+impl From<idempotency::Error> for AppError {
+    fn from(_: idempotency::Error) -> Self {
         AppError
     }
 }

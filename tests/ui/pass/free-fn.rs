@@ -5,15 +5,15 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use idempotent::{idempotent, MemoryStore};
+use idempotency::{idempotent, MemoryStore};
 
 #[derive(Debug)]
 enum AppError {
-    Idempotent(idempotent::Error),
+    Idempotent(idempotency::Error),
 }
 
-impl From<idempotent::Error> for AppError {
-    fn from(error: idempotent::Error) -> Self {
+impl From<idempotency::Error> for AppError {
+    fn from(error: idempotency::Error) -> Self {
         AppError::Idempotent(error)
     }
 }
@@ -33,7 +33,7 @@ async fn on_order(msg: &OrderMessage) -> Result<u64, AppError> {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    idempotent::set_default_store(Arc::new(MemoryStore::new())).unwrap();
+    idempotency::set_default_store(Arc::new(MemoryStore::new())).unwrap();
     let msg = OrderMessage {
         order_id: "A-100".to_owned(),
         activity_id: 7,

@@ -3,13 +3,13 @@
 
 use std::sync::Arc;
 
-use idempotent::{idempotent, KeyPart, MemoryStore};
+use idempotency::{idempotent, KeyPart, MemoryStore};
 
 #[derive(Debug)]
 struct AppError;
 
-impl From<idempotent::Error> for AppError {
-    fn from(_: idempotent::Error) -> Self {
+impl From<idempotency::Error> for AppError {
+    fn from(_: idempotency::Error) -> Self {
         AppError
     }
 }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use idempotent::{idempotent, MemoryStore, OnError};
+use idempotency::{idempotent, MemoryStore, OnError};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -13,8 +13,8 @@ enum AppError {
     Invalid,
 }
 
-impl From<idempotent::Error> for AppError {
-    fn from(error: idempotent::Error) -> Self {
+impl From<idempotency::Error> for AppError {
+    fn from(error: idempotency::Error) -> Self {
         AppError::Idempotent(error.to_string())
     }
 }

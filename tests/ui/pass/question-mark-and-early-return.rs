@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use idempotent::{idempotent, MemoryStore};
+use idempotency::{idempotent, MemoryStore};
 
 #[derive(Debug)]
 enum AppError {
@@ -11,8 +11,8 @@ enum AppError {
     Parse(std::num::ParseIntError),
 }
 
-impl From<idempotent::Error> for AppError {
-    fn from(_: idempotent::Error) -> Self {
+impl From<idempotency::Error> for AppError {
+    fn from(_: idempotency::Error) -> Self {
         AppError::Idempotent
     }
 }

@@ -144,12 +144,6 @@
 //! database error (a missing table, say) is [`StoreErrorKind::Protocol`]. The sqlx error is
 //! always the [`source`](std::error::Error::source).
 
-// `sql` is the database features' shared part; on its own it has no database to drive.
-#![cfg_attr(
-    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
-    allow(dead_code, unused_macros, unused_imports)
-)]
-
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::fmt;
