@@ -397,3 +397,20 @@ async fn fresh_key_traffic_keeps_the_store_bounded_by_its_live_records() {
         clock.advance(Duration::from_millis(1500));
     }
 }
+
+#[tokio::test]
+async fn boxed_and_static_stores_are_stores() {
+    use idempotency::{Guard, Key, Store};
+    async fn run_on(store: impl Store) -> Result<u32, idempotency::Error> {
+        let key = Key::new("pointer", 1, &[&1u8])?;
+        Guard::new(Duration::from_secs(60))
+            .store(Arc::new(store))
+            .run(key, async { Ok(7) })
+            .await
+    }
+    assert_eq!(run_on(Box::new(MemoryStore::new())).await.unwrap(), 7);
+    let leaked: &'static MemoryStore = Box::leak(Box::new(MemoryStore::new()));
+    assert_eq!(run_on(leaked).await.unwrap(), 7);
+    // The leaked store saw the call: a second one is a duplicate.
+    assert!(run_on(leaked).await.unwrap_err().is_duplicate());
+}

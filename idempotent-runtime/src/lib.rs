@@ -43,7 +43,7 @@ pub mod broker;
 pub mod __private;
 
 pub use default_store::{default_store, set_default_store, AlreadySet};
-pub use engine::{current, Current, Done, DoneCheck, Guard, HandlerResult, NoDone, Operation};
+pub use engine::{current, state, Current, Guard, HandlerResult, Operation};
 pub use error::{Action, Error, StoreError, StoreErrorKind};
 pub use key::{Key, KeyError, KeyPart};
 pub use policy::{InProgress, OnError, OnLostLease, OnStoreError};

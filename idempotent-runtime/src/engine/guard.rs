@@ -11,7 +11,7 @@ use crate::default_store::default_store;
 use crate::engine::decide::{decide, Busy, Next, Waiting};
 use crate::engine::handler::{HandlerResult, NoDone};
 use crate::engine::operation::Operation;
-use crate::engine::operation::{completed, own, Settle};
+use crate::engine::operation::{completed, own, Outcomes};
 use crate::engine::owner::{self, Claimed, Owner, PendingBatch};
 use crate::error::{Error, StoreError};
 use crate::key::Key;
@@ -287,15 +287,15 @@ impl Guard {
             Next::Run { fence } => {
                 span.record("fence", fence);
                 let owner = Owner::new(Arc::new(Claimed::new(store, req, fence, sent_at)));
-                let settle = Settle::<R>::default();
-                own(owner, &mut NoDone, &settle, self.on_lost_lease, |_| {
+                let outcomes = Outcomes::<R>::default();
+                own(owner, &mut NoDone, &outcomes, self.on_lost_lease, |_| {
                     handler(item)
                 })
                 .await
             }
             Next::Completed { result, .. } => {
                 span.record("outcome", "completed");
-                completed(req.key, result, &Settle::<R>::default())
+                completed(req.key, result, &Outcomes::<R>::default())
             }
             Next::Mismatch { .. } => Err(Error::PayloadMismatch { key: req.key }.into()),
             Next::Busy { fence, then } => match then {

@@ -32,9 +32,10 @@ impl<T, E: From<Error>> HandlerResult for Result<T, E> {
     }
 }
 
-/// A business-status check for [`Operation::done`](crate::Operation::done). Implemented by [`NoDone`] and by the
-/// wrapper that `done` installs; not meant to be implemented by hand.
-pub trait DoneCheck {
+/// A business-status check for [`Operation::done`](crate::Operation::done): the type state
+/// of an [`Operation`](crate::Operation) with ([`Done`]) or without ([`NoDone`]) a check.
+/// Sealed: only those two implement it.
+pub trait DoneCheck: sealed::Sealed {
     /// The check's error type.
     type Error;
     /// The check's future.
@@ -69,4 +70,12 @@ where
     fn start(&mut self) -> Option<Fut> {
         Some((self.0)())
     }
+}
+
+mod sealed {
+    /// Keeps [`DoneCheck`](super::DoneCheck) to the engine's own two type states.
+    pub trait Sealed {}
+
+    impl Sealed for super::NoDone {}
+    impl<F> Sealed for super::Done<F> {}
 }

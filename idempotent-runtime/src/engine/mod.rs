@@ -21,5 +21,11 @@ mod watch;
 
 pub use current::{current, Current};
 pub use guard::Guard;
-pub use handler::{Done, DoneCheck, HandlerResult, NoDone};
+pub use handler::HandlerResult;
 pub use operation::Operation;
+
+/// The type states of an [`Operation`]: with or without a business-status check
+/// ([`Operation::done`]). They appear in signatures only; nothing here is built by hand.
+pub mod state {
+    pub use super::handler::{Done, DoneCheck, NoDone};
+}

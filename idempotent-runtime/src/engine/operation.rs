@@ -57,20 +57,20 @@ pub struct Operation<R: HandlerResult, D = NoDone> {
     guard: Guard,
     key: Result<Key, KeyError>,
     fingerprint: Option<Fingerprint>,
-    settle: Settle<R>,
+    outcomes: Outcomes<R>,
     done: D,
 }
 
 /// How a run's outcome is stored: replay codecs and the error policy.
-pub(crate) struct Settle<R: HandlerResult> {
+pub(crate) struct Outcomes<R: HandlerResult> {
     replay: Option<Codec<R::Ok>>,
     errors: Option<Codec<R::Err>>,
     on_error: Option<fn(&R::Err) -> OnError>,
 }
 
-impl<R: HandlerResult> Default for Settle<R> {
+impl<R: HandlerResult> Default for Outcomes<R> {
     fn default() -> Self {
-        Settle {
+        Outcomes {
             replay: None,
             errors: None,
             on_error: None,
@@ -84,7 +84,7 @@ impl<R: HandlerResult> Operation<R> {
             guard,
             key,
             fingerprint: None,
-            settle: Settle::default(),
+            outcomes: Outcomes::default(),
             done: NoDone,
         }
     }
@@ -111,7 +111,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     where
         R::Ok: Serialize + DeserializeOwned,
     {
-        self.settle.replay = Some(Codec {
+        self.outcomes.replay = Some(Codec {
             encode: |value| codec::encode(codec::OK, value),
             decode: codec::decode,
         });
@@ -121,7 +121,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     /// Decides, per handler error, what happens to the claim. Without it every error
     /// releases the claim ([`OnError::Release`]).
     pub fn on_error(mut self, classify: fn(&R::Err) -> OnError) -> Self {
-        self.settle.on_error = Some(classify);
+        self.outcomes.on_error = Some(classify);
         self
     }
 
@@ -131,12 +131,12 @@ impl<R: HandlerResult, D> Operation<R, D> {
     where
         R::Err: Serialize + DeserializeOwned,
     {
-        self.settle.errors = Some(Codec {
+        self.outcomes.errors = Some(Codec {
             encode: |err| codec::encode(codec::ERR, err),
             decode: codec::decode,
         });
-        if self.settle.on_error.is_none() {
-            self.settle.on_error = Some(|_| OnError::Store);
+        if self.outcomes.on_error.is_none() {
+            self.outcomes.on_error = Some(|_| OnError::Store);
         }
         self
     }
@@ -159,7 +159,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
             guard: self.guard,
             key: self.key,
             fingerprint: self.fingerprint,
-            settle: self.settle,
+            outcomes: self.outcomes,
             done: Done(check),
         }
     }
@@ -233,7 +233,7 @@ where
             mut guard,
             key,
             fingerprint,
-            settle,
+            outcomes,
             mut done,
         } = self;
         let span = tracing::Span::current();
@@ -277,12 +277,12 @@ where
                     span.record("fence", fence);
                     let claimed = Claimed::new(store, unwrap_req(req), fence, sent_at);
                     let owner = Owner::new(Arc::new(claimed));
-                    return own(owner, &mut done, &settle, guard.on_lost_lease, body).await;
+                    return own(owner, &mut done, &outcomes, guard.on_lost_lease, body).await;
                 }
                 Next::Completed { fence, result } => {
                     span.record("fence", fence);
                     span.record("outcome", "completed");
-                    return completed(unwrap_req(req).key, result, &settle);
+                    return completed(unwrap_req(req).key, result, &outcomes);
                 }
                 Next::Mismatch { fence } => {
                     span.record("fence", fence);
@@ -337,7 +337,7 @@ fn unwrap_req(req: Arc<ClaimRequest>) -> ClaimRequest {
 pub(crate) async fn own<R, D, B, F>(
     owner: Owner,
     done: &mut D,
-    settle: &Settle<R>,
+    outcomes: &Outcomes<R>,
     on_lost: OnLostLease,
     body: B,
 ) -> Result<R::Ok, R::Err>
@@ -386,7 +386,7 @@ where
     };
     match out {
         Ok(value) => {
-            let result = settle.replay.as_ref().and_then(|codec| {
+            let result = outcomes.replay.as_ref().and_then(|codec| {
                 (codec.encode)(&value)
                     .map_err(|err| tracing::error!(error = %err, "result could not be stored for replay"))
                     .ok()
@@ -414,8 +414,8 @@ where
             }
         }
         Err(err) => {
-            let policy = settle.on_error.map_or(OnError::Release, |f| f(&err));
-            let stored = match (policy, &settle.errors) {
+            let policy = outcomes.on_error.map_or(OnError::Release, |f| f(&err));
+            let stored = match (policy, &outcomes.errors) {
                 (OnError::Release, _) => None,
                 (OnError::Store, Some(codec)) => Some((codec.encode)(&err).unwrap_or_else(|e| {
                     tracing::error!(error = %e, "handler error could not be stored; holding the key");
@@ -444,14 +444,14 @@ where
 pub(crate) fn completed<R: HandlerResult>(
     key: Key,
     result: Option<Vec<u8>>,
-    settle: &Settle<R>,
+    outcomes: &Outcomes<R>,
 ) -> Result<R::Ok, R::Err> {
     match result.as_deref().and_then(<[u8]>::split_first) {
-        Some((&codec::OK, body)) => match &settle.replay {
+        Some((&codec::OK, body)) => match &outcomes.replay {
             Some(codec) => Ok((codec.decode)(body)?),
             None => Err(Error::Duplicate { key }.into()),
         },
-        Some((&codec::ERR, body)) => match &settle.errors {
+        Some((&codec::ERR, body)) => match &outcomes.errors {
             Some(codec) => Err((codec.decode)(body)?),
             None => Err(Error::Duplicate { key }.into()),
         },

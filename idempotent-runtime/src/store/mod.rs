@@ -202,46 +202,66 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
-impl<S: Store + ?Sized> Store for Arc<S> {
-    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        (**self).claim(req)
-    }
-    fn claim_many<'a>(
-        &'a self,
-        reqs: &'a [ClaimRequest],
-    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
-        (**self).claim_many(reqs)
-    }
-    fn complete<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        completion: &'a Completion,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        (**self).complete(key, token, completion)
-    }
-    fn release<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        (**self).release(key, token)
-    }
-    fn renew<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        (**self).renew(key, token, lease)
-    }
-    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
-        (**self).read(key)
-    }
-    fn max_result_size(&self) -> usize {
-        (**self).max_result_size()
-    }
+/// Forwards every method of [`Store`] through a pointer to a store.
+macro_rules! forward_store {
+    ($(#[$doc:meta])* impl<S> Store for $ty:ty) => {
+        $(#[$doc])*
+        impl<S: Store + ?Sized> Store for $ty {
+            fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+                (**self).claim(req)
+            }
+            fn claim_many<'a>(
+                &'a self,
+                reqs: &'a [ClaimRequest],
+            ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
+                (**self).claim_many(reqs)
+            }
+            fn complete<'a>(
+                &'a self,
+                key: &'a Key,
+                token: &'a Token,
+                completion: &'a Completion,
+            ) -> BoxFuture<'a, Result<bool, StoreError>> {
+                (**self).complete(key, token, completion)
+            }
+            fn release<'a>(
+                &'a self,
+                key: &'a Key,
+                token: &'a Token,
+            ) -> BoxFuture<'a, Result<bool, StoreError>> {
+                (**self).release(key, token)
+            }
+            fn renew<'a>(
+                &'a self,
+                key: &'a Key,
+                token: &'a Token,
+                lease: Duration,
+            ) -> BoxFuture<'a, Result<bool, StoreError>> {
+                (**self).renew(key, token, lease)
+            }
+            fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+                (**self).read(key)
+            }
+            fn max_result_size(&self) -> usize {
+                (**self).max_result_size()
+            }
+        }
+    };
 }
+
+forward_store!(
+    /// A shared store is a store.
+    impl<S> Store for Arc<S>
+);
+forward_store!(
+    /// A boxed store is a store.
+    impl<S> Store for Box<S>
+);
+forward_store!(
+    /// A reference to a store that lives for the whole program (a `static`, or
+    /// `Box::leak`) is a store.
+    impl<S> Store for &'static S
+);
 
 /// Converts a store handle into a [`SharedStore`]. Implemented for `Arc<S>` of any store,
 /// for [`SharedStore`] itself, and for references to either.
