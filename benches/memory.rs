@@ -15,12 +15,16 @@
 // A measurement program: failing loudly on a broken setup is the right behaviour.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/stats.rs"]
+mod stats;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idempotency::{
     idempotent, Claim, ClaimRequest, Completion, Error, Guard, Key, MemoryStore, Store, Token,
 };
+use stats::{figure, median, per_s};
 
 const OPS: u32 = 400_000;
 const ROUNDS: usize = 5;
@@ -81,15 +85,6 @@ async fn duplicate_pass(store: &Arc<MemoryStore>, round: u32) -> Duration {
     started.elapsed()
 }
 
-fn per_s(d: Duration) -> f64 {
-    f64::from(OPS) / d.as_secs_f64()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -101,18 +96,18 @@ fn main() {
             // A fresh store per pass, so every pass starts from an empty map; guard and
             // attribute passes take turns going first.
             let fresh = || Arc::new(MemoryStore::new());
-            let store_rate = per_s(store_pass(&fresh(), round).await);
+            let store_rate = per_s(OPS as usize, store_pass(&fresh(), round).await);
             let guard_store = fresh();
             let guard = Guard::new(Duration::from_secs(3600)).store(guard_store.clone());
             let attribute_store = fresh();
             let (guard_rate, attribute_rate) = if round % 2 == 0 {
-                let g = per_s(guard_pass(&guard, round).await);
-                (g, per_s(attribute_pass(&attribute_store, round).await))
+                let g = per_s(OPS as usize, guard_pass(&guard, round).await);
+                (g, per_s(OPS as usize, attribute_pass(&attribute_store, round).await))
             } else {
-                let a = per_s(attribute_pass(&attribute_store, round).await);
-                (per_s(guard_pass(&guard, round).await), a)
+                let a = per_s(OPS as usize, attribute_pass(&attribute_store, round).await);
+                (per_s(OPS as usize, guard_pass(&guard, round).await), a)
             };
-            let duplicate_rate = per_s(duplicate_pass(&attribute_store, round).await);
+            let duplicate_rate = per_s(OPS as usize, duplicate_pass(&attribute_store, round).await);
             let passes = [store_rate, guard_rate, attribute_rate, duplicate_rate];
             println!(
                 "round {round}: store {:.0}/s, guard {:.0}/s, attribute {:.0}/s, duplicates {:.0}/s",
@@ -126,11 +121,11 @@ fn main() {
                 d.push(passes[3]);
             }
         }
-        let (s, g, a, d) = (median(s), median(g), median(a), median(d));
-        println!("store_cycles_per_s={s:.0}");
-        println!("guard_cycles_per_s={g:.0}");
-        println!("attribute_cycles_per_s={a:.0}");
-        println!("attribute_over_guard={:.3}", a / g);
-        println!("duplicate_claims_per_s={d:.0}");
+        let (s, g, a, d) = (median(&s), median(&g), median(&a), median(&d));
+        figure("store_cycles_per_s", s, 0);
+        figure("guard_cycles_per_s", g, 0);
+        figure("attribute_cycles_per_s", a, 0);
+        figure("attribute_over_guard", a / g, 3);
+        figure("duplicate_claims_per_s", d, 0);
     });
 }

@@ -40,6 +40,9 @@
 // A measurement program: failing loudly on a broken setup is the right behaviour.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/stats.rs"]
+mod stats;
+
 use std::fmt::Display;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,6 +53,7 @@ use idempotency::{idempotent, Guard, Key, RedisStore};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Script, Value};
 use serde::{Deserialize, Serialize};
+use stats::{figure, median, per_s, percentile};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -316,7 +320,7 @@ impl Bench {
         let server = server_cpu(&mut conn).await? - server_before;
         let calls = evalsha_calls(&mut conn).await? - calls_before;
         let figures = PassFigures {
-            ops_per_s: ops as f64 / elapsed.as_secs_f64(),
+            ops_per_s: per_s(ops, elapsed),
             client_us: client_before
                 .zip(client_after)
                 .map_or(f64::NAN, |(b, a)| (a - b) * 1e6 / ops as f64),
@@ -570,16 +574,6 @@ async fn used_memory(conn: &mut ConnectionManager) -> Result<u64, BoxError> {
     info_field(conn, "memory", "used_memory:").await
 }
 
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    let at = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[at]
-}
-
 /// The URL without its password, for messages.
 fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
@@ -729,19 +723,19 @@ async fn run(bench: &Bench) -> Result<(), BoxError> {
         }
         paired.push(framework[round - 1] / raw[round - 1]);
     }
-    let raw_ops = median(&mut raw);
-    let framework_ops = median(&mut framework);
+    let raw_ops = median(&raw);
+    let framework_ops = median(&framework);
     println!(
         "median    raw {raw_ops:.0} ops/s, framework {framework_ops:.0} ops/s over {ROUNDS} rounds; \
          median of per-round ratios {:.3}",
-        median(&mut paired)
+        median(&paired)
     );
     println!(
         "median    CPU/cycle: client raw {:.1} us, framework {:.1} us; server raw {:.1} us, framework {:.1} us",
-        median(&mut raw_client),
-        median(&mut framework_client),
-        median(&mut raw_server),
-        median(&mut framework_server),
+        median(&raw_client),
+        median(&framework_client),
+        median(&raw_server),
+        median(&framework_server),
     );
 
     // Duplicates: each key arrives three times; the second and third are duplicates.
@@ -758,8 +752,8 @@ async fn run(bench: &Bench) -> Result<(), BoxError> {
     println!(
         "dupes     {DUPLICATE_KEYS} keys x 3 arrivals, {TASKS} tasks: {firsts} first arrivals {:.0} ops/s; \
          {duplicates} duplicates {:.0} ops/s, {calls} EVALSHA = {round_trips:.3} round trips/duplicate",
-        firsts as f64 / first_elapsed.as_secs_f64(),
-        duplicates as f64 / elapsed.as_secs_f64(),
+        per_s(firsts as usize, first_elapsed),
+        per_s(duplicates as usize, elapsed),
     );
     bench
         .delete_matching(&bench.pattern(Side::Framework, &tag))
@@ -782,15 +776,17 @@ async fn run(bench: &Bench) -> Result<(), BoxError> {
     let bytes_per_record = bench.memory('a', false).await?;
     bench.memory('b', true).await?;
 
-    println!("raw_ops_per_s={raw_ops:.0}");
-    println!("framework_ops_per_s={framework_ops:.0}");
-    println!("ratio={:.3}", framework_ops / raw_ops);
-    if (round_trips - round_trips.round()).abs() < 0.0005 {
-        println!("duplicate_round_trips={}", round_trips.round() as u64);
-    } else {
-        println!("duplicate_round_trips={round_trips:.3}");
-    }
-    println!("bytes_per_completed_record={bytes_per_record:.0}");
+    figure("raw_ops_per_s", raw_ops, 0);
+    figure("framework_ops_per_s", framework_ops, 0);
+    figure("ratio", framework_ops / raw_ops, 3);
+    // A whole number of round trips prints as one.
+    let whole = (round_trips - round_trips.round()).abs() < 0.0005;
+    figure(
+        "duplicate_round_trips",
+        round_trips,
+        if whole { 0 } else { 3 },
+    );
+    figure("bytes_per_completed_record", bytes_per_record, 0);
     Ok(())
 }
 

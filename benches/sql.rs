@@ -18,6 +18,8 @@
 
 #[path = "../tests/support/sql_tables.rs"]
 mod sql_tables;
+#[path = "support/stats.rs"]
+mod stats;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -28,6 +30,7 @@ use idempotency::sql::sqlx::{self, AssertSqlSafe, Row};
 use idempotency::sql::{Dialect, SqlStore};
 use idempotency::{Error, Guard, Key, Token};
 use sql_tables::{Scratch, Server};
+use stats::{figure, median, per_s};
 
 const TASKS: usize = 50;
 const POOL: u32 = 8;
@@ -167,12 +170,7 @@ async fn pass<DB: Raw>(store: &SqlStore<DB>, mode: Mode, ops: usize, run: usize)
     for task in tasks {
         task.await.unwrap();
     }
-    ops as f64 / started.elapsed().as_secs_f64()
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
+    per_s(ops, started.elapsed())
 }
 
 /// Warm-up, then alternating measured passes; returns (raw, framework) ops/s.
@@ -200,7 +198,7 @@ async fn measure<DB: Raw>(name: &str, server: Server) -> (f64, f64) {
         framework.push(f);
     }
     store.pool().close().await;
-    (median(raw), median(framework))
+    (median(&raw), median(&framework))
 }
 
 fn main() {
@@ -215,9 +213,9 @@ fn main() {
         let postgres = measure::<sqlx::Postgres>("postgres", Server::Postgres).await;
         let mysql = measure::<sqlx::MySql>("mysql", Server::MySql).await;
         for (name, (raw, framework)) in [("postgres", postgres), ("mysql", mysql)] {
-            println!("{name}_raw_ops_per_s={raw:.0}");
-            println!("{name}_framework_ops_per_s={framework:.0}");
-            println!("{name}_ratio={:.3}", framework / raw);
+            figure(&format!("{name}_raw_ops_per_s"), raw, 0);
+            figure(&format!("{name}_framework_ops_per_s"), framework, 0);
+            figure(&format!("{name}_ratio"), framework / raw, 3);
         }
     });
 }

@@ -1,0 +1,33 @@
+//! The statistics the benchmarks share: medians, percentiles, rates and the `name=value`
+//! figure lines they end with. Each bench includes this file with
+//! `#[path = "support/stats.rs"] mod stats;`.
+
+// Each bench uses only some of these.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+/// The median of `values`: the middle one once sorted (the upper middle for an even count).
+/// NaN sorts last, so a pass that measured nothing does not shift the median down.
+pub(crate) fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[sorted.len() / 2]
+}
+
+/// The `p` quantile (0.0 to 1.0) of `sorted`, already in ascending order: the nearest-rank
+/// value, never below the first.
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let at = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[at]
+}
+
+/// How many per second `count` events over `elapsed` make.
+pub(crate) fn per_s(count: usize, elapsed: Duration) -> f64 {
+    count as f64 / elapsed.as_secs_f64()
+}
+
+/// Prints one figure line, `name=value`, with `decimals` digits after the point.
+pub(crate) fn figure(name: &str, value: f64, decimals: usize) {
+    println!("{name}={value:.decimals$}");
+}
