@@ -25,6 +25,7 @@ use crate::key::{Key, KeyPart};
 
 #[cfg(feature = "memory")]
 pub mod memory;
+mod redact;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]

@@ -1,6 +1,7 @@
 //! One constructor that picks the backend from a URL's scheme.
 
 use crate::error::StoreError;
+use crate::store::redact::redact;
 use crate::store::SharedStore;
 
 /// Why [`connect`] could not build a store.
@@ -55,16 +56,16 @@ pub async fn connect(url: &str) -> Result<SharedStore, ConnectError> {
     match scheme {
         "memory" => memory(),
         "redis" | "rediss" | "redis+cluster" | "rediss+cluster" => redis(url).await,
-        "postgres" | "postgresql" => sql(url, "postgres", "postgres").await,
-        "mysql" | "mariadb" => sql(url, "mysql", "mysql").await,
-        "sqlite" => sql(url, "sqlite", "sqlite").await,
+        "postgres" | "postgresql" => postgres(url).await,
+        "mysql" | "mariadb" => mysql(url).await,
+        "sqlite" => sqlite(url).await,
         _ => Err(ConnectError::UnknownScheme { url: redact(url) }),
     }
 }
 
 #[cfg(feature = "memory")]
 fn memory() -> Result<SharedStore, ConnectError> {
-    Ok(std::sync::Arc::new(crate::MemoryStore::new()))
+    Ok(std::sync::Arc::new(super::memory::MemoryStore::new()))
 }
 
 #[cfg(not(feature = "memory"))]
@@ -75,69 +76,27 @@ fn memory() -> Result<SharedStore, ConnectError> {
     })
 }
 
-#[cfg(feature = "redis")]
-async fn redis(url: &str) -> Result<SharedStore, ConnectError> {
-    Ok(std::sync::Arc::new(
-        crate::store::redis::RedisStore::connect(url).await?,
-    ))
-}
-
-#[cfg(not(feature = "redis"))]
-async fn redis(_: &str) -> Result<SharedStore, ConnectError> {
-    Err(ConnectError::FeatureDisabled {
-        scheme: "redis",
-        feature: "redis",
-    })
-}
-
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-async fn sql(
-    url: &str,
-    scheme: &'static str,
-    feature: &'static str,
-) -> Result<SharedStore, ConnectError> {
-    crate::store::sql::connect(url, scheme, feature).await
-}
-
-#[cfg(not(any(feature = "postgres", feature = "mysql", feature = "sqlite")))]
-async fn sql(
-    _: &str,
-    scheme: &'static str,
-    feature: &'static str,
-) -> Result<SharedStore, ConnectError> {
-    Err(ConnectError::FeatureDisabled { scheme, feature })
-}
-
-/// The URL with any password replaced, for error messages.
-pub(crate) fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(start), Some(at)) if at > start => {
-            let userinfo = &url[start + 3..at];
-            match userinfo.find(':') {
-                Some(colon) => format!(
-                    "{}{}:***{}",
-                    &url[..start + 3],
-                    &userinfo[..colon],
-                    &url[at..]
-                ),
-                None => url.to_string(),
-            }
+/// One server backend of [`connect`]'s table: `$backend(url)` calls `$connect(url)` when
+/// `$feature` (the cargo feature, also the scheme errors name) is compiled in; without it the
+/// URL fails with [`ConnectError::FeatureDisabled`].
+macro_rules! backend {
+    ($backend:ident, $feature:literal, $connect:path) => {
+        #[cfg(feature = $feature)]
+        async fn $backend(url: &str) -> Result<SharedStore, ConnectError> {
+            Ok(std::sync::Arc::new($connect(url).await?))
         }
-        _ => url.to_string(),
-    }
+
+        #[cfg(not(feature = $feature))]
+        async fn $backend(_: &str) -> Result<SharedStore, ConnectError> {
+            Err(ConnectError::FeatureDisabled {
+                scheme: $feature,
+                feature: $feature,
+            })
+        }
+    };
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(
-            redact("redis://user:secret@host:6379"),
-            "redis://user:***@host:6379"
-        );
-        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
-        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
-    }
-}
+backend!(redis, "redis", super::redis::RedisStore::connect);
+backend!(postgres, "postgres", super::sql::PostgresStore::connect);
+backend!(mysql, "mysql", super::sql::MySqlStore::connect);
+backend!(sqlite, "sqlite", super::sql::SqliteStore::connect);

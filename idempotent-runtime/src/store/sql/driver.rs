@@ -12,7 +12,7 @@ use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolOptions;
 use sqlx::{Database, Pool};
 
-use crate::store::sql::error::DbFailure;
+use crate::store::sql::failure::DbFailure;
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::sql::table::TableName;
 use crate::store::{clamped_millis, BoxFuture, ClaimRequest};
@@ -202,6 +202,13 @@ pub trait Driver: Database {
     /// What a database error says about the failed statement.
     fn classify(err: &dyn DatabaseError) -> DbFailure;
 }
+
+/// A database a [`SqlStore`](super::SqlStore) runs on: sqlx's [`Postgres`](sqlx::Postgres),
+/// [`MySql`](sqlx::MySql) or [`Sqlite`](sqlx::Sqlite), as the database features enable them.
+/// Sealed.
+pub trait Dialect: Driver {}
+
+impl<DB: Driver> Dialect for DB {}
 
 /// What a stored result leaves to the rest of a statement or row (the key, the token, the
 /// other columns, the protocol's framing) below a database's limit on one value or packet.

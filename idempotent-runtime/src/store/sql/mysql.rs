@@ -12,7 +12,7 @@ use sqlx::{AssertSqlSafe, Pool};
 use crate::store::sql::driver::{
     statement_fns, ticks, Arg, Driver, Statements, Templates, HEADROOM,
 };
-use crate::store::sql::error::{sqlstate, DbFailure};
+use crate::store::sql::failure::{sqlstate, DbFailure};
 use crate::store::sql::record::Step;
 use crate::store::{BoxFuture, ClaimRequest};
 

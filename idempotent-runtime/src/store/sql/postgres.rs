@@ -10,7 +10,7 @@ use sqlx::postgres::{PgConnection, Postgres};
 use sqlx::{AssertSqlSafe, Pool};
 
 use crate::store::sql::driver::{statement_fns, ticks, Driver, Statements, Templates, HEADROOM};
-use crate::store::sql::error::{sqlstate, DbFailure};
+use crate::store::sql::failure::{sqlstate, DbFailure};
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::{BoxFuture, ClaimRequest};
 

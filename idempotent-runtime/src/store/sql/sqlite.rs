@@ -13,7 +13,7 @@ use sqlx::{AssertSqlSafe, Pool};
 use crate::store::sql::driver::{
     statement_fns, ticks, Arg, Driver, Statements, Templates, HEADROOM,
 };
-use crate::store::sql::error::DbFailure;
+use crate::store::sql::failure::DbFailure;
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::{BoxFuture, ClaimRequest};
 

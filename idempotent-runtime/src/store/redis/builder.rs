@@ -1,0 +1,386 @@
+//! [`RedisStoreBuilder`]: connecting, and the safety checks on the server's configuration.
+
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster::ClusterClient;
+use ::redis::{Client, Script, Value};
+
+use crate::error::{StoreError, StoreErrorKind};
+use crate::store::redact::redact;
+#[cfg(doc)]
+use crate::store::Store;
+use crate::store::DEFAULT_MAX_RESULT_SIZE;
+
+use crate::store::redis::conn::{command_error, connect_error, Conn};
+use crate::store::redis::store::{Inner, RedisStore, SCRIPT};
+use crate::store::redis::wire::text;
+
+/// Redis' default `proto-max-bulk-len` (512 MiB): the largest argument a server takes, assumed
+/// when `CONFIG GET` is not allowed.
+const DEFAULT_PROTO_MAX_BULK_LEN: usize = 512 << 20;
+
+/// Room left in an argument for a record's other fields (state, token, fingerprint, fence,
+/// lease end): a stored result is at most `proto-max-bulk-len` less this.
+const RECORD_OVERHEAD: usize = 128;
+
+/// What to do when the server's configuration is unsafe for idempotency records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum UnsafeConfig {
+    /// Refuse to connect, with [`StoreErrorKind::Unsafe`]. The default.
+    #[default]
+    Refuse,
+    /// Connect and log a warning.
+    Warn,
+}
+
+/// What the safety checks found, as returned by [`RedisStore::check`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Health {
+    /// The server's `run_id` (the first node's, on a cluster).
+    pub run_id: Option<String>,
+    /// Problems that make records unsafe (eviction policy, replica role).
+    pub unsafe_config: Vec<String>,
+    /// Weaknesses worth knowing (no persistence) and checks that could not be made.
+    pub warnings: Vec<String>,
+}
+
+/// Builds a [`RedisStore`] with non-default settings.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idempotent_runtime::redis::{RedisStore, UnsafeConfig};
+///
+/// # async fn f() -> Result<(), idempotent_runtime::StoreError> {
+/// let store = RedisStore::builder("redis://127.0.0.1:6379")
+///     .response_timeout(Duration::from_millis(500))
+///     .on_unsafe_config(UnsafeConfig::Warn)
+///     .build()
+///     .await?;
+/// # let _ = store; Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct RedisStoreBuilder {
+    target: Target,
+    /// What error messages call the server: the URL without its password.
+    name: String,
+    response_timeout: Duration,
+    connection_timeout: Duration,
+    on_unsafe_config: UnsafeConfig,
+    wait_for_replicas: Option<(u32, Duration)>,
+    max_result_size: usize,
+}
+
+impl RedisStoreBuilder {
+    fn new(target: Target, name: String) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            target,
+            name,
+            response_timeout: Duration::from_secs(1),
+            connection_timeout: Duration::from_secs(1),
+            on_unsafe_config: UnsafeConfig::default(),
+            wait_for_replicas: None,
+            max_result_size: DEFAULT_MAX_RESULT_SIZE,
+        }
+    }
+
+    /// How long a command may wait for its reply (default 1 s). A reply that does not come
+    /// in time is an unknown outcome, resolved by reading the record back.
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// How long a connection attempt may take (default 1 s).
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// What to do about an unsafe server configuration (default: refuse).
+    pub fn on_unsafe_config(mut self, policy: UnsafeConfig) -> Self {
+        self.on_unsafe_config = policy;
+        self
+    }
+
+    /// After every acquired claim, `WAIT` until `replicas` replicas acknowledged it, for at
+    /// most `timeout`; fewer acknowledgements fail the call closed (the claim stays until its
+    /// lease runs out). Costs one round trip per first delivery (duplicates are unaffected).
+    /// Standalone servers only.
+    pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.wait_for_replicas = Some((replicas, timeout));
+        self
+    }
+
+    /// The largest stored result, in bytes (default
+    /// [`DEFAULT_MAX_RESULT_SIZE`], 1 MiB). A larger result completes its record without it
+    /// (duplicates get no replay, and never run again). The store never takes more than the
+    /// server's `proto-max-bulk-len` allows (read with `CONFIG GET` at connection, 512 MiB where
+    /// `CONFIG` is not allowed), less a few bytes for the record's other fields; see
+    /// [`Store::max_result_size`] for the limit in force.
+    pub fn max_result_size(mut self, bytes: usize) -> Self {
+        self.max_result_size = bytes;
+        self
+    }
+
+    /// Connects and runs the safety checks.
+    ///
+    /// `redis://` and `rediss://` URLs name a standalone server; `redis+cluster://` and
+    /// `rediss+cluster://` URLs list cluster nodes separated by commas
+    /// (`redis+cluster://10.0.0.1:7000,10.0.0.2:7000`).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreErrorKind::Unavailable`] when the server cannot be reached,
+    /// [`StoreErrorKind::Unsafe`] when its configuration is refused.
+    pub async fn build(self) -> Result<RedisStore, StoreError> {
+        let name = self.name.as_str();
+        let cluster = match &self.target {
+            Target::Url(url) => cluster_nodes(url).is_some(),
+            Target::Client(_) => false,
+            Target::Cluster(_) => true,
+        };
+        if cluster && self.wait_for_replicas.is_some() {
+            return Err(StoreError::new(
+                StoreErrorKind::Unsafe,
+                "`wait_for_replicas` is supported on standalone servers only",
+            ));
+        }
+        let conn = match self.target.clone() {
+            Target::Url(url) => match cluster_nodes(&url) {
+                Some(nodes) => {
+                    let client = ClusterClient::builder(nodes)
+                        .response_timeout(self.response_timeout)
+                        .connection_timeout(self.connection_timeout)
+                        .build()
+                        .map_err(|e| connect_error(name, e))?;
+                    self.cluster(&client).await?
+                }
+                None => {
+                    let client = Client::open(url.as_str()).map_err(|e| connect_error(name, e))?;
+                    self.single(client).await?
+                }
+            },
+            Target::Client(client) => self.single(*client).await?,
+            Target::Cluster(client) => self.cluster(&client).await?,
+        };
+        let capacity = proto_max_bulk_len(&conn).await;
+        let store = RedisStore {
+            inner: Arc::new(Inner {
+                max_result_size: self
+                    .max_result_size
+                    .min(capacity.saturating_sub(RECORD_OVERHEAD)),
+                conn,
+                script: Script::new(SCRIPT),
+                wait_for_replicas: self.wait_for_replicas,
+                run_id: Mutex::new(None),
+                history_resets: AtomicU64::new(0),
+                recheck: AtomicBool::new(false),
+            }),
+        };
+        let health = store.check().await?;
+        for warning in &health.warnings {
+            tracing::warn!(server = %name, "{warning}");
+        }
+        if !health.unsafe_config.is_empty() {
+            let problems = health.unsafe_config.join("; ");
+            match self.on_unsafe_config {
+                UnsafeConfig::Refuse => {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Unsafe,
+                        format!("refusing {name}: {problems}"),
+                    ))
+                }
+                UnsafeConfig::Warn => {
+                    tracing::warn!(server = %name, "unsafe Redis configuration: {problems}")
+                }
+            }
+        }
+        if let Ok(mut run_id) = store.inner.run_id.lock() {
+            *run_id = health.run_id;
+        }
+        Ok(store)
+    }
+
+    async fn single(&self, client: Client) -> Result<Conn, StoreError> {
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(self.response_timeout))
+            .set_connection_timeout(Some(self.connection_timeout))
+            .set_number_of_retries(2);
+        let conn = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(|e| connect_error(&self.name, e))?;
+        Ok(Conn::Single(conn))
+    }
+
+    async fn cluster(&self, client: &ClusterClient) -> Result<Conn, StoreError> {
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(|e| connect_error(&self.name, e))?;
+        Ok(Conn::Cluster(conn))
+    }
+}
+
+/// Where a [`RedisStoreBuilder`] connects.
+#[derive(Debug, Clone)]
+enum Target {
+    Url(String),
+    Client(Box<Client>),
+    Cluster(Box<ClusterClient>),
+}
+
+fn cluster_nodes(url: &str) -> Option<Vec<String>> {
+    let (scheme, rest) = url.split_once("+cluster://")?;
+    Some(
+        rest.split(',')
+            .filter(|n| !n.is_empty())
+            .map(|node| format!("{scheme}://{node}"))
+            .collect(),
+    )
+}
+
+impl RedisStore {
+    /// Connects with the default settings (1 s timeouts, unsafe configurations refused).
+    ///
+    /// # Errors
+    ///
+    /// As [`RedisStoreBuilder::build`].
+    pub async fn connect(url: &str) -> Result<RedisStore, StoreError> {
+        RedisStore::builder(url).build().await
+    }
+
+    /// A builder for non-default settings.
+    pub fn builder(url: &str) -> RedisStoreBuilder {
+        RedisStoreBuilder::new(Target::Url(url.to_string()), redact(url))
+    }
+
+    /// A builder on a redis-rs client the application already has (its TLS, credentials
+    /// and protocol settings are kept; the store opens its own auto-reconnecting
+    /// connection with the builder's timeouts).
+    ///
+    /// ```no_run
+    /// use idempotent_runtime::RedisStore;
+    ///
+    /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = redis::Client::open("redis://127.0.0.1:6379")?;
+    /// let store = RedisStore::from_client(client).build().await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn from_client(client: ::redis::Client) -> RedisStoreBuilder {
+        let name = redact(&client.get_connection_info().addr().to_string());
+        RedisStoreBuilder::new(Target::Client(Box::new(client)), name)
+    }
+
+    /// A builder on a redis-rs cluster client the application already has (its own
+    /// timeouts and retry settings apply).
+    pub fn from_cluster_client(client: ClusterClient) -> RedisStoreBuilder {
+        RedisStoreBuilder::new(
+            Target::Cluster(Box::new(client)),
+            "the Redis Cluster".to_string(),
+        )
+    }
+
+    /// Runs the safety checks now and reports what they found.
+    ///
+    /// # Errors
+    ///
+    /// A [`StoreError`] when the server cannot be reached.
+    pub async fn check(&self) -> Result<Health, StoreError> {
+        let mut health = Health::default();
+        let info = match self.inner.conn.query(&::redis::cmd("INFO")).await {
+            Ok(value) => text(&value),
+            Err(err) if !(err.is_io_error() || err.is_timeout()) => {
+                health.warnings.push(format!(
+                    "cannot verify the server's configuration: INFO refused ({err})"
+                ));
+                return Ok(health);
+            }
+            Err(err) => return Err(command_error(err)),
+        };
+        let field = |name: &str| -> Option<&str> {
+            info.lines().find_map(|line| {
+                line.strip_prefix(name)
+                    .and_then(|rest| rest.strip_prefix(':'))
+                    .map(str::trim)
+            })
+        };
+        health.run_id = field("run_id").map(str::to_string);
+        match field("maxmemory_policy") {
+            Some("noeviction") => {}
+            Some(policy) => health.unsafe_config.push(format!(
+                "maxmemory-policy is `{policy}`: the server may evict idempotency records (set it to `noeviction`)"
+            )),
+            None => health
+                .warnings
+                .push("cannot verify the eviction policy: INFO has no maxmemory_policy".into()),
+        }
+        match field("role") {
+            Some("master") | None => {}
+            Some(role) => health
+                .unsafe_config
+                .push(format!("the server is a {role}: connect to the primary")),
+        }
+        let aof = field("aof_enabled") == Some("1");
+        if !aof {
+            match self
+                .inner
+                .conn
+                .query(::redis::cmd("CONFIG").arg("GET").arg("save"))
+                .await
+            {
+                Ok(value) => {
+                    let rdb = config_value(&value).is_some_and(|save| !save.trim().is_empty());
+                    if !rdb {
+                        health.warnings.push(
+                            "Redis has no persistence (neither RDB snapshots nor AOF): a restart forgets every record; use a `done` check".into(),
+                        );
+                    }
+                }
+                Err(_) => health.warnings.push(
+                    "cannot verify persistence: CONFIG GET is not allowed on this server".into(),
+                ),
+            }
+        }
+        Ok(health)
+    }
+}
+
+/// The server's `proto-max-bulk-len`, or Redis' default where `CONFIG GET` is not allowed.
+async fn proto_max_bulk_len(conn: &Conn) -> usize {
+    let mut cmd = ::redis::cmd("CONFIG");
+    cmd.arg("GET").arg("proto-max-bulk-len");
+    conn.query(&cmd)
+        .await
+        .ok()
+        .and_then(|value| config_value(&value))
+        .and_then(|len| len.trim().parse().ok())
+        .unwrap_or(DEFAULT_PROTO_MAX_BULK_LEN)
+}
+
+fn config_value(value: &Value) -> Option<String> {
+    match value {
+        Value::Array(items) => items.get(1).map(text),
+        Value::Map(entries) => entries.first().map(|(_, v)| text(v)),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_urls_list_their_nodes() {
+        assert_eq!(
+            cluster_nodes("redis+cluster://a:1,b:2"),
+            Some(vec!["redis://a:1".to_string(), "redis://b:2".to_string()])
+        );
+        assert_eq!(cluster_nodes("redis://a:1"), None);
+    }
+}

@@ -1,0 +1,76 @@
+//! The connection (one server or a cluster), and redis-rs errors as [`StoreError`]s.
+
+use ::redis::aio::{ConnectionLike, ConnectionManager};
+use ::redis::cluster_async::ClusterConnection;
+use ::redis::{RedisError, Value};
+
+use crate::error::{StoreError, StoreErrorKind};
+use crate::key::Key;
+
+/// The error code of the script's reply about a value it cannot read as a record.
+const CORRUPT: &str = "IDEMPOTENT_CORRUPT";
+
+#[derive(Clone)]
+pub(super) enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    pub(super) async fn query(&self, cmd: &::redis::Cmd) -> Result<Value, RedisError> {
+        match self.clone() {
+            Conn::Single(mut c) => c.req_packed_command(cmd).await,
+            Conn::Cluster(mut c) => c.req_packed_command(cmd).await,
+        }
+    }
+
+    pub(super) async fn invoke(
+        &self,
+        invocation: &::redis::ScriptInvocation<'_>,
+    ) -> Result<Value, RedisError> {
+        match self.clone() {
+            Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
+            Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+        }
+    }
+}
+
+pub(super) fn connect_error(name: &str, err: RedisError) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Unavailable,
+        format!("cannot connect to {name}"),
+    )
+    .with_source(err)
+}
+
+/// Maps a redis-rs error to a store error, keeping it as the source.
+pub(super) fn command_error(err: RedisError) -> StoreError {
+    let kind = if err.is_connection_refusal() {
+        StoreErrorKind::Unavailable
+    } else if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
+        // The command may have been applied before the connection failed.
+        StoreErrorKind::OutcomeUnknown
+    } else {
+        match err.kind() {
+            ::redis::ErrorKind::Parse | ::redis::ErrorKind::UnexpectedReturnType => {
+                StoreErrorKind::Protocol
+            }
+            // Server replies (OOM, READONLY, LOADING, CLUSTERDOWN, ...) mean "not applied".
+            _ => StoreErrorKind::Unavailable,
+        }
+    };
+    StoreError::new(kind, "redis command failed").with_source(err)
+}
+
+/// Maps a script's error: a value it cannot read as a record is [`StoreErrorKind::Corrupt`].
+pub(super) fn script_error(key: &Key, err: RedisError) -> StoreError {
+    if err.code() == Some(CORRUPT) {
+        let why = err.detail().unwrap_or_default();
+        return StoreError::new(
+            StoreErrorKind::Corrupt,
+            format!("the value under `{key}` is not a record: {why}"),
+        )
+        .with_source(err);
+    }
+    command_error(err)
+}

@@ -1,0 +1,214 @@
+//! The script's arguments and replies, and the record format it stores.
+
+use std::time::Duration;
+
+use ::redis::{Script, Value};
+
+use crate::error::{StoreError, StoreErrorKind};
+use crate::key::Key;
+use crate::store::{clamped_millis, Claim, ClaimRequest, Fingerprint, Record, RecordState, Token};
+
+/// The largest fence or time a record holds: above it, Lua's numbers are not exact integers.
+const MAX_EXACT: u64 = (1 << 53) - 2;
+
+/// The script's arguments for a claim.
+pub(super) fn claim_invocation<'s>(
+    script: &'s Script,
+    req: &ClaimRequest,
+) -> ::redis::ScriptInvocation<'s> {
+    let fingerprint: &[u8] = req.fingerprint.as_ref().map_or(&[], |f| f.as_bytes());
+    let mut invocation = script.prepare_invoke();
+    invocation
+        .key(req.key.as_bytes())
+        .arg("claim")
+        .arg(req.token.as_bytes())
+        .arg(clamped_millis(req.lease))
+        .arg(clamped_millis(req.ttl))
+        .arg(fingerprint);
+    invocation
+}
+
+pub(super) fn text(value: &Value) -> String {
+    match value {
+        Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        Value::VerbatimString { text, .. } => text.clone(),
+        // A cluster answers INFO per node: the first node speaks for the checks.
+        Value::Map(entries) => entries.first().map(|(_, v)| text(v)).unwrap_or_default(),
+        _ => String::new(),
+    }
+}
+
+fn protocol(what: impl std::fmt::Display) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Protocol,
+        format!("unexpected reply: {what}"),
+    )
+}
+
+pub(super) fn int(value: &Value) -> Result<i64, StoreError> {
+    match value {
+        Value::Int(n) => Ok(*n),
+        other => Err(protocol(format_args!("{other:?}"))),
+    }
+}
+
+fn fence(value: Option<&Value>) -> Result<u64, StoreError> {
+    let n = value.map_or(Err(protocol("missing fence")), int)?;
+    u64::try_from(n).map_err(|_| protocol("negative fence"))
+}
+
+pub(super) fn decode_claim(value: Value) -> Result<Claim, StoreError> {
+    let Value::Array(items) = value else {
+        return Err(protocol(format_args!("{value:?}")));
+    };
+    let code = items
+        .first()
+        .map_or(Err(protocol("empty claim reply")), int)?;
+    let fence = fence(items.get(1))?;
+    Ok(match code {
+        1 => Claim::Acquired { fence },
+        2 => Claim::Completed {
+            fence,
+            result: match items.get(2) {
+                Some(Value::BulkString(bytes)) if !bytes.is_empty() => Some(bytes.clone()),
+                _ => None,
+            },
+        },
+        3 => Claim::InProgress { fence },
+        4 => Claim::Mismatch { fence },
+        other => return Err(protocol(format_args!("claim code {other}"))),
+    })
+}
+
+/// A record's decimal field: digits only, at most [`MAX_EXACT`].
+fn number(field: &[u8]) -> Option<u64> {
+    if field.is_empty() || !field.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(field)
+        .ok()?
+        .parse()
+        .ok()
+        .filter(|&n| n <= MAX_EXACT)
+}
+
+pub(super) fn decode_record(key: &Key, value: Value) -> Result<Option<Record>, StoreError> {
+    let Value::Array(items) = value else {
+        return Err(protocol(format_args!("{value:?}")));
+    };
+    let now = items.get(1).map_or(Err(protocol("missing time")), int)?;
+    let bytes = match items.first() {
+        Some(Value::BulkString(bytes)) => bytes,
+        Some(Value::Nil) | None => return Ok(None),
+        Some(other) => return Err(protocol(format_args!("{other:?}"))),
+    };
+    parse_record(bytes, now).map(Some).ok_or_else(|| {
+        StoreError::new(
+            StoreErrorKind::Corrupt,
+            format!("the value under `{key}` is not a record"),
+        )
+    })
+}
+
+/// A record in the script's format, read as strictly as the script reads it.
+fn parse_record(bytes: &[u8], now_ms: i64) -> Option<Record> {
+    let state = *bytes.first()?;
+    let token: [u8; 16] = bytes.get(1..17)?.try_into().ok()?;
+    let (fingerprint, rest) = match bytes.get(17)? {
+        b'F' => {
+            let fp: [u8; 16] = bytes.get(18..34)?.try_into().ok()?;
+            (Some(Fingerprint::from_bytes(fp)), bytes.get(34..)?)
+        }
+        b'-' => (None, bytes.get(18..)?),
+        _ => return None,
+    };
+    let mut fields = rest.splitn(3, |&b| b == b':');
+    let fence = number(fields.next()?)?;
+    let lease_end = i64::try_from(number(fields.next()?)?).ok()?;
+    let result = fields.next()?;
+    let state = match state {
+        b'P' => RecordState::InProgress {
+            lease_left: Duration::from_millis(
+                u64::try_from(lease_end.saturating_sub(now_ms)).unwrap_or(0),
+            ),
+        },
+        b'C' => RecordState::Completed,
+        b'R' => RecordState::Released,
+        _ => return None,
+    };
+    Some(Record {
+        state,
+        token: Token::from_bytes(token),
+        fence,
+        fingerprint,
+        result: (!result.is_empty()).then(|| result.to_vec()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_through_the_wire_format() {
+        let token = Token::generate();
+        let mut bytes = vec![b'P'];
+        bytes.extend_from_slice(token.as_bytes());
+        bytes.push(b'F');
+        bytes.extend_from_slice(&[7u8; 16]);
+        bytes.extend_from_slice(b"12:5000:");
+        let record = parse_record(&bytes, 3000).unwrap();
+        assert_eq!(record.token, token);
+        assert_eq!(record.fence, 12);
+        assert_eq!(record.fingerprint, Some(Fingerprint::from_bytes([7; 16])));
+        assert_eq!(
+            record.state,
+            RecordState::InProgress {
+                lease_left: Duration::from_secs(2)
+            }
+        );
+        assert_eq!(record.result, None);
+
+        let mut done = vec![b'C'];
+        done.extend_from_slice(token.as_bytes());
+        done.extend_from_slice(b"-3:0:o:{\"a\":1}");
+        let record = parse_record(&done, 0).unwrap();
+        assert_eq!(record.state, RecordState::Completed);
+        assert_eq!(record.fingerprint, None);
+        assert_eq!(record.result.as_deref(), Some(&b"o:{\"a\":1}"[..]));
+    }
+
+    #[test]
+    fn values_that_are_not_records_are_refused() {
+        let token = Token::generate();
+        let shaped = |state: u8, marker: u8, fields: &[u8]| {
+            let mut v = vec![state];
+            v.extend_from_slice(token.as_bytes());
+            v.push(marker);
+            v.extend_from_slice(fields);
+            v
+        };
+        assert!(parse_record(&shaped(b'C', b'-', b"1796000000000000:0:"), 0).is_some());
+        for bad in [
+            Vec::new(),
+            b"P".to_vec(),
+            shaped(b'X', b'-', b"7:0:"),
+            shaped(b'C', b'?', b"7:0:"),
+            shaped(b'C', b'F', b"7:0:"),
+            shaped(b'C', b'-', b"seven:0:"),
+            shaped(b'C', b'-', b"+7:0:"),
+            shaped(b'C', b'-', b":0:"),
+            shaped(b'C', b'-', b"7:-1:"),
+            shaped(b'C', b'-', b"7:0"),
+            shaped(b'C', b'-', b"9007199254740991:0:"),
+        ] {
+            assert_eq!(
+                parse_record(&bad, 0),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(&bad)
+            );
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! Sending the store's statements: conflict retries, claims that settle, batches, and
+//! owner-checked writes.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::Database;
+
+use crate::error::{StoreError, StoreErrorKind};
+use crate::key::Key;
+use crate::store::{Claim, ClaimRequest, Completion, Token};
+
+use crate::store::sql::driver::{ticks, Arg};
+use crate::store::sql::driver::{Dialect, Statements};
+use crate::store::sql::error::{is_conflict, store_error, Phase};
+use crate::store::sql::record::{settle, Step, Stored};
+
+/// How many times an autocommit statement the database rolled back by a conflict (deadlock,
+/// serialization failure, busy database) is sent again before the error is returned.
+const CONFLICT_RETRIES: u32 = 3;
+
+/// How many times a claim is sent when the record keeps changing under it. Each new attempt
+/// needs another writer to have changed the record in between.
+const SETTLE_ATTEMPTS: u32 = 16;
+
+/// Sends the claim statement until its outcome settles (see the module docs). In autocommit
+/// mode a statement rolled back by a conflict is sent again; in a transaction it is not (the
+/// transaction may be aborted).
+pub(super) async fn claim_on<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    req: &ClaimRequest,
+    autocommit: bool,
+) -> Result<Claim, StoreError> {
+    let mut conflicts = 0;
+    let mut attempts = 0;
+    loop {
+        let step = match DB::claim(conn, sql, req).await {
+            Ok(step) => step,
+            Err(err) if autocommit && conflicts < CONFLICT_RETRIES && is_conflict::<DB>(&err) => {
+                conflicts += 1;
+                backoff(conflicts).await;
+                continue;
+            }
+            Err(err) => return Err(store_error::<DB>(err, Phase::Write, "claim")),
+        };
+        if let Some(claim) = settle(step, req, DB::TICK)? {
+            return Ok(claim);
+        }
+        attempts += 1;
+        if attempts >= SETTLE_ATTEMPTS {
+            return Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                format!(
+                    "{} claim did not settle: the record changed under it {attempts} times",
+                    <DB as Database>::NAME
+                ),
+            ));
+        }
+    }
+}
+
+/// Claims `reqs` in batch statements of distinct keys, then answers the later occurrences of
+/// a key one claim at a time (they meet the first occurrence's claim, as separate claims
+/// would); a reported record that is free is claimed again on its own, as in [`claim_on`].
+pub(super) async fn claim_many_on<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    reqs: &[ClaimRequest],
+) -> Vec<Result<Claim, StoreError>> {
+    let mut claims: Vec<Result<Claim, StoreError>> = reqs
+        .iter()
+        .map(|_| {
+            Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                "batch claim left an item unanswered",
+            ))
+        })
+        .collect();
+    let mut firsts = HashSet::with_capacity(reqs.len());
+    let (mut distinct, mut later) = (Vec::with_capacity(reqs.len()), Vec::new());
+    for (i, req) in reqs.iter().enumerate() {
+        if firsts.insert(req.key.as_bytes()) {
+            distinct.push((i, req));
+        } else {
+            later.push((i, req));
+        }
+    }
+    // One order for every batch, so that overlapping batches lock their rows alike.
+    distinct.sort_by(|(_, a), (_, b)| a.key.as_bytes().cmp(b.key.as_bytes()));
+    for chunk in distinct.chunks(DB::BATCH.max(1)) {
+        let indices: Vec<usize> = chunk.iter().map(|&(i, _)| i).collect();
+        let batch: Vec<&ClaimRequest> = chunk.iter().map(|&(_, req)| req).collect();
+        let steps = match claim_batch_on::<DB>(conn, sql, &batch).await {
+            Ok(steps) if steps.len() == chunk.len() => steps,
+            Ok(_) => {
+                let err = StoreError::new(
+                    StoreErrorKind::Protocol,
+                    format!(
+                        "{} batch claim did not report every key",
+                        <DB as Database>::NAME
+                    ),
+                );
+                place(&mut claims, &indices, err);
+                continue;
+            }
+            Err(err) => {
+                place(&mut claims, &indices, err);
+                continue;
+            }
+        };
+        for (&(i, req), step) in chunk.iter().zip(steps) {
+            let claim = match settle(step, req, DB::TICK) {
+                Ok(Some(claim)) => Ok(claim),
+                Ok(None) => claim_on::<DB>(conn, sql, req, true).await,
+                Err(err) => Err(err),
+            };
+            put(&mut claims, i, claim);
+        }
+    }
+    for (i, req) in later {
+        let claim = claim_on::<DB>(conn, sql, req, true).await;
+        put(&mut claims, i, claim);
+    }
+    claims
+}
+
+fn put(claims: &mut [Result<Claim, StoreError>], i: usize, claim: Result<Claim, StoreError>) {
+    if let Some(slot) = claims.get_mut(i) {
+        *slot = claim;
+    }
+}
+
+/// Sends one batch claim statement; a statement rolled back by a conflict is sent again.
+async fn claim_batch_on<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    reqs: &[&ClaimRequest],
+) -> Result<Vec<Step>, StoreError> {
+    let mut conflicts = 0;
+    loop {
+        match DB::claim_batch(conn, sql, reqs).await {
+            Ok(steps) => return Ok(steps),
+            Err(err) if conflicts < CONFLICT_RETRIES && is_conflict::<DB>(&err) => {
+                conflicts += 1;
+                backoff(conflicts).await;
+            }
+            Err(err) => return Err(store_error::<DB>(err, Phase::Write, "batch claim")),
+        }
+    }
+}
+
+/// `err` for every item of a batch that failed as a whole: the first gets the error itself,
+/// the others its kind and message.
+pub(super) fn spread(err: StoreError, items: usize) -> Vec<Result<Claim, StoreError>> {
+    let mut claims: Vec<_> = (1..items).map(|_| Err(copy_error(&err))).collect();
+    if items > 0 {
+        claims.insert(0, Err(err));
+    }
+    claims
+}
+
+/// Puts `err` in `claims` at the indices of a failed batch statement.
+fn place(claims: &mut [Result<Claim, StoreError>], indices: &[usize], err: StoreError) {
+    for &i in indices.iter().skip(1) {
+        put(claims, i, Err(copy_error(&err)));
+    }
+    if let Some(&first) = indices.first() {
+        put(claims, first, Err(err));
+    }
+}
+
+fn copy_error(err: &StoreError) -> StoreError {
+    StoreError::new(err.kind(), err.to_string())
+}
+
+pub(super) async fn complete_on<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    key: &Key,
+    token: &Token,
+    completion: &Completion,
+    autocommit: bool,
+) -> Result<bool, StoreError> {
+    let args = [
+        Arg::MaybeBytes(completion.result.as_deref()),
+        Arg::Int(ticks(completion.ttl, DB::TICK)),
+        Arg::Bytes(key.as_bytes()),
+        Arg::Bytes(token.as_bytes()),
+    ];
+    let completed = write::<DB>(conn, &sql.complete, &args, "complete", autocommit).await?;
+    owned::<DB>(conn, sql, key, completed).await
+}
+
+pub(super) async fn release_on<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    key: &Key,
+    token: &Token,
+    autocommit: bool,
+) -> Result<bool, StoreError> {
+    let args = [Arg::Bytes(key.as_bytes()), Arg::Bytes(token.as_bytes())];
+    let released = write::<DB>(conn, &sql.release, &args, "release", autocommit).await?;
+    owned::<DB>(conn, sql, key, released).await
+}
+
+/// The answer of an owner-checked write that matched `rows` rows: `true` when it matched the
+/// record. When it matched none, the key is someone else's or has no live record, or its
+/// record cannot be read (those writes leave such a record alone): the record is read to
+/// tell the last apart, which is [`StoreErrorKind::Corrupt`], never a lost owner. A failure
+/// of that read leaves the write's answer, `false`.
+pub(super) async fn owned<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    key: &Key,
+    rows: u64,
+) -> Result<bool, StoreError> {
+    if rows > 0 {
+        return Ok(true);
+    }
+    let args = [Arg::Bytes(key.as_bytes())];
+    let row = match DB::fetch(conn, &sql.read, &args).await {
+        Ok(row) => row,
+        Err(err) => {
+            let err = store_error::<DB>(err, Phase::Read, "read");
+            return if err.kind() == StoreErrorKind::Corrupt {
+                Err(err)
+            } else {
+                Ok(false)
+            };
+        }
+    };
+    if let Some(row) = row {
+        Stored::from_row(row, DB::TICK)?;
+    }
+    Ok(false)
+}
+
+/// Refuses a completion whose result is larger than the store takes, before it is sent.
+pub(super) fn refuse_oversized(completion: &Completion, limit: usize) -> Result<(), StoreError> {
+    match completion.result.as_ref().map(Vec::len) {
+        Some(len) if len > limit => Err(StoreError::new(
+            StoreErrorKind::Rejected,
+            format!("a result of {len} bytes is larger than the store takes ({limit} bytes)"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Executes a writing statement; returns the rows it matched.
+pub(super) async fn write<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Arc<str>,
+    args: &[Arg<'_>],
+    what: &str,
+    autocommit: bool,
+) -> Result<u64, StoreError> {
+    let mut conflicts = 0;
+    loop {
+        match DB::execute(conn, sql, args).await {
+            Ok(rows) => return Ok(rows),
+            Err(err) if autocommit && conflicts < CONFLICT_RETRIES && is_conflict::<DB>(&err) => {
+                conflicts += 1;
+                backoff(conflicts).await;
+            }
+            Err(err) => return Err(store_error::<DB>(err, Phase::Write, what)),
+        }
+    }
+}
+
+/// A short, growing pause before a statement rolled back by a conflict is sent again.
+async fn backoff(attempt: u32) {
+    tokio::time::sleep(Duration::from_millis(2u64 << attempt.min(6))).await;
+}

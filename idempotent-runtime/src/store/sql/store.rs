@@ -1,0 +1,185 @@
+//! [`SqlStore`]: the pool, the rendered statements, and the [`Store`] primitives.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::pool::PoolConnection;
+use sqlx::{Database, Pool};
+
+use crate::error::StoreError;
+use crate::key::Key;
+use crate::store::sql::driver::{ticks, Arg, Dialect, Statements};
+use crate::store::sql::error::{store_error, Phase};
+use crate::store::sql::exec::{
+    claim_many_on, claim_on, complete_on, owned, refuse_oversized, release_on, spread, write,
+};
+use crate::store::sql::record::Stored;
+use crate::store::sql::table::TableName;
+use crate::store::{BoxFuture, Claim, ClaimRequest, Completion, Record, Store, Token};
+
+/// An idempotency [`Store`] on a SQL database, through an sqlx connection pool. Use it as
+/// [`PostgresStore`](super::PostgresStore), [`MySqlStore`](super::MySqlStore) or
+/// [`SqliteStore`](super::SqliteStore).
+///
+/// Cloning is cheap: clones share the pool.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idempotent_runtime::sql::MySqlStore;
+///
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), idempotent_runtime::StoreError> {
+/// let store = MySqlStore::builder()
+///     .table("payments_idempotency")
+///     .max_connections(16)
+///     .connect("mysql://app@db/payments")
+///     .await?;
+/// # let _ = store; Ok(()) }
+/// ```
+pub struct SqlStore<DB: Dialect> {
+    pub(super) pool: Pool<DB>,
+    pub(super) table: Arc<TableName>,
+    pub(super) sql: Arc<Statements>,
+    pub(super) runtime: tokio::runtime::Handle,
+    pub(super) max_result_size: usize,
+}
+
+impl<DB: Dialect> Clone for SqlStore<DB> {
+    fn clone(&self) -> Self {
+        SqlStore {
+            pool: self.pool.clone(),
+            table: self.table.clone(),
+            sql: self.sql.clone(),
+            runtime: self.runtime.clone(),
+            max_result_size: self.max_result_size,
+        }
+    }
+}
+
+impl<DB: Dialect> fmt::Debug for SqlStore<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqlStore")
+            .field("database", &<DB as Database>::NAME)
+            .field("table", &self.table.as_str())
+            .field("max_result_size", &self.max_result_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Dialect> SqlStore<DB> {
+    /// The pool, for the business queries that run next to the store's (and for
+    /// [`run_in_tx`](Self::run_in_tx)'s transactions).
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    /// The table of records, as written into SQL.
+    pub fn table(&self) -> &str {
+        self.table.as_str()
+    }
+
+    /// The SQL this store sends, for review, logs and benchmarks.
+    pub fn statements(&self) -> &Statements {
+        &self.sql
+    }
+
+    pub(super) async fn acquire(&self) -> Result<PoolConnection<DB>, StoreError> {
+        self.pool
+            .acquire()
+            .await
+            .map_err(|e| store_error::<DB>(e, Phase::Connect, "connection"))
+    }
+}
+
+impl<DB: Dialect> Store for SqlStore<DB> {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.acquire().await?;
+            claim_on::<DB>(&mut conn, &self.sql, req, true).await
+        })
+    }
+
+    /// On PostgreSQL and SQLite, one claim statement per (at most) 500 distinct keys; see
+    /// the module docs. On MySQL / MariaDB, one claim per key.
+    fn claim_many<'a>(
+        &'a self,
+        reqs: &'a [ClaimRequest],
+    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
+        Box::pin(async move {
+            if DB::BATCH == 0 || reqs.len() < 2 {
+                let mut claims = Vec::with_capacity(reqs.len());
+                for req in reqs {
+                    claims.push(self.claim(req).await);
+                }
+                return claims;
+            }
+            match self.acquire().await {
+                Ok(mut conn) => claim_many_on::<DB>(&mut conn, &self.sql, reqs).await,
+                Err(err) => spread(err, reqs.len()),
+            }
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            refuse_oversized(completion, self.max_result_size)?;
+            let mut conn = self.acquire().await?;
+            complete_on::<DB>(&mut conn, &self.sql, key, token, completion, true).await
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.acquire().await?;
+            release_on::<DB>(&mut conn, &self.sql, key, token, true).await
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.acquire().await?;
+            let lease = ticks(lease, DB::TICK);
+            let args = [
+                Arg::Int(lease),
+                Arg::Int(lease),
+                Arg::Bytes(key.as_bytes()),
+                Arg::Bytes(token.as_bytes()),
+            ];
+            let renewed = write::<DB>(&mut conn, &self.sql.renew, &args, "renew", true).await?;
+            owned::<DB>(&mut conn, &self.sql, key, renewed).await
+        })
+    }
+
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.acquire().await?;
+            let args = [Arg::Bytes(key.as_bytes())];
+            let row = DB::fetch(&mut conn, &self.sql.read, &args)
+                .await
+                .map_err(|e| store_error::<DB>(e, Phase::Read, "read"))?;
+            match row {
+                None => Ok(None),
+                Some(row) => Ok(Some(Stored::from_row(row, DB::TICK)?.into_record())),
+            }
+        })
+    }
+
+    fn max_result_size(&self) -> usize {
+        self.max_result_size
+    }
+}

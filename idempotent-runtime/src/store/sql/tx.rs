@@ -1,0 +1,189 @@
+//! The store in the caller's transaction: [`SqlStore::run_in_tx`] and the primitives
+//! [`SqlStore::claim_in`], [`SqlStore::complete_in`], [`SqlStore::release_in`].
+
+use std::time::Duration;
+
+use sqlx::Transaction;
+
+use crate::codec;
+use crate::error::{Error, StoreError};
+use crate::key::Key;
+use crate::policy::default_lease;
+#[cfg(doc)]
+use crate::store::Store;
+use crate::store::{Claim, ClaimRequest, Completion, Token, MAX_DURATION, MIN_DURATION};
+
+use crate::store::sql::driver::Dialect;
+use crate::store::sql::exec::{claim_on, complete_on, refuse_oversized, release_on};
+use crate::store::sql::store::SqlStore;
+
+impl<DB: Dialect> SqlStore<DB> {
+    /// Claims `req.key` inside `tx`: [`Store::claim`], with the record written in the
+    /// caller's transaction. On [`Claim::Acquired`] the transaction holds the record's row
+    /// lock until it ends; complete it with [`complete_in`](Self::complete_in) in the same
+    /// transaction before committing. A rollback removes the claim.
+    ///
+    /// # Errors
+    ///
+    /// As [`Store::claim`]; a failed statement may have aborted the transaction (on
+    /// PostgreSQL it has): roll it back.
+    pub async fn claim_in(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        req: &ClaimRequest,
+    ) -> Result<Claim, StoreError> {
+        claim_on::<DB>(&mut **tx, &self.sql, req, false).await
+    }
+
+    /// Completes `key` for `token` inside `tx`: [`Store::complete`] in the caller's
+    /// transaction, so the record is completed exactly when the transaction commits.
+    ///
+    /// # Errors
+    ///
+    /// As [`Store::complete`].
+    pub async fn complete_in(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        key: &Key,
+        token: &Token,
+        completion: &Completion,
+    ) -> Result<bool, StoreError> {
+        refuse_oversized(completion, self.max_result_size)?;
+        complete_on::<DB>(&mut **tx, &self.sql, key, token, completion, false).await
+    }
+
+    /// Releases `key` for `token` inside `tx`: [`Store::release`] in the caller's
+    /// transaction.
+    ///
+    /// # Errors
+    ///
+    /// As [`Store::release`].
+    pub async fn release_in(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        key: &Key,
+        token: &Token,
+    ) -> Result<bool, StoreError> {
+        release_on::<DB>(&mut **tx, &self.sql, key, token, false).await
+    }
+
+    /// Runs `body` at most once for `key`, in the caller's transaction `tx`: claims the key,
+    /// runs `body` on the transaction's connection, and completes the record in the same
+    /// transaction. Commit `tx` afterwards to make both the business change and the record
+    /// durable; roll it back (or drop it) and neither happened, so the key can be claimed
+    /// again. The record is kept `ttl` after completion.
+    ///
+    /// Outcomes, as for [`Guard::run`](crate::Guard::run): `body`'s value; `body`'s error
+    /// (the claim is released in the transaction: roll back, or commit and the key is free);
+    /// [`Error::Duplicate`] when an earlier transaction committed the key (there is no replay
+    /// of results here), [`Error::Held`] for a key held by the engine,
+    /// [`Error::InProgress`] when a call outside a transaction holds a live claim,
+    /// [`Error::Store`] when a statement failed (roll back: the transaction may be aborted),
+    /// [`Error::InvalidDuration`] for a `ttl` outside [`MIN_DURATION`] ..= [`MAX_DURATION`]
+    /// (nothing is sent).
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use idempotent_runtime::{Error, Key};
+    /// use idempotent_runtime::sql::{sqlx, PostgresStore};
+    ///
+    /// #[derive(Debug)]
+    /// enum AppError { Idempotency(Error), Db(sqlx::Error) }
+    /// impl From<Error> for AppError { fn from(e: Error) -> Self { AppError::Idempotency(e) } }
+    /// impl From<sqlx::Error> for AppError { fn from(e: sqlx::Error) -> Self { AppError::Db(e) } }
+    ///
+    /// # async fn f(store: PostgresStore) -> Result<(), AppError> {
+    /// let key = Key::new("payment:capture", 1, &[&"pay-42"]).map_err(Error::from)?;
+    /// let mut tx = store.pool().begin().await?;
+    /// let captured = store
+    ///     .run_in_tx(&mut tx, key, Duration::from_secs(86_400), async |conn| {
+    ///         sqlx::query("UPDATE payments SET state = 'captured' WHERE id = 'pay-42'")
+    ///             .execute(&mut *conn)
+    ///             .await?;
+    ///         Ok::<_, AppError>(())
+    ///     })
+    ///     .await;
+    /// match captured {
+    ///     Ok(()) => tx.commit().await?,
+    ///     Err(AppError::Idempotency(e)) if e.is_duplicate() => {} // already captured
+    ///     Err(e) => return Err(e), // dropping `tx` rolls everything back
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// See above.
+    pub async fn run_in_tx<T, E>(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        key: Key,
+        ttl: Duration,
+        body: impl AsyncFnOnce(&mut DB::Connection) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<Error>,
+    {
+        if !(MIN_DURATION..=MAX_DURATION).contains(&ttl) {
+            return Err(Error::InvalidDuration {
+                setting: "ttl",
+                value: ttl,
+            }
+            .into());
+        }
+        let req = ClaimRequest {
+            key,
+            token: Token::generate(),
+            lease: default_lease(ttl),
+            ttl,
+            fingerprint: None,
+        };
+        let fence = match self.claim_in(tx, &req).await.map_err(Error::Store)? {
+            Claim::Acquired { fence } => fence,
+            Claim::Completed { result, .. } => {
+                let held = result.as_deref().and_then(<[u8]>::first) == Some(&codec::HELD);
+                let key = req.key;
+                return Err(if held {
+                    Error::Held { key }
+                } else {
+                    Error::Duplicate { key }
+                }
+                .into());
+            }
+            Claim::InProgress { fence } => {
+                return Err(Error::InProgress {
+                    key: req.key,
+                    fence,
+                }
+                .into())
+            }
+            Claim::Mismatch { .. } => return Err(Error::PayloadMismatch { key: req.key }.into()),
+        };
+        match body(&mut **tx).await {
+            Ok(value) => {
+                let completion = Completion { result: None, ttl };
+                let completed = self
+                    .complete_in(tx, &req.key, &req.token, &completion)
+                    .await
+                    .map_err(Error::Store)?;
+                if completed {
+                    Ok(value)
+                } else {
+                    Err(Error::LostOwnership {
+                        key: req.key,
+                        fence,
+                    }
+                    .into())
+                }
+            }
+            Err(err) => {
+                // If the body's failure aborted the transaction this fails too; the rollback
+                // removes the claim then.
+                if let Err(release) = self.release_in(tx, &req.key, &req.token).await {
+                    tracing::debug!(error = %release, "release in a failed transaction skipped");
+                }
+                Err(err)
+            }
+        }
+    }
+}
