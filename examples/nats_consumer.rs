@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, stream};
 use futures_util::StreamExt;
-use idempotency::broker::{nats, Decision, Policy, Settle};
+use idempotency::broker::{nats, Decision, Redelivery, Settle};
 use idempotency::{idempotent, Guard, Key};
 use serde::{Deserialize, Serialize};
 
@@ -142,7 +142,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
         }
     };
-    let policy = Policy::new().in_progress_delay(Duration::from_millis(300));
+    let redelivery = Redelivery::new().in_progress_delay(Duration::from_millis(300));
     let kitchen = Kitchen::default();
 
     println!("1. one message at a time (#[idempotent] handler)");
@@ -159,7 +159,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let message = message?;
         let msg: OrderMessage = serde_json::from_slice(&message.payload)?;
         let result = on_order(&msg, &kitchen).await;
-        let decision = nats::settle(&message, &result, &policy).await?;
+        let decision = nats::settle(&message, &result, &redelivery).await?;
         println!(
             "   {:<6} order {:<14} {:<46} -> {decision}",
             msg.message_id,
@@ -201,7 +201,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             guard.run_batch(items, |msg| kitchen.cook(msg)).await;
         println!("   batch of {}:", batch.len());
         for ((message, msg), result) in batch.iter().zip(&decoded).zip(&results) {
-            let decision = nats::settle(message, result, &policy).await?;
+            let decision = nats::settle(message, result, &redelivery).await?;
             println!(
                 "   {:<6} order {:<14} {:<46} -> {decision}",
                 msg.message_id,

@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use idempotency::broker::rabbitmq::Queue;
-use idempotency::broker::{rabbitmq, Decision, Policy, Settle};
+use idempotency::broker::{rabbitmq, Decision, Redelivery, Settle};
 use idempotency::idempotent;
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -184,7 +184,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 
     // The consumer side: deliveries are counted from the quorum queue's `x-delivery-count`.
     let source = Queue::quorum(queue.as_str());
-    let policy = Policy::new()
+    let redelivery = Redelivery::new()
         .max_deliveries(3)
         .retry_delay(Duration::from_millis(300));
     let kitchen = Kitchen::default();
@@ -206,7 +206,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             .ok_or("the consumer was cancelled")??;
         let msg: OrderMessage = serde_json::from_slice(&delivery.data)?;
         let result = on_order(&msg, &kitchen).await;
-        let decision = rabbitmq::settle(&delivery, &source, &result, &policy).await?;
+        let decision = rabbitmq::settle(&delivery, &source, &result, &redelivery).await?;
         let delivery_no = rabbitmq::deliveries(&delivery, &source)
             .map_or_else(|| "?".to_string(), |n| n.to_string());
         println!(

@@ -1,7 +1,8 @@
 //! Consumers on a real NATS JetStream server (`NATS_URL`, default `127.0.0.1:4222`) with
-//! exact counts: duplicates filtered, a batch claimed with `Guard::run_batch` and settled
-//! message by message, a failing handler naked then terminated, a consumer process killed
-//! mid-handler, and a store outage during consumption. Effects are counted in a PostgreSQL
+//! exact counts: the broker suite (`tests/broker_suite`: duplicates filtered, a failing
+//! handler naked then terminated, a consumer process killed mid-handler, a store outage
+//! during consumption), and a batch claimed with `Guard::run_batch` and settled message by
+//! message. Effects are counted in a PostgreSQL
 //! business table (`IDEMPOTENT_BUSINESS_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/test`); the store is the Redis at
 //! `IDEMPOTENT_REDIS_URL` (default `redis://127.0.0.1:6379`) or one the test starts.
@@ -11,6 +12,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod broker_suite;
 #[path = "support/brokers.rs"]
 mod brokers;
 #[allow(dead_code, unreachable_pub)]
@@ -20,18 +22,19 @@ mod business;
 mod redis_server;
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{pull, AckPolicy, PullConsumer};
 use async_nats::jetstream::{self, stream, Message};
-use brokers::{unique, wait_for, AppError, ChildConsumer, Kitchen, OrderMessage};
-use business::{Business, Effect, Tally};
+use broker_suite::{Broker, Running, Setup};
+use brokers::{unique, wait_for, AppError, OrderMessage};
+use business::{Business, Effect};
 use futures_util::StreamExt;
-use idempotency::broker::{nats, Decision, Policy, Summary};
-use idempotency::{Guard, Key, SharedStore};
-use redis_server::RedisServer;
+use idempotency::broker::{nats, Decision, Delivery, Redelivery};
+use idempotency::{Guard, Key};
 
 /// A stream, a pull consumer, a business schema and a tenant of one test; removed on drop,
 /// also when the test fails.
@@ -44,11 +47,13 @@ struct Fixture {
     tenant: String,
     schema: String,
     orders: Business,
+    /// The stream sequences of the `MSG_TERMINATED` advisories of `worker`.
+    terminated: Arc<Mutex<Vec<String>>>,
 }
 
 impl Fixture {
     /// A stream and a durable pull consumer `worker` with explicit acks and `ack_wait`.
-    async fn new(orders: u32, ack_wait: Duration) -> Fixture {
+    async fn create(orders: u32, ack_wait: Duration) -> Fixture {
         let tenant = unique("nats");
         let client = brokers::nats().await;
         let js = jetstream::new(client.clone());
@@ -73,6 +78,24 @@ impl Fixture {
             })
             .await
             .unwrap();
+        let mut advisories = client
+            .subscribe(format!(
+                "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{stream_name}.worker"
+            ))
+            .await
+            .unwrap();
+        client.flush().await.unwrap();
+        let terminated: Arc<Mutex<Vec<String>>> = Arc::default();
+        let seen = terminated.clone();
+        tokio::spawn(async move {
+            while let Some(advisory) = advisories.next().await {
+                let advisory: serde_json::Value =
+                    serde_json::from_slice(&advisory.payload).unwrap();
+                seen.lock()
+                    .unwrap()
+                    .push(advisory["stream_seq"].to_string());
+            }
+        });
         let schema = format!("idempotent_{tenant}");
         let orders = brokers::business(&schema, orders).await;
         Fixture {
@@ -84,6 +107,7 @@ impl Fixture {
             tenant,
             schema,
             orders,
+            terminated,
         }
     }
 
@@ -96,14 +120,6 @@ impl Fixture {
                 .await
                 .unwrap();
         }
-    }
-
-    async fn settled(&self) -> i64 {
-        self.orders.progress().await.unwrap().0
-    }
-
-    async fn tally(&self) -> Tally {
-        self.orders.tally().await.unwrap()
     }
 
     /// Waits until the consumer has nothing pending and nothing unacknowledged.
@@ -122,16 +138,63 @@ impl Fixture {
         )
         .await;
     }
+}
 
-    fn kitchen(&self, store: SharedStore, work: Duration) -> Arc<Kitchen> {
-        Arc::new(Kitchen {
-            orders: self.orders.clone(),
-            store,
-            work,
-            seen: brokers::Seen::default(),
+impl Broker for Fixture {
+    type Message = Message;
+    type Error = nats::Error;
+
+    /// JetStream counts every delivery: `setup.counted` is always true.
+    async fn new(orders: u32, setup: Setup) -> Fixture {
+        Fixture::create(orders, setup.ack_wait).await
+    }
+
+    fn tenant(&self) -> &str {
+        &self.tenant
+    }
+
+    fn orders(&self) -> &Business {
+        &self.orders
+    }
+
+    async fn publish(&self, messages: &[OrderMessage]) {
+        Fixture::publish(self, messages).await;
+    }
+
+    async fn consume<F, Fut>(
+        &self,
+        concurrency: usize,
+        redelivery: Redelivery,
+        handler: F,
+    ) -> Running<nats::Error>
+    where
+        F: Fn(Message) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Effect, AppError>> + Send + 'static,
+    {
+        let consumer = self.consumer.clone();
+        Running::spawn(move |stop| async move {
+            nats::consume(&consumer, concurrency, redelivery, stop.wait(), handler).await
         })
     }
+
+    async fn drained(&self) {
+        self.client.flush().await.unwrap();
+        Fixture::drained(self).await;
+    }
+
+    async fn dead_letters(&self) -> usize {
+        self.terminated.lock().unwrap().len()
+    }
+
+    fn child_env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("CHILD_STREAM", self.stream.clone()),
+            ("CHILD_SCHEMA", self.schema.clone()),
+        ]
+    }
 }
+
+broker_suite!(Fixture);
 
 impl Drop for Fixture {
     fn drop(&mut self) {
@@ -150,93 +213,13 @@ impl Drop for Fixture {
     }
 }
 
-/// Runs `nats::consume` with `kitchen`'s handler in a task, until the returned sender fires.
-fn consume(
-    consumer: PullConsumer,
-    concurrency: usize,
-    policy: Policy,
-    kitchen: Arc<Kitchen>,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<Summary, nats::Error>>,
-) {
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let stop = async {
-            let _ = stopped.await;
-        };
-        nats::consume(
-            &consumer,
-            concurrency,
-            policy,
-            stop,
-            move |message: Message| {
-                let kitchen = kitchen.clone();
-                async move {
-                    let redelivered = nats::deliveries(&message).is_some_and(|n| n > 1);
-                    kitchen.handle(&message.payload, redelivered).await
-                }
-            },
-        )
-        .await
-    });
-    (stop, task)
-}
-
-fn policy() -> Policy {
-    Policy::new()
-        .retry_delay(Duration::from_millis(100))
-        .in_progress_delay(Duration::from_millis(50))
-}
-
-/// 30 orders × 3 identical messages, 10 handlers at once: exactly 30 effects and 30
-/// executions, 60 messages acknowledged as duplicates, nothing pending.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn duplicates_are_filtered_with_exact_counts() {
-    let fx = Fixture::new(30, Duration::from_secs(30)).await;
-    fx.publish(&brokers::messages(&fx.tenant, 30, 3)).await;
-    let kitchen = fx.kitchen(
-        brokers::store(&brokers::redis_url()).await,
-        Duration::from_millis(20),
-    );
-
-    let (stop, task) = consume(fx.consumer.clone(), 10, policy(), kitchen.clone());
-    wait_for(
-        "90 messages with a final outcome",
-        Duration::from_secs(60),
-        || async { fx.settled().await == 90 },
-    )
-    .await;
-    let _ = stop.send(());
-    let summary = task.await.unwrap().unwrap();
-    fx.client.flush().await.unwrap();
-
-    let tally = fx.tally().await;
-    assert_eq!(tally.effects, 30, "{tally:?}");
-    assert_eq!(tally.filtered, 60, "{tally:?}");
-    assert_eq!(tally.executions, 30, "{tally:?}");
-    assert_eq!(
-        (tally.wrong, tally.lost, tally.doubled, tally.absorbed),
-        (0, 0, 0, 0)
-    );
-    assert_eq!(summary.acked, 90, "{summary:?}");
-    assert_eq!(
-        summary.redelivered,
-        kitchen.seen.in_progress.load(Ordering::SeqCst),
-        "every nak is a duplicate met while its first copy ran: {summary:?}"
-    );
-    assert_eq!((summary.dead_lettered, summary.unsettled), (0, 0));
-    assert_eq!(kitchen.seen.acked_before_effect.load(Ordering::SeqCst), 0);
-    fx.drained().await;
-}
-
 /// Batches of up to 10 fetched messages, every key of a batch claimed with one
 /// `Guard::run_batch` (one pipeline on Redis), each message settled with its own result:
 /// 20 orders × 3 copies give exactly 20 effects, 20 executions and 40 duplicates; a copy
 /// that met its twin in the same batch is naked and acknowledged on redelivery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batches_are_claimed_in_one_round_trip_and_settled_per_message() {
-    let fx = Fixture::new(20, Duration::from_secs(30)).await;
+    let fx = Fixture::create(20, Duration::from_secs(30)).await;
     fx.publish(&brokers::messages(&fx.tenant, 20, 3)).await;
     let kitchen = fx.kitchen(
         brokers::store(&brokers::redis_url()).await,
@@ -245,7 +228,7 @@ async fn batches_are_claimed_in_one_round_trip_and_settled_per_message() {
     let guard = Guard::new(Duration::from_secs(600))
         .lease(Duration::from_secs(2))
         .store(kitchen.store.clone());
-    let policy = policy();
+    let redelivery = broker_suite::redelivery();
 
     let mut decisions: HashMap<Decision, u32> = HashMap::new();
     let mut batches = 0;
@@ -303,7 +286,7 @@ async fn batches_are_claimed_in_one_round_trip_and_settled_per_message() {
         );
         for ((message, msg), result) in batch.iter().zip(&msgs).zip(&results) {
             kitchen.record(msg, result).await.unwrap();
-            let decision = nats::settle(message, result, &policy).await.unwrap();
+            let decision = nats::settle(message, result, &redelivery).await.unwrap();
             *decisions.entry(decision).or_default() += 1;
         }
     }
@@ -336,105 +319,6 @@ async fn batches_are_claimed_in_one_round_trip_and_settled_per_message() {
     fx.drained().await;
 }
 
-/// A handler that always fails runs on deliveries 1, 2 and 3 (`delivered` from the message
-/// metadata), is naked in between and then terminated, with exactly one
-/// `MSG_TERMINATED` advisory; one that fails once is redelivered and applied once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failing_handler_is_naked_then_terminated() {
-    let fx = Fixture::new(2, Duration::from_secs(30)).await;
-    let mut advisories = fx
-        .client
-        .subscribe(format!(
-            "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{}.worker",
-            fx.stream
-        ))
-        .await
-        .unwrap();
-    fx.client.flush().await.unwrap();
-    fx.publish(&[
-        OrderMessage::new(&fx.tenant, 1, 1),
-        OrderMessage::new(&fx.tenant, 2, 1),
-    ])
-    .await;
-    let kitchen = fx.kitchen(
-        brokers::store(&brokers::redis_url()).await,
-        Duration::from_millis(1),
-    );
-    let attempts: Arc<Mutex<HashMap<String, Vec<u32>>>> = Arc::default();
-
-    let policy = Policy::new()
-        .max_deliveries(3)
-        .retry_delay(Duration::from_millis(50));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let (k, a, consumer) = (kitchen.clone(), attempts.clone(), fx.consumer.clone());
-    let task = tokio::spawn(async move {
-        let stop = async {
-            let _ = stopped.await;
-        };
-        nats::consume(&consumer, 2, policy, stop, move |message: Message| {
-            let (kitchen, attempts) = (k.clone(), a.clone());
-            async move {
-                let msg: OrderMessage = serde_json::from_slice(&message.payload)?;
-                let delivered = nats::deliveries(&message).unwrap();
-                let first = {
-                    let mut attempts = attempts.lock().unwrap();
-                    let seen = attempts.entry(msg.order_id.clone()).or_default();
-                    seen.push(delivered);
-                    seen.len() == 1
-                };
-                if msg.order_id == "order-0001" || first {
-                    return Err(AppError::KitchenDown);
-                }
-                let result =
-                    brokers::on_order(&msg, &kitchen.orders, &kitchen.store, kitchen.work).await;
-                kitchen.record(&msg, &result).await?;
-                result
-            }
-        })
-        .await
-    });
-    let advisory = tokio::time::timeout(Duration::from_secs(30), advisories.next())
-        .await
-        .expect("no MSG_TERMINATED advisory within 30 s")
-        .unwrap();
-    assert!(
-        String::from_utf8_lossy(&advisory.payload).contains("\"stream_seq\":1"),
-        "the first message is the one terminated: {:?}",
-        advisory.payload
-    );
-    wait_for("order-0002 applied", Duration::from_secs(30), || async {
-        fx.settled().await == 1
-    })
-    .await;
-    let _ = stop.send(());
-    let summary = task.await.unwrap().unwrap();
-    fx.client.flush().await.unwrap();
-    fx.drained().await;
-
-    let attempts = attempts.lock().unwrap().clone();
-    assert_eq!(
-        attempts.get("order-0001"),
-        Some(&vec![1, 2, 3]),
-        "{attempts:?}"
-    );
-    assert_eq!(
-        attempts.get("order-0002"),
-        Some(&vec![1, 2]),
-        "{attempts:?}"
-    );
-    assert_eq!(summary.acked, 1, "{summary:?}");
-    assert_eq!(summary.redelivered, 3, "{summary:?}");
-    assert_eq!(summary.dead_lettered, 1, "{summary:?}");
-    let tally = fx.tally().await;
-    assert_eq!((tally.effects, tally.executions), (1, 1), "{tally:?}");
-    assert!(
-        tokio::time::timeout(Duration::from_millis(200), advisories.next())
-            .await
-            .is_err(),
-        "exactly one message is terminated"
-    );
-}
-
 /// The consumer of [`consumer_killed_mid_handler_is_redelivered_and_processed_once`]: a
 /// child process (this test binary re-run) whose handler records its execution and then
 /// works for a minute, so it is always killed mid-handler. Does nothing when run without the
@@ -456,141 +340,25 @@ fn child_consumer() {
             .get_consumer("worker")
             .await
             .unwrap();
-        let kitchen = Arc::new(Kitchen {
-            orders: Business::connect(&brokers::business_url(), &schema, 2)
-                .await
-                .unwrap(),
-            store: brokers::store(&brokers::redis_url()).await,
-            work: Duration::from_secs(60),
-            seen: brokers::Seen::default(),
-        });
-        let (_stop, task) = consume(consumer, 1, policy(), kitchen);
-        let _ = task.await;
+        let kitchen = broker_suite::child_kitchen(&schema).await;
+        let redelivery = broker_suite::redelivery();
+        Running::spawn(move |stop| async move {
+            nats::consume(
+                &consumer,
+                1,
+                redelivery,
+                stop.wait(),
+                move |message: Message| {
+                    let kitchen = kitchen.clone();
+                    async move {
+                        let redelivered = message.deliveries() != Some(1);
+                        kitchen.handle(&message.payload, redelivered).await
+                    }
+                },
+            )
+            .await
+        })
+        .until_killed()
+        .await;
     });
-}
-
-/// A real kill: a consumer process (the test binary re-run as [`child_consumer`]) is
-/// SIGKILLed while its handler runs. JetStream redelivers the unacknowledged message after
-/// `ack_wait` (2 s); the dead owner's claim blocks the key until its 2 s lease runs out, then
-/// the order is applied exactly once, and the redelivered message is acknowledged.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn consumer_killed_mid_handler_is_redelivered_and_processed_once() {
-    let fx = Fixture::new(3, Duration::from_secs(2)).await;
-    fx.publish(&brokers::messages(&fx.tenant, 3, 2)).await;
-
-    let mut child = ChildConsumer::spawn(
-        "child_consumer",
-        &[
-            ("CHILD_STREAM", fx.stream.clone()),
-            ("CHILD_SCHEMA", fx.schema.clone()),
-        ],
-    );
-    let victims = child.kill_mid_handler(&fx.orders).await;
-
-    let kitchen = fx.kitchen(
-        brokers::store(&brokers::redis_url()).await,
-        Duration::from_millis(10),
-    );
-    let (stop, task) = consume(fx.consumer.clone(), 4, policy(), kitchen.clone());
-    wait_for(
-        "6 messages with a final outcome",
-        Duration::from_secs(30),
-        || async { fx.settled().await == 6 },
-    )
-    .await;
-    let _ = stop.send(());
-    let summary = task.await.unwrap().unwrap();
-    fx.client.flush().await.unwrap();
-
-    let tally = fx.tally().await;
-    assert_eq!(tally.effects, 3, "{tally:?}");
-    assert_eq!(tally.executions, 4, "3 runs and the killed one: {tally:?}");
-    assert_eq!(tally.interrupted, 1, "{tally:?}");
-    assert_eq!(tally.filtered, 3, "{tally:?}");
-    assert_eq!((tally.wrong, tally.lost, tally.doubled), (0, 0, 0));
-    assert!(
-        kitchen
-            .seen
-            .redelivered
-            .lock()
-            .unwrap()
-            .contains(&victims[0]),
-        "the killed consumer's message {victims:?} is redelivered"
-    );
-    assert_eq!(summary.acked, 6, "{summary:?}");
-    assert_eq!(kitchen.seen.acked_before_effect.load(Ordering::SeqCst), 0);
-    fx.drained().await;
-}
-
-/// The store (a Redis this test starts) is killed while 40 orders × 2 messages are being
-/// consumed, then restarted empty: claims fail closed meanwhile (nothing runs, messages are
-/// naked), and afterwards the `done` check stands in for the lost records. Every order is
-/// applied exactly once, no message is acknowledged before its effect.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn store_outage_during_consumption_loses_nothing() {
-    let fx = Fixture::new(40, Duration::from_secs(30)).await;
-    fx.publish(&brokers::messages(&fx.tenant, 40, 2)).await;
-    let server = RedisServer::start(&[]);
-    let kitchen = fx.kitchen(
-        brokers::store(&server.url()).await,
-        Duration::from_millis(50),
-    );
-
-    let (stop, task) = consume(fx.consumer.clone(), 8, policy(), kitchen.clone());
-    wait_for("10 effects", Duration::from_secs(30), || async {
-        fx.orders.progress().await.unwrap().1 >= 10
-    })
-    .await;
-    let mut server = tokio::task::spawn_blocking(move || {
-        let mut server = server;
-        server.kill();
-        server
-    })
-    .await
-    .unwrap();
-    wait_for(
-        "claims failing on the dead store",
-        Duration::from_secs(30),
-        || async { kitchen.seen.store_errors.load(Ordering::SeqCst) >= 5 },
-    )
-    .await;
-    let effects_during_outage = fx.orders.progress().await.unwrap().1;
-    server = tokio::task::spawn_blocking(move || {
-        server.restart();
-        server
-    })
-    .await
-    .unwrap();
-    wait_for(
-        "80 messages with a final outcome",
-        Duration::from_secs(60),
-        || async { fx.settled().await == 80 },
-    )
-    .await;
-    let _ = stop.send(());
-    let summary = task.await.unwrap().unwrap();
-    fx.client.flush().await.unwrap();
-    drop(server);
-
-    let tally = fx.tally().await;
-    assert_eq!(tally.effects, 40, "{tally:?}");
-    assert_eq!(
-        (tally.wrong, tally.lost, tally.doubled),
-        (0, 0, 0),
-        "{tally:?}"
-    );
-    assert_eq!(tally.filtered + tally.absorbed, 40, "{tally:?}");
-    assert!(tally.executions >= 40, "{tally:?}");
-    assert!(
-        effects_during_outage < 40,
-        "the outage came too late to matter"
-    );
-    assert_eq!(kitchen.seen.acked_before_effect.load(Ordering::SeqCst), 0);
-    assert_eq!(summary.acked, 80, "{summary:?}");
-    assert!(
-        summary.redelivered >= kitchen.seen.store_errors.load(Ordering::SeqCst),
-        "every store error is naked: {summary:?}"
-    );
-    assert_eq!((summary.dead_lettered, summary.unsettled), (0, 0));
-    fx.drained().await;
 }

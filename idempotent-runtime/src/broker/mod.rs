@@ -1,23 +1,24 @@
 //! Message brokers: what to do with a message once its idempotent handler returned.
 //!
-//! Every outcome of a handler maps to one action. [`Policy::decide`] computes it and each
-//! broker integration's `settle` applies it; the HTTP column is the status an HTTP endpoint
-//! answers the same outcome with (per the IETF `Idempotency-Key` draft where it says):
+//! Every outcome of a handler maps to one action. [`Redelivery::decide`] computes it; each
+//! broker integration's `settle`, and the `consume` loop they share, apply it. The HTTP
+//! column is the status an HTTP endpoint answers the same outcome with (per the IETF
+//! `Idempotency-Key` draft where it says):
 //!
 //! | outcome | [`Action`] | RabbitMQ | NATS JetStream | HTTP |
 //! |---|---|---|---|---|
 //! | `Ok`: the handler ran and completed (or, with `replay`, the first run's result was replayed) | `Ack` | `basic.ack` | `+ACK` | 2xx: the handler's response (replayed: the stored one, `Idempotent-Replayed: true`) |
 //! | [`Error::Duplicate`]: completed before, nothing replayed; or the `done` check says the effect is applied | `Ack` | `basic.ack` | `+ACK` | 409 Conflict |
 //! | [`Error::Skipped`]: a live owner, `on_in_progress = skip` | `Ack` | `basic.ack` | `+ACK` | 409 Conflict |
-//! | [`Error::InProgress`]: a live owner, `reject` (or `wait` ran out) | `Redeliver` | hold [`in_progress_delay`](Policy::in_progress_delay), then `basic.nack(requeue)` | `-NAK` with delay [`in_progress_delay`](Policy::in_progress_delay) | 409 Conflict, `Retry-After` |
-//! | [`Error::LostOwnership`]: the handler outlived its lease and a newer owner took over | `Redeliver` | hold [`retry_delay`](Policy::retry_delay), then `basic.nack(requeue)` | `-NAK` with delay [`retry_delay`](Policy::retry_delay) | 409 Conflict, `Retry-After` |
+//! | [`Error::InProgress`]: a live owner, `reject` (or `wait` ran out) | `Redeliver` | hold [`in_progress_delay`](Redelivery::in_progress_delay), then `basic.nack(requeue)` | `-NAK` with delay [`in_progress_delay`](Redelivery::in_progress_delay) | 409 Conflict, `Retry-After` |
+//! | [`Error::LostOwnership`]: the handler outlived its lease and a newer owner took over | `Redeliver` | hold [`retry_delay`](Redelivery::retry_delay), then `basic.nack(requeue)` | `-NAK` with delay [`retry_delay`](Redelivery::retry_delay) | 409 Conflict, `Retry-After` |
 //! | [`Error::Store`]: the store failed; nothing ran, nothing was released | `Redeliver` | hold `retry_delay`, then `basic.nack(requeue)` | `-NAK` with delay `retry_delay` | 503 Service Unavailable, `Retry-After` |
 //! | [`Error::NoStore`]: no store configured | `Redeliver` | hold `retry_delay`, then `basic.nack(requeue)` | `-NAK` with delay `retry_delay` | 500 Internal Server Error |
 //! | [`Error::PayloadMismatch`]: same key, different payload | `DeadLetter` | `basic.reject(requeue = false)` | `+TERM` | 422 Unprocessable Content |
 //! | [`Error::Held`]: an earlier run failed with `on_error = hold` | `DeadLetter` | `basic.reject(requeue = false)` | `+TERM` | 422 Unprocessable Content |
 //! | [`Error::InvalidKey`]: an empty or oversized key part | `DeadLetter` | `basic.reject(requeue = false)` | `+TERM` | 400 Bad Request |
 //! | [`Error::Codec`]: a stored result could not be decoded | `DeadLetter` | `basic.reject(requeue = false)` | `+TERM` | 500 Internal Server Error |
-//! | the handler's own `Err`, delivery `n` < [`max_deliveries`](Policy::max_deliveries) | `Redeliver` | hold `retry_delay`, then `basic.nack(requeue)` | `-NAK` with delay `retry_delay` | the handler's own error response |
+//! | the handler's own `Err`, delivery `n` < [`max_deliveries`](Redelivery::max_deliveries) | `Redeliver` | hold `retry_delay`, then `basic.nack(requeue)` | `-NAK` with delay `retry_delay` | the handler's own error response |
 //! | the handler's own `Err`, delivery `n` ≥ `max_deliveries`, or [`Settle::is_permanent`] | `DeadLetter` | `basic.reject(requeue = false)` | `+TERM` | the handler's own error response |
 //! | the handler panicked (its claim was given back) | as the handler's own `Err` | as the handler's own `Err` | as the handler's own `Err` | 500 Internal Server Error |
 //!
@@ -34,7 +35,8 @@
 //! A handler's error type tells the integrations whether it carries an [`Error`] by
 //! implementing [`Settle`].
 //!
-//! The integrations, each behind its feature:
+//! The integrations, each behind its feature, run the same `consume` loop over their
+//! messages, each a `Delivery`:
 //!
 //! - [`rabbitmq`] (`rabbitmq`): lapin, manual acknowledgements.
 //! - [`nats`] (`nats`): async-nats, JetStream pull consumers with explicit acks.
@@ -47,6 +49,12 @@ use std::time::Duration;
 
 use crate::error::{Action, Error};
 
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
+pub use consume::{consume, Delivery};
+
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+mod consume;
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub mod nats;
@@ -56,7 +64,7 @@ pub mod rabbitmq;
 
 /// Lets a handler's error type say whether it carries an idempotency [`Error`], so a broker
 /// integration can tell a duplicate (ack) or a store outage (redeliver) from the handler's
-/// own failure (redeliver, then dead-letter after [`Policy::max_deliveries`]).
+/// own failure (redeliver, then dead-letter after [`Redelivery::max_deliveries`]).
 ///
 /// Implemented for [`Error`] itself and for `Box<dyn Error + Send + Sync>` (which looks for
 /// an [`Error`] along the source chain). For your own error type, return the wrapped error:
@@ -93,7 +101,7 @@ pub trait Settle {
 
     /// Whether this error, when it is the handler's own, fails the same way on every delivery
     /// (a malformed payload, say), so the message is dead-lettered at once instead of after
-    /// [`Policy::max_deliveries`]. Not asked for idempotency errors. Default: `false`.
+    /// [`Redelivery::max_deliveries`]. Not asked for idempotency errors. Default: `false`.
     fn is_permanent(&self) -> bool {
         false
     }
@@ -171,39 +179,40 @@ impl fmt::Display for Decision {
 }
 
 /// How outcomes become [`Decision`]s: how often a failing handler is retried and how long a
-/// redelivered message waits.
+/// redelivered message waits. (The engine's policies, `InProgress`, `OnError` and the like,
+/// decide what a call does; this one decides what becomes of the message afterwards.)
 ///
 /// ```
 /// use std::time::Duration;
-/// use idempotent_runtime::broker::{Decision, Policy};
+/// use idempotent_runtime::broker::{Decision, Redelivery};
 /// use idempotent_runtime::{Error, Key};
 ///
-/// let policy = Policy::new()
+/// let redelivery = Redelivery::new()
 ///     .max_deliveries(3)
 ///     .retry_delay(Duration::from_millis(500))
 ///     .in_progress_delay(Duration::from_millis(200));
 ///
 /// // The handler's own error: redeliver until the third delivery, then dead-letter.
 /// let failed: Result<(), Box<dyn std::error::Error + Send + Sync>> = Err("timeout".into());
-/// assert_eq!(policy.decide(&failed, Some(1)),
+/// assert_eq!(redelivery.decide(&failed, Some(1)),
 ///            Decision::Redeliver { delay: Duration::from_millis(500) });
-/// assert_eq!(policy.decide(&failed, Some(3)), Decision::DeadLetter);
+/// assert_eq!(redelivery.decide(&failed, Some(3)), Decision::DeadLetter);
 ///
 /// // A duplicate is acknowledged, whatever the count.
 /// let key = Key::new("order:consume", 1, &[&"A-1"]).unwrap();
 /// let duplicate: Result<(), Error> = Err(Error::Duplicate { key });
-/// assert_eq!(policy.decide(&duplicate, Some(9)), Decision::Ack);
+/// assert_eq!(redelivery.decide(&duplicate, Some(9)), Decision::Ack);
 /// ```
 #[derive(Debug, Clone)]
-pub struct Policy {
+pub struct Redelivery {
     max_deliveries: u32,
     retry_delay: Duration,
     in_progress_delay: Duration,
 }
 
-impl Default for Policy {
-    fn default() -> Policy {
-        Policy {
+impl Default for Redelivery {
+    fn default() -> Redelivery {
+        Redelivery {
             max_deliveries: 5,
             retry_delay: Duration::from_secs(1),
             in_progress_delay: Duration::from_secs(1),
@@ -211,11 +220,11 @@ impl Default for Policy {
     }
 }
 
-impl Policy {
+impl Redelivery {
     /// The defaults: a handler's own error is retried until the 5th delivery; redeliveries
     /// wait 1 second.
-    pub fn new() -> Policy {
-        Policy::default()
+    pub fn new() -> Redelivery {
+        Redelivery::default()
     }
 
     /// The delivery on which a handler's own error dead-letters the message instead of
@@ -225,14 +234,14 @@ impl Policy {
     /// On NATS JetStream, keep the consumer's `max_deliver` above it (or unlimited), so the
     /// server does not stop redelivering first; on a RabbitMQ quorum queue with
     /// `x-delivery-limit`, likewise.
-    pub fn max_deliveries(mut self, deliveries: u32) -> Policy {
+    pub fn max_deliveries(mut self, deliveries: u32) -> Redelivery {
         self.max_deliveries = deliveries.max(1);
         self
     }
 
     /// How long a message waits before it is delivered again after the handler's own error,
     /// a store error or a lost ownership (default 1 s).
-    pub fn retry_delay(mut self, delay: Duration) -> Policy {
+    pub fn retry_delay(mut self, delay: Duration) -> Redelivery {
         self.retry_delay = delay;
         self
     }
@@ -241,7 +250,7 @@ impl Policy {
     /// its key ([`Error::InProgress`]; default 1 s). About the handler's usual running time:
     /// a live owner finishes by then and the redelivery is acknowledged as a duplicate. A
     /// crashed owner's claim is taken over once its lease runs out.
-    pub fn in_progress_delay(mut self, delay: Duration) -> Policy {
+    pub fn in_progress_delay(mut self, delay: Duration) -> Redelivery {
         self.in_progress_delay = delay;
         self
     }
@@ -308,29 +317,6 @@ pub struct Summary {
     pub unsettled: u64,
 }
 
-/// Runs a handler's future in its own task, so a panic is contained (and reported as a
-/// `JoinError`); dropping the returned future aborts the task, which gives the handler's
-/// claim back.
-async fn contained<F>(handler: F) -> Result<F::Output, tokio::task::JoinError>
-where
-    F: std::future::Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-    impl<T> Drop for AbortOnDrop<T> {
-        fn drop(&mut self) {
-            self.0.abort();
-        }
-    }
-    let mut task = AbortOnDrop(tokio::spawn(handler));
-    (&mut task.0).await
-}
-
-/// The next item of a stream.
-async fn next<S: futures_core::Stream + Unpin>(stream: &mut S) -> Option<S::Item> {
-    std::future::poll_fn(|cx| std::pin::Pin::new(&mut *stream).poll_next(cx)).await
-}
-
 impl Summary {
     pub(crate) fn record<E>(&mut self, settled: &Result<Decision, E>) {
         match settled {
@@ -374,15 +360,15 @@ mod tests {
         }
     }
 
-    fn policy() -> Policy {
-        Policy::new()
+    fn redelivery() -> Redelivery {
+        Redelivery::new()
             .max_deliveries(3)
             .retry_delay(Duration::from_millis(10))
             .in_progress_delay(Duration::from_millis(20))
     }
 
     fn decide(err: AppError, deliveries: Option<u32>) -> Decision {
-        policy().decide(&Err::<(), _>(err), deliveries)
+        redelivery().decide(&Err::<(), _>(err), deliveries)
     }
 
     const RETRY: Decision = Decision::Redeliver {
@@ -433,7 +419,7 @@ mod tests {
             assert_eq!(decide(AppError::from(err), Some(99)), expected, "{shown}");
         }
         assert_eq!(
-            policy().decide(&Ok::<(), Error>(()), Some(99)),
+            redelivery().decide(&Ok::<(), Error>(()), Some(99)),
             Decision::Ack
         );
     }

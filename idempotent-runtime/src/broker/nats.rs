@@ -6,7 +6,7 @@
 //! through [`Guard::run_batch`](crate::Guard::run_batch) and [`settle`] each with its own result.
 //!
 //! ```no_run
-//! use idempotent_runtime::broker::{nats, Policy};
+//! use idempotent_runtime::broker::{nats, Redelivery};
 //! use nats::async_nats::jetstream::{self, consumer::{pull, AckPolicy}};
 //!
 //! # async fn on_order(_: &[u8]) -> Result<(), idempotent_runtime::Error> { Ok(()) }
@@ -25,7 +25,7 @@
 //!
 //! // Up to 50 handlers at once, until Ctrl-C.
 //! let stop = async { let _ = tokio::signal::ctrl_c().await; };
-//! let summary = nats::consume(&consumer, 50, Policy::new(), stop, |message| async move {
+//! let summary = nats::consume(&consumer, 50, Redelivery::new(), stop, |message| async move {
 //!     on_order(&message.payload).await
 //! })
 //! .await?;
@@ -42,7 +42,7 @@
 //!   sequence, which an operator's tool can subscribe to (or copy the message to a
 //!   dead-letter stream).
 //! - **Delivery counts** come from the message's metadata (`delivered`). Keep the consumer's
-//!   `max_deliver` above [`Policy::max_deliveries`] (or unlimited), so the server does not
+//!   `max_deliver` above [`Redelivery::max_deliveries`] (or unlimited), so the server does not
 //!   stop redelivering first.
 //! - **`ack_wait`** longer than the handler's usual running time: a message not acknowledged
 //!   within it is redelivered while its handler still runs, and the redelivery is answered
@@ -53,16 +53,14 @@
 //!   exits. A lost ack only means a redelivery, which is filtered as a duplicate.
 
 use std::future::Future;
-use std::pin::pin;
-use std::sync::Arc;
+use std::time::Duration;
 
 use async_nats::jetstream::consumer::pull::{MessagesError, MessagesErrorKind};
 use async_nats::jetstream::consumer::{PullConsumer, StreamError};
 use async_nats::jetstream::{AckKind, Message};
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
+use futures_util::StreamExt;
 
-use super::{Decision, Policy, Settle, Summary};
+use super::{Decision, Redelivery, Settle, Summary};
 
 /// The async-nats crate this module speaks, re-exported so its types match.
 pub use async_nats;
@@ -115,7 +113,7 @@ pub fn deliveries(message: &Message) -> Option<u32> {
 }
 
 /// Settles `message` from its handler's `result`, per the [table](super): `+ACK`; `-NAK`
-/// with the policy's delay; or `+TERM`. Returns what it did.
+/// with the [`Redelivery`]'s delay; or `+TERM`. Returns what it did.
 ///
 /// Call it only after the handler returned: the effect is applied (or known to be) before
 /// the message is acknowledged.
@@ -127,13 +125,13 @@ pub fn deliveries(message: &Message) -> Option<u32> {
 /// after `ack_wait`).
 ///
 /// ```no_run
-/// use idempotent_runtime::broker::{nats, Policy};
+/// use idempotent_runtime::broker::{nats, Redelivery};
 /// use nats::async_nats::jetstream::Message;
 ///
 /// # async fn apply(_: &[u8]) -> Result<(), idempotent_runtime::Error> { Ok(()) }
-/// async fn on_message(message: Message, policy: &Policy) -> Result<(), nats::Error> {
+/// async fn on_message(message: Message, redelivery: &Redelivery) -> Result<(), nats::Error> {
 ///     let result = apply(&message.payload).await;
-///     let decision = nats::settle(&message, &result, policy).await?;
+///     let decision = nats::settle(&message, &result, redelivery).await?;
 ///     println!("{} -> {decision}", message.subject);
 ///     Ok(())
 /// }
@@ -141,30 +139,55 @@ pub fn deliveries(message: &Message) -> Option<u32> {
 pub async fn settle<T, E: Settle>(
     message: &Message,
     result: &Result<T, E>,
-    policy: &Policy,
+    redelivery: &Redelivery,
 ) -> Result<Decision, Error> {
     if message.reply.is_none() {
         return Err(Error::NotJetStream);
     }
-    let decision = policy.decide(result, deliveries(message));
-    apply(message, decision).await?;
+    let decision = redelivery.decide(result, deliveries(message));
+    super::consume::apply(message, decision).await?;
     Ok(decision)
 }
 
-async fn apply(message: &Message, decision: Decision) -> Result<(), Error> {
-    let kind = match decision {
-        Decision::Ack => AckKind::Ack,
-        Decision::Redeliver { delay } if delay.is_zero() => AckKind::Nak(None),
-        Decision::Redeliver { delay } => AckKind::Nak(Some(delay)),
-        Decision::DeadLetter => AckKind::Term,
-    };
+impl super::Delivery for Message {
+    type Error = Error;
+
+    fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+
+    fn deliveries(&self) -> Option<u32> {
+        deliveries(self)
+    }
+
+    /// `+ACK`.
+    async fn ack(&self) -> Result<(), Error> {
+        ack_with(self, AckKind::Ack).await
+    }
+
+    /// `-NAK` with `delay` (none when it is zero).
+    async fn redeliver(&self, delay: Duration) -> Result<(), Error> {
+        let delay = (!delay.is_zero()).then_some(delay);
+        ack_with(self, AckKind::Nak(delay)).await
+    }
+
+    /// `+TERM`.
+    async fn dead_letter(&self) -> Result<(), Error> {
+        ack_with(self, AckKind::Term).await
+    }
+}
+
+async fn ack_with(message: &Message, kind: AckKind) -> Result<(), Error> {
+    if message.reply.is_none() {
+        return Err(Error::NotJetStream);
+    }
     message.ack_with(kind).await.map_err(Error::Ack)
 }
 
 /// Runs `handler` on the messages of a pull `consumer`, at most `concurrency` at once (at
-/// least one), and [`settle`]s each message from its outcome, until `stop` completes. A
-/// handler that panics is treated as the handler's own error (its claim is given back by the
-/// engine).
+/// least one), and settles each message from its outcome as [`settle`] does, until `stop`
+/// completes: the [`consume`](super::consume) loop over JetStream messages. A handler that
+/// panics is treated as the handler's own error (its claim is given back by the engine).
 ///
 /// When `stop` completes, no new message is started; handlers in flight finish and are
 /// settled, then the call returns. Messages pulled but not yet started are left
@@ -180,14 +203,14 @@ async fn apply(message: &Message, decision: Decision) -> Result<(), Error> {
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use idempotent_runtime::broker::{nats, Policy};
+/// use idempotent_runtime::broker::{nats, Redelivery};
 /// use nats::async_nats::jetstream::consumer::PullConsumer;
 ///
 /// # async fn apply(_: &[u8]) -> Result<(), idempotent_runtime::Error> { Ok(()) }
 /// async fn run(consumer: PullConsumer) -> Result<(), nats::Error> {
 ///     // Consume for a minute.
 ///     let stop = tokio::time::sleep(Duration::from_secs(60));
-///     let summary = nats::consume(&consumer, 8, Policy::new(), stop, |message| async move {
+///     let summary = nats::consume(&consumer, 8, Redelivery::new(), stop, |message| async move {
 ///         apply(&message.payload).await
 ///     })
 ///     .await?;
@@ -198,7 +221,7 @@ async fn apply(message: &Message, decision: Decision) -> Result<(), Error> {
 pub async fn consume<S, F, Fut, T, E>(
     consumer: &PullConsumer,
     concurrency: usize,
-    policy: Policy,
+    redelivery: Redelivery,
     stop: S,
     handler: F,
 ) -> Result<Summary, Error>
@@ -210,97 +233,26 @@ where
     E: Settle + Send + 'static,
 {
     let concurrency = concurrency.max(1);
-    let mut messages = consumer
+    let messages = consumer
         .stream()
         .max_messages_per_batch(concurrency)
-        .expires(std::time::Duration::from_secs(30))
-        .heartbeat(std::time::Duration::from_secs(15))
+        .expires(Duration::from_secs(30))
+        .heartbeat(Duration::from_secs(15))
         .messages()
-        .await?;
-    let mut stop = pin!(stop);
-    let handler = Arc::new(handler);
-    let policy = Arc::new(policy);
-    let slots = Arc::new(Semaphore::new(concurrency));
-    let mut tasks = JoinSet::new();
-    let mut summary = Summary::default();
-
-    let ended = loop {
-        let slot = tokio::select! {
-            biased;
-            () = &mut stop => break Ok(()),
-            slot = slots.clone().acquire_owned() => slot,
-        };
-        let Ok(slot) = slot else {
-            break Ok(());
-        };
-        while let Some(done) = tasks.try_join_next() {
-            record(&mut summary, done);
-        }
-        let next = tokio::select! {
-            biased;
-            () = &mut stop => break Ok(()),
-            next = super::next(&mut messages) => next,
-        };
-        match next {
-            None => break Ok(()),
-            Some(Err(err)) => match err.kind() {
-                MessagesErrorKind::ConsumerDeleted
-                | MessagesErrorKind::PushBasedConsumer
-                | MessagesErrorKind::RequestLimitExceeded => break Err(Error::Messages(err)),
-                _ => tracing::warn!(error = %err, "pulling messages failed; retrying"),
-            },
-            Some(Ok(message)) => {
-                let (handler, policy) = (handler.clone(), policy.clone());
-                tasks.spawn(async move {
-                    let settled = handle(&*handler, message, &policy).await;
-                    drop(slot);
-                    settled
-                });
-            }
-        }
-    };
-    while let Some(done) = tasks.join_next().await {
-        record(&mut summary, done);
-    }
-    ended.map(|()| summary)
-}
-
-/// Runs the handler on one message (in its own task, so a panic is contained) and settles.
-async fn handle<F, Fut, T, E>(
-    handler: &F,
-    message: Message,
-    policy: &Policy,
-) -> Result<Decision, Error>
-where
-    F: Fn(Message) -> Fut,
-    Fut: Future<Output = Result<T, E>> + Send + 'static,
-    T: Send + 'static,
-    E: Settle + Send + 'static,
-{
-    let count = deliveries(&message);
-    let decision = match super::contained(handler(message.clone())).await {
-        Ok(result) => policy.decide(&result, count),
-        Err(err) => {
-            tracing::error!(error = %err, "handler panicked; treating it as a failure");
-            policy.handler_failed(count, false)
-        }
-    };
-    let settled = apply(&message, decision).await;
-    match &settled {
-        Ok(()) => {
-            tracing::debug!(subject = %message.subject, deliveries = ?count, %decision, "settled")
-        }
-        Err(err) => tracing::warn!(subject = %message.subject, error = %err, "message not settled"),
-    }
-    settled.map(|()| decision)
-}
-
-fn record(summary: &mut Summary, done: Result<Result<Decision, Error>, tokio::task::JoinError>) {
-    match done {
-        Ok(settled) => summary.record(&settled),
-        Err(err) => {
-            tracing::error!(error = %err, "settling task failed");
-            summary.unsettled += 1;
-        }
-    }
+        .await?
+        .filter_map(|next| {
+            std::future::ready(match next {
+                Ok(message) => Some(Ok(message)),
+                Err(err) => match err.kind() {
+                    MessagesErrorKind::ConsumerDeleted
+                    | MessagesErrorKind::PushBasedConsumer
+                    | MessagesErrorKind::RequestLimitExceeded => Some(Err(Error::Messages(err))),
+                    _ => {
+                        tracing::warn!(error = %err, "pulling messages failed; retrying");
+                        None
+                    }
+                },
+            })
+        });
+    super::consume(messages, concurrency, redelivery, stop, handler).await
 }

@@ -8,7 +8,7 @@
 //! come back decide how they are counted and settled.
 //!
 //! ```no_run
-//! use idempotent_runtime::broker::{rabbitmq, Policy, Settle};
+//! use idempotent_runtime::broker::{rabbitmq, Redelivery, Settle};
 //! use rabbitmq::lapin::{options::*, types::FieldTable, Connection, ConnectionProperties};
 //! use rabbitmq::Queue;
 //!
@@ -24,7 +24,8 @@
 //!
 //! // Up to 50 handlers at once; returns when the consumer is cancelled.
 //! let queue = Queue::quorum("orders");
-//! let summary = rabbitmq::consume(consumer, queue, 50, Policy::new(), |delivery| async move {
+//! let stop = async { let _ = tokio::signal::ctrl_c().await; };
+//! let summary = rabbitmq::consume(consumer, queue, 50, Redelivery::new(), stop, |delivery| async move {
 //!     on_order(&delivery.data).await
 //! })
 //! .await?;
@@ -40,7 +41,7 @@
 //!   the dead-letter exchange is the way back for retries instead, and a message to
 //!   dead-letter is published to a parking queue, then acknowledged.
 //! - **Delivery counts** decide when a handler that keeps failing has its message
-//!   dead-lettered ([`Policy::max_deliveries`]). Only what RabbitMQ itself records about the
+//!   dead-lettered ([`Redelivery::max_deliveries`]). Only what RabbitMQ itself records about the
 //!   consuming queue is counted: on a quorum queue, the `x-delivery-count` RabbitMQ sets on
 //!   every redelivery (the times the message was returned to the queue; RabbitMQ overwrites a
 //!   publisher's value); in a retry topology, the `x-death` entry of the consuming queue with
@@ -49,7 +50,7 @@
 //!   on a classic queue, so a value there is the publisher's and is ignored: a redelivery on
 //!   a classic queue has no count, and a handler that keeps failing is requeued without
 //!   bound. Declare quorum queues, or a retry topology, to have it dead-lettered. A quorum
-//!   queue's own `x-delivery-limit`, if set, must be above [`Policy::max_deliveries`], since
+//!   queue's own `x-delivery-limit`, if set, must be above [`Redelivery::max_deliveries`], since
 //!   every requeue counts. See [`deliveries`].
 //! - **Redelivery delay**: RabbitMQ has no per-message delay. A delivery to redeliver is held
 //!   by [`settle`] for the delay, then `basic.nack`ed with requeue, so a message whose key is
@@ -62,18 +63,18 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
+use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicNackOptions, BasicPublishOptions, BasicRejectOptions,
     ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Acker, BasicProperties, Channel, Confirmation, Consumer};
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
+use lapin::{BasicProperties, Channel, Confirmation, Consumer};
 
-use super::{Decision, Policy, Settle, Summary};
+use super::{Decision, Redelivery, Settle, Summary};
 
 /// The lapin crate this module speaks, re-exported so its types match.
 pub use lapin;
@@ -165,7 +166,7 @@ impl Queue {
     /// and whose own dead-letter exchange routes back to this queue.
     ///
     /// A delivery to redeliver is then rejected without requeueing (so RabbitMQ records it in
-    /// the message's `x-death` and holds it for the TTL), whatever the policy's delays. Every
+    /// the message's `x-death` and holds it for the TTL), whatever the [`Redelivery`]'s delays. Every
     /// redelivery goes this way, idempotency outcomes included (another owner at work, a
     /// store outage), so each counts as a delivery, as every requeue does on a quorum queue.
     /// A delivery to dead-letter is published unchanged to `park_exchange` with
@@ -311,7 +312,7 @@ fn count(value: &AMQPValue) -> Option<u64> {
 }
 
 /// Settles `delivery` from its handler's `result`, per the [table](super): `basic.ack`;
-/// `basic.nack` with requeue after holding it for the policy's delay; or `basic.reject`
+/// `basic.nack` with requeue after holding it for the [`Redelivery`]'s delay; or `basic.reject`
 /// without requeue (to the queue's dead-letter exchange). In a
 /// [retry topology](Queue::retry_through_dead_letter_exchange) a delivery to redeliver is
 /// rejected at once, and one to dead-letter is parked, then acknowledged. `queue` is the
@@ -328,13 +329,13 @@ fn count(value: &AMQPValue) -> Option<u64> {
 /// redelivers the message if it was not acknowledged.
 ///
 /// ```no_run
-/// use idempotent_runtime::broker::{rabbitmq, Policy};
+/// use idempotent_runtime::broker::{rabbitmq, Redelivery};
 /// use rabbitmq::{lapin::message::Delivery, Queue};
 ///
 /// # async fn apply(_: &[u8]) -> Result<(), idempotent_runtime::Error> { Ok(()) }
-/// async fn on_delivery(delivery: Delivery, queue: &Queue, policy: &Policy) -> Result<(), rabbitmq::Error> {
+/// async fn on_delivery(delivery: Delivery, queue: &Queue, redelivery: &Redelivery) -> Result<(), rabbitmq::Error> {
 ///     let result = apply(&delivery.data).await;
-///     let decision = rabbitmq::settle(&delivery, queue, &result, policy).await?;
+///     let decision = rabbitmq::settle(&delivery, queue, &result, redelivery).await?;
 ///     println!("delivery {} -> {decision}", delivery.delivery_tag);
 ///     Ok(())
 /// }
@@ -343,65 +344,143 @@ pub async fn settle<T, E: Settle>(
     delivery: &Delivery,
     queue: &Queue,
     result: &Result<T, E>,
-    policy: &Policy,
+    redelivery: &Redelivery,
 ) -> Result<Decision, Error> {
-    let decision = policy.decide(result, deliveries(delivery, queue));
-    let message = Message::of(delivery, queue);
-    apply(&delivery.acker, delivery.delivery_tag, decision, &message).await?;
+    let decision = redelivery.decide(result, deliveries(delivery, queue));
+    match decision {
+        Decision::Ack => ack(delivery).await?,
+        Decision::Redeliver { delay } => redeliver(delivery, queue, delay).await?,
+        Decision::DeadLetter => dead_letter(delivery, queue).await?,
+    }
     Ok(decision)
 }
 
-/// What parking a delivery needs once the handler has taken it: its body and properties,
-/// kept only in a retry topology.
-struct Message<'q> {
-    parking: Option<(&'q Parking, Vec<u8>, BasicProperties)>,
+/// A delivery together with the [`Queue`] it came from: what [`consume`] hands its handler,
+/// and the [`Delivery`](super::Delivery) it settles. It dereferences to the lapin
+/// [`Delivery`]; a clone is the same delivery.
+///
+/// ```
+/// use idempotent_runtime::broker::{rabbitmq::{lapin::message::Delivery, Message, Queue}, Delivery as _};
+///
+/// let delivery = Delivery::mock(7, "".into(), "orders".into(), false, b"{}".to_vec());
+/// let message = Message::new(delivery, Queue::quorum("orders").into());
+/// assert_eq!(message.payload(), b"{}");
+/// assert_eq!(message.deliveries(), Some(1));
+/// assert_eq!(message.delivery_tag, 7);
+/// assert_eq!(message.queue().name(), "orders");
+/// ```
+#[derive(Debug, Clone)]
+pub struct Message {
+    delivery: Arc<Delivery>,
+    queue: Arc<Queue>,
 }
 
-impl<'q> Message<'q> {
-    fn of(delivery: &Delivery, queue: &'q Queue) -> Message<'q> {
+impl Message {
+    /// `delivery`, which came from `queue`.
+    pub fn new(delivery: Delivery, queue: Arc<Queue>) -> Message {
         Message {
-            parking: queue
-                .parking
-                .as_ref()
-                .map(|parking| (parking, delivery.data.clone(), delivery.properties.clone())),
+            delivery: Arc::new(delivery),
+            queue,
         }
+    }
+
+    /// The lapin delivery.
+    pub fn delivery(&self) -> &Delivery {
+        &self.delivery
+    }
+
+    /// The queue it came from.
+    pub fn queue(&self) -> &Queue {
+        &self.queue
     }
 }
 
-async fn apply(
-    acker: &Acker,
-    delivery_tag: u64,
-    decision: Decision,
-    message: &Message<'_>,
-) -> Result<(), Error> {
-    let settled = match (decision, &message.parking) {
-        (Decision::Ack, _) => acker.ack(BasicAckOptions::default()).await?,
-        (Decision::Redeliver { .. }, Some(_)) => {
-            // Through the dead-letter exchange to the retry queue, which holds it for its TTL.
-            acker.reject(BasicRejectOptions { requeue: false }).await?
+impl std::ops::Deref for Message {
+    type Target = Delivery;
+
+    fn deref(&self) -> &Delivery {
+        &self.delivery
+    }
+}
+
+impl super::Delivery for Message {
+    type Error = Error;
+
+    fn payload(&self) -> &[u8] {
+        &self.delivery.data
+    }
+
+    fn deliveries(&self) -> Option<u32> {
+        deliveries(&self.delivery, &self.queue)
+    }
+
+    /// `basic.ack`.
+    async fn ack(&self) -> Result<(), Error> {
+        ack(&self.delivery).await
+    }
+
+    /// `basic.nack` with requeue after holding the delivery for `delay`; in a retry
+    /// topology, `basic.reject` without requeue at once (the retry queue's TTL is the delay).
+    async fn redeliver(&self, delay: Duration) -> Result<(), Error> {
+        redeliver(&self.delivery, &self.queue, delay).await
+    }
+
+    /// `basic.reject` without requeue; in a retry topology, parked, then acknowledged.
+    async fn dead_letter(&self) -> Result<(), Error> {
+        dead_letter(&self.delivery, &self.queue).await
+    }
+}
+
+async fn ack(delivery: &Delivery) -> Result<(), Error> {
+    let settled = delivery.acker.ack(BasicAckOptions::default()).await?;
+    settled_or_not(settled, delivery)
+}
+
+async fn redeliver(delivery: &Delivery, queue: &Queue, delay: Duration) -> Result<(), Error> {
+    let settled = if queue.parking.is_some() {
+        // Through the dead-letter exchange to the retry queue, which holds it for its TTL.
+        delivery
+            .acker
+            .reject(BasicRejectOptions { requeue: false })
+            .await?
+    } else {
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
         }
-        (Decision::Redeliver { delay }, None) => {
-            if !delay.is_zero() {
-                tokio::time::sleep(delay).await;
-            }
-            acker.nack(requeue()).await?
-        }
-        (Decision::DeadLetter, Some((parking, data, properties))) => {
-            match park(parking, data, properties).await {
-                Ok(true) => acker.ack(BasicAckOptions::default()).await?,
-                parked => {
-                    // Not lost: back to the queue, to be parked on a later delivery.
-                    acker.nack(requeue()).await?;
-                    return Err(parked.err().unwrap_or(Error::NotParked { delivery_tag }));
-                }
-            }
-        }
-        (Decision::DeadLetter, None) => acker.reject(BasicRejectOptions { requeue: false }).await?,
+        delivery.acker.nack(requeue()).await?
     };
+    settled_or_not(settled, delivery)
+}
+
+async fn dead_letter(delivery: &Delivery, queue: &Queue) -> Result<(), Error> {
+    let settled = match &queue.parking {
+        Some(parking) => match park(parking, &delivery.data, &delivery.properties).await {
+            Ok(true) => delivery.acker.ack(BasicAckOptions::default()).await?,
+            parked => {
+                // Not lost: back to the queue, to be parked on a later delivery.
+                delivery.acker.nack(requeue()).await?;
+                return Err(parked.err().unwrap_or(Error::NotParked {
+                    delivery_tag: delivery.delivery_tag,
+                }));
+            }
+        },
+        None => {
+            delivery
+                .acker
+                .reject(BasicRejectOptions { requeue: false })
+                .await?
+        }
+    };
+    settled_or_not(settled, delivery)
+}
+
+fn settled_or_not(settled: bool, delivery: &Delivery) -> Result<(), Error> {
     if settled {
         Ok(())
     } else {
-        Err(Error::Unsettled { delivery_tag })
+        Err(Error::Unsettled {
+            delivery_tag: delivery.delivery_tag,
+        })
     }
 }
 
@@ -443,16 +522,19 @@ async fn park(parking: &Parking, data: &[u8], properties: &BasicProperties) -> R
 }
 
 /// Runs `handler` on every delivery of `consumer`, which reads `queue`, at most
-/// `concurrency` at once (at least one), and [`settle`]s each delivery from its outcome. A
-/// handler that panics is treated as the handler's own error (its claim is given back by the
-/// engine).
+/// `concurrency` at once (at least one), and settles each delivery from its outcome as
+/// [`settle`] does, until the consumer ends or `stop` completes: the [`consume`](super::consume)
+/// loop over RabbitMQ [`Message`]s. A handler that panics is treated as the handler's own
+/// error (its claim is given back by the engine).
 ///
 /// Set the channel's prefetch (`basic_qos`) to about `concurrency`: deliveries beyond it
 /// wait in the client. Returns once the consumer ends (cancelled with `basic_cancel`, or
-/// its channel closed) and every handler in flight has finished and been settled. Dropping
-/// the returned future instead cancels the handlers in flight (the engine gives their claims
-/// back); their deliveries stay unacknowledged until the channel closes and RabbitMQ
-/// redelivers them.
+/// its channel closed) or `stop` completes, and every handler in flight has finished and
+/// been settled; deliveries the client received but no handler started stay unacknowledged
+/// until the channel closes (cancel the consumer first to have none). Pass
+/// `std::future::pending()` as `stop` to run until the consumer ends. Dropping the returned
+/// future instead cancels the handlers in flight (the engine gives their claims back); their
+/// deliveries stay unacknowledged until the channel closes and RabbitMQ redelivers them.
 ///
 /// # Errors
 ///
@@ -461,7 +543,7 @@ async fn park(parking: &Parking, data: &[u8], properties: &BasicProperties) -> R
 /// RabbitMQ and counted as [`Summary::unsettled`].
 ///
 /// ```no_run
-/// use idempotent_runtime::broker::{rabbitmq, Policy};
+/// use idempotent_runtime::broker::{rabbitmq, Redelivery};
 /// use rabbitmq::lapin::{options::*, types::FieldTable, Channel};
 /// use rabbitmq::Queue;
 ///
@@ -472,7 +554,8 @@ async fn park(parking: &Parking, data: &[u8], properties: &BasicProperties) -> R
 ///         .basic_consume("orders".into(), "worker".into(), BasicConsumeOptions::default(), FieldTable::default())
 ///         .await?;
 ///     let queue = Queue::quorum("orders");
-///     let summary = rabbitmq::consume(consumer, queue, 8, Policy::new(), |delivery| async move {
+///     let stop = std::future::pending();
+///     let summary = rabbitmq::consume(consumer, queue, 8, Redelivery::new(), stop, |delivery| async move {
 ///         apply(&delivery.data).await
 ///     })
 ///     .await?;
@@ -480,15 +563,17 @@ async fn park(parking: &Parking, data: &[u8], properties: &BasicProperties) -> R
 ///     Ok(())
 /// }
 /// ```
-pub async fn consume<F, Fut, T, E>(
+pub async fn consume<S, F, Fut, T, E>(
     consumer: Consumer,
     queue: Queue,
     concurrency: usize,
-    policy: Policy,
+    redelivery: Redelivery,
+    stop: S,
     handler: F,
 ) -> Result<Summary, Error>
 where
-    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    S: Future<Output = ()>,
+    F: Fn(Message) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<T, E>> + Send + 'static,
     T: Send + 'static,
     E: Settle + Send + 'static,
@@ -500,79 +585,10 @@ where
             "the consumer reads another queue than the one its deliveries are counted for"
         );
     }
-    let mut consumer = consumer;
-    let handler = Arc::new(handler);
-    let policy = Arc::new(policy);
     let queue = Arc::new(queue);
-    let slots = Arc::new(Semaphore::new(concurrency.max(1)));
-    let mut tasks = JoinSet::new();
-    let mut summary = Summary::default();
-
-    let ended = loop {
-        // A free slot first, so deliveries beyond it stay in the client (and unacknowledged).
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            break Ok(());
-        };
-        while let Some(done) = tasks.try_join_next() {
-            record(&mut summary, done);
-        }
-        match super::next(&mut consumer).await {
-            None => break Ok(()),
-            Some(Err(err)) => break Err(Error::Amqp(err)),
-            Some(Ok(delivery)) => {
-                let (handler, policy, queue) = (handler.clone(), policy.clone(), queue.clone());
-                tasks.spawn(async move {
-                    let settled = handle(&*handler, delivery, &queue, &policy).await;
-                    drop(slot);
-                    settled
-                });
-            }
-        }
-    };
-    while let Some(done) = tasks.join_next().await {
-        record(&mut summary, done);
-    }
-    ended.map(|()| summary)
-}
-
-/// Runs the handler on one delivery (in its own task, so a panic is contained) and settles.
-async fn handle<F, Fut, T, E>(
-    handler: &F,
-    delivery: Delivery,
-    queue: &Queue,
-    policy: &Policy,
-) -> Result<Decision, Error>
-where
-    F: Fn(Delivery) -> Fut,
-    Fut: Future<Output = Result<T, E>> + Send + 'static,
-    T: Send + 'static,
-    E: Settle + Send + 'static,
-{
-    let acker = delivery.acker.clone();
-    let delivery_tag = delivery.delivery_tag;
-    let count = deliveries(&delivery, queue);
-    let message = Message::of(&delivery, queue);
-    let decision = match super::contained(handler(delivery)).await {
-        Ok(result) => policy.decide(&result, count),
-        Err(err) => {
-            tracing::error!(delivery_tag, error = %err, "handler panicked; treating it as a failure");
-            policy.handler_failed(count, false)
-        }
-    };
-    let settled = apply(&acker, delivery_tag, decision, &message).await;
-    match &settled {
-        Ok(()) => tracing::debug!(delivery_tag, deliveries = ?count, %decision, "settled"),
-        Err(err) => tracing::warn!(delivery_tag, error = %err, "delivery not settled"),
-    }
-    settled.map(|()| decision)
-}
-
-fn record(summary: &mut Summary, done: Result<Result<Decision, Error>, tokio::task::JoinError>) {
-    match done {
-        Ok(settled) => summary.record(&settled),
-        Err(err) => {
-            tracing::error!(error = %err, "settling task failed");
-            summary.unsettled += 1;
-        }
-    }
+    let messages = consumer.map(move |delivery| match delivery {
+        Ok(delivery) => Ok(Message::new(delivery, queue.clone())),
+        Err(err) => Err(Error::Amqp(err)),
+    });
+    super::consume(messages, concurrency, redelivery, stop, handler).await
 }

@@ -41,9 +41,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-#[path = "seed_load_test/business.rs"]
 mod business;
-#[path = "seed_load_test/redis_server.rs"]
 mod redis_server;
 
 use std::io::{BufRead, BufReader, Write};
@@ -53,12 +51,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use business::{Business, Effect};
-use idempotency::broker::{rabbitmq, Policy, Settle, Summary};
+use idempotency::broker::{rabbitmq, Redelivery, Settle, Summary};
 use idempotency::{
     BoxFuture, Claim, ClaimRequest, Completion, Guard, Key, Record, SharedStore, Store, StoreError,
     Token,
 };
-use lapin::message::Delivery;
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -160,7 +157,7 @@ struct Context {
 }
 
 /// The consumer: the seed's handler, guarded by the engine with the business check.
-async fn on_order(cx: Arc<Context>, delivery: Delivery) -> Result<Effect, AppError> {
+async fn on_order(cx: Arc<Context>, delivery: rabbitmq::Message) -> Result<Effect, AppError> {
     let msg: OrderMessage = serde_json::from_slice(&delivery.data)?;
     let key = Key::new(&cx.prefix, 1, &[&msg.order_id, &msg.activity_id])
         .map_err(idempotency::Error::from)?;
@@ -302,7 +299,7 @@ impl Consumer {
                 FieldTable::default(),
             )
             .await?;
-        let policy = Policy::new()
+        let redelivery = Redelivery::new()
             .max_deliveries(10)
             .retry_delay(Duration::from_millis(200))
             .in_progress_delay(Duration::from_millis(100));
@@ -313,7 +310,9 @@ impl Consumer {
             consumer,
             queue,
             concurrency,
-            policy,
+            redelivery,
+            // Until the consumer is cancelled (`stop`).
+            std::future::pending(),
             move |delivery| on_order(cx.clone(), delivery),
         ));
         Ok(Consumer {
