@@ -36,18 +36,14 @@ async fn handler(store: &Arc<MemoryStore>, round: u32, id: u32) -> Result<u32, E
 
 async fn store_pass(store: &MemoryStore, round: u32) -> Duration {
     let started = Instant::now();
-    let done = Completion {
-        result: None,
-        ttl: Duration::from_secs(3600),
-    };
+    let done = Completion::new(None, Duration::from_secs(3600));
     for id in 0..OPS {
-        let req = ClaimRequest {
-            key: Key::new("bench:store", 1, &[&round, &id]).unwrap(),
-            token: Token::generate(),
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(3600),
-            fingerprint: None,
-        };
+        let req = ClaimRequest::new(
+            Key::new("bench:store", 1, &[&round, &id]).unwrap(),
+            Token::generate(),
+            Duration::from_secs(30),
+            Duration::from_secs(3600),
+        );
         let Claim::Acquired { .. } = store.claim(&req).await.unwrap() else {
             panic!("fresh key not acquired")
         };

@@ -220,13 +220,12 @@ impl AppError {
 async fn on_in_progress_skip() {
     let c = Consumer::new();
     let key = Key::new("skip", 1, &[&"S-1"]).unwrap();
-    let live = idempotency::ClaimRequest {
+    let live = idempotency::ClaimRequest::new(
         key,
-        token: idempotency::Token::generate(),
-        lease: std::time::Duration::from_secs(30),
-        ttl: std::time::Duration::from_secs(60),
-        fingerprint: None,
-    };
+        idempotency::Token::generate(),
+        std::time::Duration::from_secs(30),
+        std::time::Duration::from_secs(60),
+    );
     c.store.claim(&live).await.unwrap();
     assert!(is(&c.skipping(&order("S-1")).await, "Skipped"));
     assert_eq!(c.runs(), 0);

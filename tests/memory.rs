@@ -37,13 +37,7 @@ async fn memory() -> Memory {
 conformance_suite!(memory);
 
 fn claim_req(key: &Key, lease: Duration, ttl: Duration) -> ClaimRequest {
-    ClaimRequest {
-        key: key.clone(),
-        token: Token::generate(),
-        lease,
-        ttl,
-        fingerprint: None,
-    }
+    ClaimRequest::new(key.clone(), Token::generate(), lease, ttl)
 }
 
 #[tokio::test]
@@ -71,7 +65,7 @@ async fn lease_and_ttl_follow_the_stores_own_clock_exactly() {
         Claim::Acquired { fence: 2 }
     );
 
-    let done = Completion { result: None, ttl };
+    let done = Completion::new(None, ttl);
     assert!(store.complete(&key, &second.token, &done).await.unwrap());
     clock.advance(ttl - Duration::from_nanos(1));
     assert!(matches!(
@@ -218,7 +212,7 @@ async fn fence_is_one_more_than_the_records_or_the_clock_in_microseconds() {
 
     // Once the record has expired, the clock takes over: 10 s + 3 s + 100 s in microseconds.
     clock.advance(Duration::from_secs(3));
-    let done = Completion { result: None, ttl };
+    let done = Completion::new(None, ttl);
     assert!(store.complete(&key, &token, &done).await.unwrap());
     clock.advance(ttl);
     assert!(store.read(&key).await.unwrap().is_none());
@@ -270,10 +264,7 @@ async fn fences_on_the_system_clock_are_unix_microseconds_and_grow_across_expiry
             Claim::Acquired { fence: fence + 1 }
         );
         fences.push(fence + 1);
-        let done = Completion {
-            result: None,
-            ttl: Duration::from_millis(1),
-        };
+        let done = Completion::new(None, Duration::from_millis(1));
         assert!(store.complete(&key, &again.token, &done).await.unwrap());
         // Wait (bounded) for the record to expire.
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -315,10 +306,7 @@ async fn huge_and_tiny_durations_are_clamped_to_whole_milliseconds() {
             lease_left: MAX_DURATION
         }
     );
-    let done = Completion {
-        result: None,
-        ttl: Duration::MAX,
-    };
+    let done = Completion::new(None, Duration::MAX);
     assert!(store.complete(&key, &owner.token, &done).await.unwrap());
     clock.advance(MAX_DURATION - Duration::from_millis(1));
     assert_eq!(
@@ -377,7 +365,7 @@ async fn fresh_key_traffic_keeps_the_store_bounded_by_its_live_records() {
     let clock = Arc::new(ManualClock::new());
     let store = MemoryStore::with_clock(clock.clone());
     let ttl = Duration::from_secs(1);
-    let done = Completion { result: None, ttl };
+    let done = Completion::new(None, ttl);
     let bound = 2 * WAVE as usize + 64 * 1024;
     for wave in 0..4u32 {
         for i in 0..WAVE {

@@ -290,17 +290,11 @@ async fn result_above_max_allowed_packet_is_rejected() {
     let owner = req(&key, hour, hour);
     acquired(store.claim(&owner).await);
     // Larger than the packet the server takes, and than the `MEDIUMBLOB` column.
-    let big = Completion {
-        result: Some(vec![7; packet.max(1 << 24) + 1024]),
-        ttl: hour,
-    };
+    let big = Completion::new(Some(vec![7; packet.max(1 << 24) + 1024]), hour);
     let err = store.complete(&key, &owner.token, &big).await.unwrap_err();
     assert_eq!(err.kind(), StoreErrorKind::Rejected, "{err:?}");
     // Nothing was applied, and the store still works.
-    let done = Completion {
-        result: Some(b"small".to_vec()),
-        ttl: hour,
-    };
+    let done = Completion::new(Some(b"small".to_vec()), hour);
     assert!(store.complete(&key, &owner.token, &done).await.unwrap());
 }
 

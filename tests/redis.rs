@@ -546,13 +546,7 @@ fn raw(url: &str) -> redis::Connection {
 }
 
 fn claim_request(key: &Key, lease: Duration, ttl: Duration) -> ClaimRequest {
-    ClaimRequest {
-        key: key.clone(),
-        token: Token::generate(),
-        lease,
-        ttl,
-        fingerprint: None,
-    }
+    ClaimRequest::new(key.clone(), Token::generate(), lease, ttl)
 }
 
 fn acquired(claim: Claim) -> u64 {
@@ -620,10 +614,7 @@ async fn fences_keep_growing_after_a_record_expires() {
         f1 + 1
     );
     // Completed and claimed again, it keeps its fence.
-    let done = Completion {
-        result: None,
-        ttl: Duration::from_secs(60),
-    };
+    let done = Completion::new(None, Duration::from_secs(60));
     assert!(store.complete(&key, &third.token, &done).await.unwrap());
     assert_eq!(
         store
@@ -706,14 +697,9 @@ fn unreadable_values(token: &Token) -> Vec<(String, Vec<u8>)> {
 
 async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &Token, what: &str) {
     let long = Duration::from_secs(60);
-    let mine = ClaimRequest {
-        token: *token,
-        ..claim_request(key, long, long)
-    };
-    let done = Completion {
-        result: None,
-        ttl: long,
-    };
+    let mut mine = claim_request(key, long, long);
+    mine.token = *token;
+    let done = Completion::new(None, long);
     let outcomes = [
         (
             "claim",
@@ -837,10 +823,7 @@ async fn max_result_size_is_configurable_and_never_above_what_the_server_takes()
     let req = claim_request(&key, long, long);
     acquired(store.claim(&req).await.unwrap());
     let result = vec![b'r'; limit];
-    let done = Completion {
-        result: Some(result.clone()),
-        ttl: long,
-    };
+    let done = Completion::new(Some(result.clone()), long);
     assert!(store.complete(&key, &req.token, &done).await.unwrap());
     match store.claim(&claim_request(&key, long, long)).await.unwrap() {
         Claim::Completed { result: r, .. } => assert!(r == Some(result), "result not replayed"),
@@ -851,19 +834,13 @@ async fn max_result_size_is_configurable_and_never_above_what_the_server_takes()
     let key = Key::new("result-size", 1, &[&2u8]).unwrap();
     let req = claim_request(&key, long, long);
     acquired(store.claim(&req).await.unwrap());
-    let too_large = Completion {
-        result: Some(vec![b'r'; limit + 1]),
-        ttl: long,
-    };
+    let too_large = Completion::new(Some(vec![b'r'; limit + 1]), long);
     let err = store
         .complete(&key, &req.token, &too_large)
         .await
         .unwrap_err();
     assert_eq!(err.kind(), StoreErrorKind::Rejected, "{err}");
-    let done = Completion {
-        result: None,
-        ttl: long,
-    };
+    let done = Completion::new(None, long);
     assert!(store.complete(&key, &req.token, &done).await.unwrap());
 
     // Where CONFIG is not allowed, the limit is Redis' default of 512 MiB.
@@ -915,10 +892,7 @@ async fn durations_beyond_a_century_are_clamped_to_a_century() {
         }
         assert!(store.renew(&key, &req.token, huge).await.unwrap());
         pttl(&key, "renew");
-        let done = Completion {
-            result: Some(b"ok".to_vec()),
-            ttl: huge,
-        };
+        let done = Completion::new(Some(b"ok".to_vec()), huge);
         assert!(store.complete(&key, &req.token, &done).await.unwrap());
         pttl(&key, "complete");
 

@@ -143,10 +143,7 @@ pub async fn fences_grow_across_record_expiry(b: impl Backend) {
         store.claim(&second).await.unwrap(),
         Claim::Acquired { fence: f + 1 }
     );
-    let done = Completion {
-        result: None,
-        ttl: Duration::from_millis(300),
-    };
+    let done = Completion::new(None, Duration::from_millis(300));
     assert!(store.complete(&k, &second.token, &done).await.unwrap());
 
     // Wait (bounded) for the record to expire: its fence is gone with it.
@@ -231,10 +228,7 @@ pub async fn expired_lease_is_taken_over_with_the_next_fence(b: impl Backend) {
     );
 
     // The old owner's writes are all refused; the new owner's record is untouched.
-    let done = Completion {
-        result: None,
-        ttl: Duration::from_secs(60),
-    };
+    let done = Completion::new(None, Duration::from_secs(60));
     assert!(!store.complete(&k, &old.token, &done).await.unwrap());
     assert!(!store.release(&k, &old.token).await.unwrap());
     assert!(!store.renew(&k, &old.token, lease).await.unwrap());

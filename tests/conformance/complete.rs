@@ -12,10 +12,7 @@ pub async fn complete_and_renew_check_the_token(b: impl Backend) {
     let owner = req(&k, Duration::from_secs(30));
     store.claim(&owner).await.unwrap();
     let stranger = Token::generate();
-    let done = Completion {
-        result: Some(b"r".to_vec()),
-        ttl: Duration::from_secs(60),
-    };
+    let done = Completion::new(Some(b"r".to_vec()), Duration::from_secs(60));
     assert!(!store.complete(&k, &stranger, &done).await.unwrap());
     assert!(!store
         .renew(&k, &stranger, Duration::from_secs(30))
@@ -42,10 +39,7 @@ pub async fn complete_and_renew_check_the_token(b: impl Backend) {
 pub async fn completing_a_missing_record_is_refused(b: impl Backend) {
     let store = b.store();
     let k = key(&unique_prefix(&b, "missing"), &[&"x"]);
-    let done = Completion {
-        result: None,
-        ttl: Duration::from_secs(60),
-    };
+    let done = Completion::new(None, Duration::from_secs(60));
     assert!(!store.complete(&k, &Token::generate(), &done).await.unwrap());
     assert!(store.read(&k).await.unwrap().is_none());
 }

@@ -144,13 +144,12 @@ fn guard(store: &SharedStore) -> Guard {
 }
 
 fn req(key: &Key, lease: Duration) -> ClaimRequest {
-    ClaimRequest {
-        key: key.clone(),
-        token: Token::generate(),
+    ClaimRequest::new(
+        key.clone(),
+        Token::generate(),
         lease,
-        ttl: Duration::from_secs(60),
-        fingerprint: None,
-    }
+        Duration::from_secs(60),
+    )
 }
 
 /// Reads until `pred` holds, for effects that a store applies on a background task (a

@@ -76,13 +76,7 @@ pub enum AppError {
 }
 
 pub fn req(key: &Key, lease: Duration, ttl: Duration) -> ClaimRequest {
-    ClaimRequest {
-        key: key.clone(),
-        token: Token::generate(),
-        lease,
-        ttl,
-        fingerprint: None,
-    }
+    ClaimRequest::new(key.clone(), Token::generate(), lease, ttl)
 }
 
 /// Captures `payment` inside `tx`: the business write and the idempotency record together.
@@ -229,10 +223,7 @@ pub async fn expired_records_are_purged_in_batches<H: Harness>(store: &SqlStore<
         ));
         match i % 3 {
             0 => {
-                let done = Completion {
-                    result: Some(b"r".to_vec()),
-                    ttl: short,
-                };
+                let done = Completion::new(Some(b"r".to_vec()), short);
                 assert!(store.complete(&key, &r.token, &done).await.unwrap());
             }
             1 => assert!(store.release(&key, &r.token).await.unwrap()),
@@ -355,10 +346,7 @@ async fn batch_cases(store: &impl Store, prefix: &str) -> BatchCases {
     let short = Duration::from_millis(200);
     let key = |case: &str| Key::new(prefix, 1, &[&case]).unwrap();
     let fp = |n: u8| Some(Fingerprint::of(&[&n]));
-    let completion = Completion {
-        result: Some(b"done".to_vec()),
-        ttl: hour,
-    };
+    let completion = Completion::new(Some(b"done".to_vec()), hour);
 
     let completed = req(&key("completed"), hour, hour);
     let completed_fence = acquired(store.claim(&completed).await);
@@ -375,10 +363,8 @@ async fn batch_cases(store: &impl Store, prefix: &str) -> BatchCases {
     let released = req(&key("released"), hour, hour);
     let released_fence = acquired(store.claim(&released).await);
     assert!(store.release(&released.key, &released.token).await.unwrap());
-    let mismatch = ClaimRequest {
-        fingerprint: fp(1),
-        ..req(&key("mismatch"), hour, hour)
-    };
+    let mut mismatch = req(&key("mismatch"), hour, hour);
+    mismatch.fingerprint = fp(1);
     let mismatch_fence = acquired(store.claim(&mismatch).await);
     assert!(store
         .complete(&mismatch.key, &mismatch.token, &completion)
@@ -397,9 +383,10 @@ async fn batch_cases(store: &impl Store, prefix: &str) -> BatchCases {
             req(&key("lapsed"), hour, hour),
             req(&key("expired"), hour, hour),
             req(&key("released"), hour, hour),
-            ClaimRequest {
-                fingerprint: fp(2),
-                ..req(&key("mismatch"), hour, hour)
+            {
+                let mut other = req(&key("mismatch"), hour, hour);
+                other.fingerprint = fp(2);
+                other
             },
             own,
         ],
@@ -556,10 +543,7 @@ fn assert_corrupt<T: std::fmt::Debug>(out: Result<T, StoreError>, what: &str) {
 /// keys.
 pub async fn corrupt_records_are_reported_as_corrupt<H: Harness>(store: &SqlStore<H::Db>) {
     let hour = Duration::from_secs(3600);
-    let done = Completion {
-        result: Some(b"r".to_vec()),
-        ttl: hour,
-    };
+    let done = Completion::new(Some(b"r".to_vec()), hour);
     for (i, assignment) in H::corruptions().iter().enumerate() {
         let n = u32::try_from(i).unwrap();
         let live = Key::new("corrupt", 1, &[&n, &"live"]).unwrap();
@@ -619,10 +603,7 @@ pub async fn result_refused_by_the_table_is_rejected<H: Harness>(store: &SqlStor
     let key = Key::new("refused", 1, &[&1u8]).unwrap();
     let owner = req(&key, hour, hour);
     let fence = acquired(store.claim(&owner).await);
-    let big = Completion {
-        result: Some(vec![7; 1000]),
-        ttl: hour,
-    };
+    let big = Completion::new(Some(vec![7; 1000]), hour);
     let err = store.complete(&key, &owner.token, &big).await.unwrap_err();
     assert_eq!(err.kind(), StoreErrorKind::Rejected, "{err:?}");
     assert!(err.is_permanent());
@@ -631,10 +612,7 @@ pub async fn result_refused_by_the_table_is_rejected<H: Harness>(store: &SqlStor
         matches!(record.state, RecordState::InProgress { .. }),
         "{record:?}"
     );
-    let small = Completion {
-        result: None,
-        ttl: hour,
-    };
+    let small = Completion::new(None, hour);
     assert!(store.complete(&key, &owner.token, &small).await.unwrap());
     assert_eq!(
         store.claim(&req(&key, hour, hour)).await.unwrap(),
@@ -654,10 +632,7 @@ pub async fn result_above_the_store_limit_is_rejected<H: Harness>(store: &SqlSto
     let key = Key::new("limit", 1, &[&1u8]).unwrap();
     let owner = req(&key, hour, hour);
     let fence = acquired(store.claim(&owner).await);
-    let over = Completion {
-        result: Some(vec![7; limit + 1]),
-        ttl: hour,
-    };
+    let over = Completion::new(Some(vec![7; limit + 1]), hour);
     let err = store.complete(&key, &owner.token, &over).await.unwrap_err();
     assert_eq!(err.kind(), StoreErrorKind::Rejected, "{err:?}");
     let record = store.read(&key).await.unwrap().unwrap();
@@ -665,10 +640,7 @@ pub async fn result_above_the_store_limit_is_rejected<H: Harness>(store: &SqlSto
         matches!(record.state, RecordState::InProgress { .. }),
         "{record:?}"
     );
-    let exact = Completion {
-        result: Some(vec![7; limit]),
-        ttl: hour,
-    };
+    let exact = Completion::new(Some(vec![7; limit]), hour);
     assert!(store.complete(&key, &owner.token, &exact).await.unwrap());
     assert_eq!(
         store.claim(&req(&key, hour, hour)).await.unwrap(),
@@ -706,10 +678,7 @@ pub async fn longest_durations_work<H: Harness>(store: &SqlStore<H::Db>) {
     assert!(a <= MAX_DURATION, "{a:?}");
     assert!(MAX_DURATION - a < Duration::from_secs(10), "{a:?}");
 
-    let done = Completion {
-        result: Some(b"kept".to_vec()),
-        ttl: max,
-    };
+    let done = Completion::new(Some(b"kept".to_vec()), max);
     assert!(store.complete(&key, &owner.token, &done).await.unwrap());
     assert_eq!(
         store.claim(&req(&key, max, max)).await.unwrap(),

@@ -411,8 +411,10 @@ impl fmt::Debug for Fingerprint {
     }
 }
 
-/// What [`Store::claim`] is asked to do.
+/// What [`Store::claim`] is asked to do. Built with [`ClaimRequest::new`]; fields may be
+/// added in later releases.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ClaimRequest {
     /// The operation key.
     pub key: Key,
@@ -454,8 +456,10 @@ pub enum Claim {
     },
 }
 
-/// What [`Store::complete`] writes.
+/// What [`Store::complete`] writes. Built with [`Completion::new`]; fields may be added in
+/// later releases.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Completion {
     /// The result to replay to duplicates, opaque to the store.
     pub result: Option<Vec<u8>>,
@@ -478,8 +482,10 @@ pub enum RecordState {
     Released,
 }
 
-/// A record as returned by [`Store::read`].
+/// A record as returned by [`Store::read`]. Built with [`Record::new`] (for a third-party
+/// store); fields may be added in later releases.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Record {
     /// The record's state.
     pub state: RecordState,
@@ -491,4 +497,83 @@ pub struct Record {
     pub fingerprint: Option<Fingerprint>,
     /// The stored result, for a completed record.
     pub result: Option<Vec<u8>>,
+}
+
+impl ClaimRequest {
+    /// A claim of `key` for `token`, live for `lease` without renewal, its record kept `ttl`,
+    /// without a payload fingerprint.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotent_runtime::{ClaimRequest, Fingerprint, Key, Token};
+    ///
+    /// let key = Key::new("order", 1, &[&7u32]).unwrap();
+    /// let req = ClaimRequest::new(key, Token::generate(), Duration::from_secs(30), Duration::from_secs(3600))
+    ///     .with_fingerprint(Fingerprint::of(&[&"EUR", &1250u64]));
+    /// assert!(req.fingerprint.is_some());
+    /// ```
+    pub fn new(key: Key, token: Token, lease: Duration, ttl: Duration) -> ClaimRequest {
+        ClaimRequest {
+            key,
+            token,
+            lease,
+            ttl,
+            fingerprint: None,
+        }
+    }
+
+    /// The same claim, checking the payload's fingerprint.
+    pub fn with_fingerprint(mut self, fingerprint: Fingerprint) -> ClaimRequest {
+        self.fingerprint = Some(fingerprint);
+        self
+    }
+}
+
+impl Completion {
+    /// A completion storing `result` (if any), the record kept `ttl` from now.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotent_runtime::Completion;
+    ///
+    /// let done = Completion::new(Some(b"receipt-1".to_vec()), Duration::from_secs(3600));
+    /// assert_eq!(done.ttl, Duration::from_secs(3600));
+    /// ```
+    pub fn new(result: Option<Vec<u8>>, ttl: Duration) -> Completion {
+        Completion { result, ttl }
+    }
+}
+
+impl Record {
+    /// A record in `state`, last owned by `token`, with `fence`, no fingerprint and no stored
+    /// result: for third-party stores answering [`Store::read`].
+    ///
+    /// ```
+    /// use idempotent_runtime::{Record, RecordState, Token};
+    ///
+    /// let record = Record::new(RecordState::Completed, Token::generate(), 42)
+    ///     .with_result(Some(b"receipt".to_vec()));
+    /// assert_eq!(record.fence, 42);
+    /// ```
+    pub fn new(state: RecordState, token: Token, fence: u64) -> Record {
+        Record {
+            state,
+            token,
+            fence,
+            fingerprint: None,
+            result: None,
+        }
+    }
+
+    /// The same record with a stored fingerprint.
+    pub fn with_fingerprint(mut self, fingerprint: Option<Fingerprint>) -> Record {
+        self.fingerprint = fingerprint;
+        self
+    }
+
+    /// The same record with a stored result.
+    pub fn with_result(mut self, result: Option<Vec<u8>>) -> Record {
+        self.result = result;
+        self
+    }
 }
