@@ -558,6 +558,24 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         }
     };
 
+    // Polls caller `at` once; when it answers, checks the answer and removes it.
+    let poll_caller = |live: &mut Vec<(usize, Caller)>, at: usize| -> bool {
+        let (i, caller) = &mut live[at];
+        let Poll::Ready(out) = caller
+            .future
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+        else {
+            return false;
+        };
+        log(format!("caller {i} answered {out:?}"));
+        if let Some(v) = check_answer(*i, caller, &out) {
+            world.lock().unwrap().violations.push(v);
+        }
+        live.remove(at);
+        true
+    };
+
     let steps = 20 + choices.pick(100);
     for _ in 0..steps {
         match choices.pick(16) {
@@ -571,20 +589,8 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
             // Poll a caller.
             0..=5 if !live.is_empty() => {
                 let at = choices.pick(live.len() as u32) as usize;
-                let (i, caller) = &mut live[at];
-                let i = *i;
-                if let Poll::Ready(out) = caller
-                    .future
-                    .as_mut()
-                    .poll(&mut Context::from_waker(Waker::noop()))
-                {
-                    log(format!("caller {i} answered {out:?}"));
-                    if let Some(v) = check_answer(i, caller, &out) {
-                        world.lock().unwrap().violations.push(v);
-                    }
-                    live.remove(at);
-                } else {
-                    log(format!("poll caller {i}: pending"));
+                if !poll_caller(&mut live, at) {
+                    log(format!("poll caller {}: pending", live[at].0));
                 }
             }
             // Drop a caller at its current await point.
@@ -630,20 +636,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
     for _ in 0..1000 {
         let mut active = !store.unsettled().is_empty();
         for at in (0..live.len()).rev() {
-            let (i, caller) = &mut live[at];
-            let i = *i;
-            if let Poll::Ready(out) = caller
-                .future
-                .as_mut()
-                .poll(&mut Context::from_waker(Waker::noop()))
-            {
-                log(format!("caller {i} answered {out:?}"));
-                if let Some(v) = check_answer(i, caller, &out) {
-                    world.lock().unwrap().violations.push(v);
-                }
-                live.remove(at);
-                active = true;
-            }
+            active |= poll_caller(&mut live, at);
         }
         for index in store.unsettled() {
             store.settle(index, 0);
