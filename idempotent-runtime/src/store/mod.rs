@@ -108,15 +108,11 @@ pub fn next_fence(previous: Option<u64>, now_micros: u64) -> u64 {
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = MemoryStore::new();
-/// let req = ClaimRequest {
-///     key: Key::new("doc", 1, &[&"a"])?,
-///     token: Token::generate(),
-///     lease: Duration::from_secs(10),
-///     ttl: Duration::from_secs(60),
-///     fingerprint: None,
-/// };
+/// let key = Key::new("doc", 1, &[&"a"])?;
+/// let req = ClaimRequest::new(key, Token::generate(), Duration::from_secs(10), Duration::from_secs(60));
 /// let Claim::Acquired { fence } = store.claim(&req).await? else { unreachable!() };
-/// let other = ClaimRequest { token: Token::generate(), ..req.clone() };
+/// let mut other = req.clone();
+/// other.token = Token::generate();
 /// assert_eq!(store.claim(&other).await?, Claim::InProgress { fence });
 /// # Ok(()) }
 /// ```
