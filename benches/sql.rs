@@ -176,10 +176,10 @@ async fn pass<DB: Raw>(store: &SqlStore<DB>, mode: Mode, ops: usize, run: usize)
 /// Warm-up, then alternating measured passes; returns (raw, framework) ops/s.
 async fn measure<DB: Raw>(name: &str, server: Server) -> (f64, f64) {
     let table = Scratch::table(server);
-    let store = SqlStore::<DB>::builder()
+    let store = SqlStore::<DB>::builder(table.url())
         .table(table.name().to_string())
         .max_connections(POOL)
-        .connect(table.url())
+        .build()
         .await
         .unwrap();
     let mut run = 0;

@@ -55,9 +55,9 @@ impl conformance::Backend for MySql {
 }
 
 async fn store_on(table: &Scratch) -> MySqlStore {
-    MySqlStore::builder()
+    MySqlStore::builder(table.url())
         .table(table.name().to_string())
-        .connect(table.url())
+        .build()
         .await
         .unwrap()
 }
@@ -247,10 +247,10 @@ async fn result_size_limit_defaults_and_is_clamped_to_the_server() {
         store.max_result_size(),
         idempotency::store::DEFAULT_MAX_RESULT_SIZE
     );
-    let store = MySqlStore::builder()
+    let store = MySqlStore::builder(records.url())
         .table(records.name().to_string())
         .max_result_size(usize::MAX)
-        .connect(records.url())
+        .build()
         .await
         .unwrap();
     assert_eq!(store.max_result_size(), capacity(&store).await);
@@ -261,10 +261,10 @@ async fn result_size_limit_defaults_and_is_clamped_to_the_server() {
 #[tokio::test]
 async fn result_above_the_store_limit_is_rejected() {
     let records = Scratch::table(Server::MySql);
-    let store = MySqlStore::builder()
+    let store = MySqlStore::builder(records.url())
         .table(records.name().to_string())
         .max_result_size(usize::MAX)
-        .connect(records.url())
+        .build()
         .await
         .unwrap();
     assert_eq!(store.max_result_size(), capacity(&store).await);
@@ -314,10 +314,10 @@ async fn selects(store: &MySqlStore) -> u64 {
 async fn acquisitions_take_one_statement_and_duplicates_two() {
     let records = Scratch::table(Server::MySql);
     // One connection, so the session counters are the store's.
-    let store = MySqlStore::builder()
+    let store = MySqlStore::builder(records.url())
         .table(records.name().to_string())
         .max_connections(1)
-        .connect(records.url())
+        .build()
         .await
         .unwrap();
     let key = Key::new("round-trips", 1, &[&1u8]).unwrap();
@@ -350,9 +350,9 @@ async fn acquisitions_take_one_statement_and_duplicates_two() {
 async fn mariadb_urls_are_accepted() {
     let records = Scratch::table(Server::MySql);
     let url = records.url().replacen("mysql://", "mariadb://", 1);
-    let store = MySqlStore::builder()
+    let store = MySqlStore::builder(&url)
         .table(records.name().to_string())
-        .connect(&url)
+        .build()
         .await
         .unwrap();
     let key = Key::new("mariadb", 1, &[&1u8]).unwrap();
@@ -362,9 +362,9 @@ async fn mariadb_urls_are_accepted() {
 
 #[tokio::test]
 async fn schema_qualified_names_are_refused() {
-    let err = MySqlStore::builder()
+    let err = MySqlStore::builder("mysql://nobody@127.0.0.1:1/none")
         .table("other_db.records")
-        .connect("mysql://nobody@127.0.0.1:1/none")
+        .build()
         .await
         .unwrap_err();
     assert_eq!(err.kind(), StoreErrorKind::Unsafe);

@@ -62,9 +62,9 @@ impl conformance::Backend for Postgres {
 }
 
 async fn store_on(table: &Scratch) -> PostgresStore {
-    PostgresStore::builder()
+    PostgresStore::builder(table.url())
         .table(table.name().to_string())
-        .connect(table.url())
+        .build()
         .await
         .unwrap()
 }
@@ -248,9 +248,9 @@ async fn batch_answers_as_single_claims_would() {
     // In a scratch schema: the statement counter's table and function go with it, even when
     // the test fails.
     let schema = Scratch::schema();
-    let store = PostgresStore::builder()
+    let store = PostgresStore::builder(schema.url())
         .table(format!("{}.records", schema.name()))
-        .connect(schema.url())
+        .build()
         .await
         .unwrap();
     sql_cases::batch_answers_as_single_claims_would::<Pg>(&store).await;
@@ -297,10 +297,10 @@ async fn longest_durations_work() {
 #[tokio::test]
 async fn result_above_the_store_limit_is_rejected() {
     let records = Scratch::table(Server::Postgres);
-    let store = PostgresStore::builder()
+    let store = PostgresStore::builder(records.url())
         .table(records.name().to_string())
         .max_result_size(1024)
-        .connect(records.url())
+        .build()
         .await
         .unwrap();
     assert_eq!(store.max_result_size(), 1024);
@@ -315,10 +315,10 @@ async fn result_size_limit_defaults_and_is_clamped_to_bytea() {
         store.max_result_size(),
         idempotency::store::DEFAULT_MAX_RESULT_SIZE
     );
-    let store = PostgresStore::builder()
+    let store = PostgresStore::builder(records.url())
         .table(records.name().to_string())
         .max_result_size(usize::MAX)
-        .connect(records.url())
+        .build()
         .await
         .unwrap();
     // A `bytea` value is at most 1 GiB; 64 KiB are left to the rest of the row.
@@ -329,9 +329,9 @@ async fn result_size_limit_defaults_and_is_clamped_to_bytea() {
 async fn schema_qualified_table_is_created_with_its_schema() {
     let schema = Scratch::schema();
     let table = format!("{}.records", schema.name());
-    let store = PostgresStore::builder()
+    let store = PostgresStore::builder(schema.url())
         .table(table.clone())
-        .connect(schema.url())
+        .build()
         .await
         .unwrap();
     assert_eq!(store.table(), table);
@@ -353,10 +353,10 @@ async fn shipped_schema_file_matches_the_embedded_migration() {
         "../idempotent-runtime/migrations/postgres/0001_create_idempotent_records.sql"
     );
     let sql = file.replace("idempotent_records", records.name());
-    let store = PostgresStore::builder()
+    let store = PostgresStore::builder(records.url())
         .table(records.name().to_string())
         .migrate(false)
-        .connect(records.url())
+        .build()
         .await
         .unwrap();
     sqlx::raw_sql(AssertSqlSafe(sql))
@@ -377,13 +377,48 @@ async fn invalid_table_names_are_refused_before_connecting() {
         "1records",
         "\"quoted\"",
     ] {
-        let err = PostgresStore::builder()
+        let err = PostgresStore::builder("postgres://nobody@127.0.0.1:1/none")
             .table(name)
-            .connect("postgres://nobody@127.0.0.1:1/none")
+            .build()
             .await
             .unwrap_err();
         assert_eq!(err.kind(), StoreErrorKind::Unsafe, "{name}");
     }
+}
+
+#[tokio::test]
+async fn store_on_the_application_pool_shares_its_connections() {
+    let records = Scratch::table(Server::Postgres);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(3)
+        .connect(records.url())
+        .await
+        .unwrap();
+    let store = PostgresStore::from_pool(pool.clone())
+        .table(records.name().to_string())
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(store.pool().options().get_max_connections(), 3);
+    let key = Key::new("from-pool", 1, &[&1u8]).unwrap();
+    let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
+    acquired(store.claim(&r).await);
+    let rows: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}",
+        records.name()
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, 1);
+    let err = PostgresStore::from_pool(pool)
+        .table(records.name().to_string())
+        .max_connections(8)
+        .build()
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Unsafe);
+    assert!(err.to_string().contains("max_connections"), "{err}");
 }
 
 #[tokio::test]
@@ -393,9 +428,9 @@ async fn unreachable_database_is_unavailable() {
         .local_addr()
         .unwrap()
         .port();
-    let err = PostgresStore::builder()
+    let err = PostgresStore::builder(&format!("postgres://postgres@127.0.0.1:{port}/test"))
         .acquire_timeout(Duration::from_millis(300))
-        .connect(&format!("postgres://postgres@127.0.0.1:{port}/test"))
+        .build()
         .await
         .unwrap_err();
     assert_eq!(err.kind(), StoreErrorKind::Unavailable);
@@ -501,10 +536,10 @@ fn orders(range: std::ops::Range<u32>, copies: usize) -> Vec<String> {
 async fn database_outage_fails_closed_and_processing_resumes() {
     let cluster = PgCluster::start();
     let store = Arc::new(
-        PostgresStore::builder()
+        PostgresStore::builder(&cluster.url())
             .max_connections(8)
             .acquire_timeout(Duration::from_millis(500))
-            .connect(&cluster.url())
+            .build()
             .await
             .unwrap_or_else(|e| panic!("{e:?}; server log:\n{}", cluster.log_text())),
     );

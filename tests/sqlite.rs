@@ -12,13 +12,14 @@ mod conformance;
 mod sql_cases;
 
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::SqliteStore;
-use idempotency::{BoxFuture, Claim, Key, SharedStore, Store};
+use idempotency::{BoxFuture, Claim, Key, SharedStore, Store, StoreErrorKind};
 
 use sql_cases::{acquired, req, Harness};
 
@@ -300,9 +301,9 @@ async fn longest_durations_work() {
 
 #[tokio::test]
 async fn result_above_the_store_limit_is_rejected() {
-    let store = SqliteStore::builder()
+    let store = SqliteStore::builder("sqlite::memory:")
         .max_result_size(1024)
-        .connect("sqlite::memory:")
+        .build()
         .await
         .unwrap();
     assert_eq!(store.max_result_size(), 1024);
@@ -316,11 +317,73 @@ async fn result_size_limit_defaults_and_is_clamped_to_the_length_limit() {
         store.max_result_size(),
         idempotency::store::DEFAULT_MAX_RESULT_SIZE
     );
-    let store = SqliteStore::builder()
+    let store = SqliteStore::builder("sqlite::memory:")
         .max_result_size(usize::MAX)
-        .connect("sqlite::memory:")
+        .build()
         .await
         .unwrap();
     // SQLite's default length limit, 10^9 bytes, less 64 KiB for the rest of the row.
     assert_eq!(store.max_result_size(), 1_000_000_000 - (64 << 10));
+}
+
+/// The application's own pool, on `file`, as an application would open it.
+async fn application_pool(file: &TempFile) -> sqlx::SqlitePool {
+    let options = sqlx::sqlite::SqliteConnectOptions::from_str(&file.url())
+        .unwrap()
+        .create_if_missing(true);
+    sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn store_on_the_application_pool_writes_through_it() {
+    let file = TempFile::new();
+    let pool = application_pool(&file).await;
+    let store = SqliteStore::from_pool(pool.clone())
+        .table("app_records")
+        .max_result_size(2048)
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(store.table(), "app_records");
+    assert_eq!(store.max_result_size(), 2048);
+    let key = Key::new("from-pool", 1, &[&1u8]).unwrap();
+    let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));
+    acquired(store.claim(&r).await);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM app_records")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+}
+
+#[tokio::test]
+async fn pool_settings_are_refused_on_the_application_pool() {
+    let file = TempFile::new();
+    let pool = application_pool(&file).await;
+    let refused = [
+        (
+            "max_connections",
+            SqliteStore::from_pool(pool.clone()).max_connections(4),
+        ),
+        (
+            "acquire_timeout",
+            SqliteStore::from_pool(pool.clone()).acquire_timeout(Duration::from_secs(1)),
+        ),
+    ];
+    for (option, builder) in refused {
+        let err = builder.build().await.unwrap_err();
+        assert_eq!(err.kind(), StoreErrorKind::Unsafe, "{option}");
+        assert!(err.to_string().contains(option), "{option}: {err}");
+    }
+    // Refused before the migration: no table was created.
+    let tables: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM sqlite_master WHERE name = 'idempotent_records'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(tables, 0);
 }

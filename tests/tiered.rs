@@ -66,9 +66,9 @@ impl Drop for Tiered {
 async fn redis_over_postgres() -> Tiered {
     let table = sql_tables::Scratch::table(sql_tables::Server::Postgres);
     let back = Arc::new(
-        PostgresStore::builder()
+        PostgresStore::builder(table.url())
             .table(table.name().to_string())
-            .connect(table.url())
+            .build()
             .await
             .unwrap(),
     );

@@ -1,8 +1,7 @@
-//! [`Builder`]: a [`SqlStore`]'s settings, connecting, and the embedded migrations.
+//! [`SqlStoreBuilder`]: a [`SqlStore`]'s settings, connecting, and the embedded migrations.
 
 use std::borrow::Cow;
 use std::fmt;
-use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,6 +12,7 @@ use sqlx::{AssertSqlSafe, Database, Pool, SqlSafeStr};
 #[cfg(doc)]
 use crate::error::Error;
 use crate::error::{StoreError, StoreErrorKind};
+use crate::store::redact::redact;
 #[cfg(doc)]
 use crate::store::Store;
 use crate::store::DEFAULT_MAX_RESULT_SIZE;
@@ -22,7 +22,16 @@ use crate::store::sql::error::{migrate_error, store_error, Phase};
 use crate::store::sql::store::SqlStore;
 use crate::store::sql::table::{TableName, DEFAULT_TABLE};
 
-/// Settings for a [`SqlStore`], from [`SqlStore::builder`].
+/// The pool size of a store built from a URL, unless
+/// [`max_connections`](SqlStoreBuilder::max_connections) says otherwise.
+const DEFAULT_MAX_CONNECTIONS: u32 = 10;
+
+/// How long a store built from a URL waits for a connection, unless
+/// [`acquire_timeout`](SqlStoreBuilder::acquire_timeout) says otherwise.
+const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Builds a [`SqlStore`] with non-default settings: from a URL with
+/// [`SqlStore::builder`], or on the application's own pool with [`SqlStore::from_pool`].
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -30,30 +39,72 @@ use crate::store::sql::table::{TableName, DEFAULT_TABLE};
 ///
 /// # #[tokio::main]
 /// # async fn main() -> Result<(), idempotent_runtime::StoreError> {
-/// let store = PostgresStore::builder()
+/// let store = PostgresStore::builder("postgres://app@db/billing")
 ///     .table("billing.idempotency")
 ///     .max_connections(8)
 ///     .acquire_timeout(Duration::from_secs(2))
 ///     .migrate(false) // the schema is managed by our own migrations
-///     .connect("postgres://app@db/billing")
+///     .build()
 ///     .await?;
 /// # let _ = store; Ok(()) }
 /// ```
-#[must_use = "a builder does nothing until `.connect(url)` or `.build(pool)`"]
-pub struct Builder<DB: Dialect> {
+///
+/// | option | from a URL | on a pool ([`SqlStore::from_pool`]) |
+/// |---|---|---|
+/// | [`table`](Self::table) | yes | yes |
+/// | [`migrate`](Self::migrate) | yes | yes |
+/// | [`max_result_size`](Self::max_result_size) | yes | yes |
+/// | [`max_connections`](Self::max_connections) | yes | refused: set it on the pool's `PoolOptions` |
+/// | [`acquire_timeout`](Self::acquire_timeout) | yes | refused: set it on the pool's `PoolOptions` |
+#[must_use = "a builder does nothing until `.build().await`"]
+pub struct SqlStoreBuilder<DB: Dialect> {
+    target: Target<DB>,
     table: Cow<'static, str>,
-    max_connections: u32,
-    acquire_timeout: Duration,
+    max_connections: Option<u32>,
+    acquire_timeout: Option<Duration>,
     migrate: bool,
     max_result_size: usize,
-    database: PhantomData<fn() -> DB>,
 }
 
-impl<DB: Dialect> fmt::Debug for Builder<DB> {
+/// Where a [`SqlStoreBuilder`] gets its connections.
+enum Target<DB: Dialect> {
+    /// A URL the builder opens its own pool on.
+    Url(String),
+    /// The application's own pool.
+    Pool(Pool<DB>),
+}
+
+impl<DB: Dialect> Clone for Target<DB> {
+    fn clone(&self) -> Self {
+        match self {
+            Target::Url(url) => Target::Url(url.clone()),
+            Target::Pool(pool) => Target::Pool(pool.clone()),
+        }
+    }
+}
+
+impl<DB: Dialect> Clone for SqlStoreBuilder<DB> {
+    fn clone(&self) -> Self {
+        SqlStoreBuilder {
+            target: self.target.clone(),
+            table: self.table.clone(),
+            max_connections: self.max_connections,
+            acquire_timeout: self.acquire_timeout,
+            migrate: self.migrate,
+            max_result_size: self.max_result_size,
+        }
+    }
+}
+
+impl<DB: Dialect> fmt::Debug for SqlStoreBuilder<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Builder")
-            .field("database", &<DB as Database>::NAME)
-            .field("table", &self.table)
+        let mut out = f.debug_struct("SqlStoreBuilder");
+        out.field("database", &<DB as Database>::NAME);
+        match &self.target {
+            Target::Url(url) => out.field("url", &redact(url)),
+            Target::Pool(pool) => out.field("pool", pool),
+        };
+        out.field("table", &self.table)
             .field("max_connections", &self.max_connections)
             .field("acquire_timeout", &self.acquire_timeout)
             .field("migrate", &self.migrate)
@@ -62,46 +113,48 @@ impl<DB: Dialect> fmt::Debug for Builder<DB> {
     }
 }
 
-impl<DB: Dialect> Default for Builder<DB> {
-    fn default() -> Self {
-        Builder {
+impl<DB: Dialect> SqlStoreBuilder<DB> {
+    fn new(target: Target<DB>) -> SqlStoreBuilder<DB> {
+        SqlStoreBuilder {
+            target,
             table: Cow::Borrowed(DEFAULT_TABLE),
-            max_connections: 10,
-            acquire_timeout: Duration::from_secs(5),
+            max_connections: None,
+            acquire_timeout: None,
             migrate: true,
             max_result_size: DEFAULT_MAX_RESULT_SIZE,
-            database: PhantomData,
         }
     }
-}
 
-impl<DB: Dialect> Builder<DB> {
     /// The table of records (default [`DEFAULT_TABLE`]). It must match
     /// `[A-Za-z_][A-Za-z0-9_]{0,62}`; on PostgreSQL it may be `schema.table` (the schema is
     /// created by the migration if missing). The name is written into SQL unquoted, so it
     /// follows the database's rules for unquoted names (PostgreSQL folds it to lower case)
-    /// and may not be a reserved word. An invalid name fails `connect` / `build` with
+    /// and may not be a reserved word. An invalid name fails [`build`](Self::build) with
     /// [`StoreErrorKind::Unsafe`].
     pub fn table(mut self, name: impl Into<Cow<'static, str>>) -> Self {
         self.table = name.into();
         self
     }
 
-    /// The most connections the pool opens (default 10). Ignored by [`build`](Self::build).
+    /// The most connections the pool opens (default 10). Only for a builder from a URL: a
+    /// store on the application's pool ([`SqlStore::from_pool`]) uses that pool's size, and
+    /// [`build`](Self::build) refuses this option there with [`StoreErrorKind::Unsafe`].
     pub fn max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max.max(1);
+        self.max_connections = Some(max.max(1));
         self
     }
 
     /// How long a store call waits for a connection before failing with
     /// [`StoreErrorKind::Unavailable`] (default 5 s): the
-    /// time a handler waits when the database is down. Ignored by [`build`](Self::build).
+    /// time a handler waits when the database is down. Only for a builder from a URL: a
+    /// store on the application's pool ([`SqlStore::from_pool`]) uses that pool's timeout,
+    /// and [`build`](Self::build) refuses this option there with [`StoreErrorKind::Unsafe`].
     pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
-        self.acquire_timeout = timeout;
+        self.acquire_timeout = Some(timeout);
         self
     }
 
-    /// Whether `connect` / `build` run [`SqlStore::migrate`] (default `true`).
+    /// Whether [`build`](Self::build) runs [`SqlStore::migrate`] (default `true`).
     pub fn migrate(mut self, migrate: bool) -> Self {
         self.migrate = migrate;
         self
@@ -124,9 +177,9 @@ impl<DB: Dialect> Builder<DB> {
     ///
     /// # #[tokio::main]
     /// # async fn main() -> Result<(), idempotent_runtime::StoreError> {
-    /// let store = MySqlStore::builder()
+    /// let store = MySqlStore::builder("mysql://app@db/payments")
     ///     .max_result_size(usize::MAX) // as much as the server takes
-    ///     .connect("mysql://app@db/payments")
+    ///     .build()
     ///     .await?;
     /// println!("results up to {} bytes are replayed", store.max_result_size());
     /// # Ok(()) }
@@ -136,34 +189,44 @@ impl<DB: Dialect> Builder<DB> {
         self
     }
 
-    /// Opens a pool on `url` and builds the store.
+    /// Builds the store: opens a pool on the URL (from [`SqlStore::builder`]) or takes the
+    /// application's pool (from [`SqlStore::from_pool`]), reads the database's limits (on
+    /// MySQL / MariaDB the server's `max_allowed_packet`, so the database must be reachable)
+    /// and, unless [`migrate`](Self::migrate)`(false)`, runs the migrations.
     ///
     /// # Errors
     ///
-    /// [`StoreErrorKind::Unavailable`] when the database
-    /// cannot be reached within the acquire timeout; the migration's error; an invalid table
-    /// name.
-    pub async fn connect(self, url: &str) -> Result<SqlStore<DB>, StoreError> {
+    /// [`StoreErrorKind::Unavailable`] when the database cannot be reached (within the
+    /// acquire timeout); the migration's error; [`StoreErrorKind::Unsafe`] for an invalid
+    /// table name, or for [`max_connections`](Self::max_connections) or
+    /// [`acquire_timeout`](Self::acquire_timeout) on a builder from a pool.
+    pub async fn build(self) -> Result<SqlStore<DB>, StoreError> {
         let table = TableName::parse(&self.table, DB::SCHEMA_QUALIFIED, <DB as Database>::NAME)?;
-        let options = PoolOptions::<DB>::new()
-            .max_connections(self.max_connections)
-            .acquire_timeout(self.acquire_timeout);
-        let pool = DB::open(options, url)
-            .await
-            .map_err(|e| store_error::<DB>(e, Phase::Connect, "connection"))?;
-        self.finish(pool, table).await
-    }
-
-    /// Builds the store on an existing pool (its own size and timeouts apply). On MySQL /
-    /// MariaDB this reads the server's `max_allowed_packet`, so the database must be
-    /// reachable.
-    ///
-    /// # Errors
-    ///
-    /// The migration's error; [`StoreErrorKind::Unavailable`] when the database cannot be
-    /// reached; an invalid table name.
-    pub async fn build(self, pool: Pool<DB>) -> Result<SqlStore<DB>, StoreError> {
-        let table = TableName::parse(&self.table, DB::SCHEMA_QUALIFIED, <DB as Database>::NAME)?;
+        let pool = match &self.target {
+            Target::Url(url) => {
+                let options = PoolOptions::<DB>::new()
+                    .max_connections(self.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS))
+                    .acquire_timeout(self.acquire_timeout.unwrap_or(DEFAULT_ACQUIRE_TIMEOUT));
+                DB::open(options, url)
+                    .await
+                    .map_err(|e| store_error::<DB>(e, Phase::Connect, "connection"))?
+            }
+            Target::Pool(pool) => {
+                let pool_only = [
+                    ("max_connections", self.max_connections.is_some()),
+                    ("acquire_timeout", self.acquire_timeout.is_some()),
+                ];
+                if let Some((option, _)) = pool_only.iter().find(|(_, set)| *set) {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Unsafe,
+                        format!(
+                            "`{option}` sets the pool the builder opens from a URL; a store on the application's own pool uses that pool's settings (set it on the pool's `PoolOptions`)"
+                        ),
+                    ));
+                }
+                pool.clone()
+            }
+        };
         self.finish(pool, table).await
     }
 
@@ -194,8 +257,8 @@ impl<DB: Dialect> Builder<DB> {
 
 impl<DB: Dialect> SqlStore<DB> {
     /// Opens a pool on `url` (10 connections, 5 s acquire timeout), creates the table
-    /// [`DEFAULT_TABLE`] if it is missing, and returns the store. Use
-    /// [`builder`](Self::builder) for other settings.
+    /// [`DEFAULT_TABLE`] if it is missing, and returns the store: the shorthand for
+    /// [`builder`](Self::builder)`(url).build()`. Use the builder for other settings.
     ///
     /// URLs are sqlx's: `postgres://user:password@host:5432/db`,
     /// `mysql://user@host:3306/db` (also for MariaDB), `sqlite:path/to/file.db`,
@@ -215,12 +278,37 @@ impl<DB: Dialect> SqlStore<DB> {
     /// [`StoreErrorKind::Unavailable`] when the database
     /// cannot be reached; the migration's error.
     pub async fn connect(url: &str) -> Result<SqlStore<DB>, StoreError> {
-        Builder::default().connect(url).await
+        SqlStore::builder(url).build().await
     }
 
-    /// Settings for a store: table name, pool size, acquire timeout, migration.
-    pub fn builder() -> Builder<DB> {
-        Builder::default()
+    /// A builder for non-default settings (table name, pool size, acquire timeout,
+    /// migration, largest result) on a pool it opens on `url` when built.
+    pub fn builder(url: &str) -> SqlStoreBuilder<DB> {
+        SqlStoreBuilder::new(Target::Url(url.to_string()))
+    }
+
+    /// A builder on a pool the application already has, so the store and the business
+    /// queries share its connections (its own size and timeouts apply:
+    /// [`max_connections`](SqlStoreBuilder::max_connections) and
+    /// [`acquire_timeout`](SqlStoreBuilder::acquire_timeout) are refused here).
+    ///
+    /// ```no_run
+    /// use idempotent_runtime::sql::{sqlx, PostgresStore};
+    ///
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = sqlx::postgres::PgPoolOptions::new()
+    ///     .max_connections(20)
+    ///     .connect("postgres://app@db/orders")
+    ///     .await?;
+    /// let store = PostgresStore::from_pool(pool.clone())
+    ///     .table("orders_idempotency")
+    ///     .build()
+    ///     .await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn from_pool(pool: Pool<DB>) -> SqlStoreBuilder<DB> {
+        SqlStoreBuilder::new(Target::Pool(pool))
     }
 
     /// Applies the embedded migrations that are not applied yet (creating the table, its
@@ -234,9 +322,9 @@ impl<DB: Dialect> SqlStore<DB> {
     ///
     /// # #[tokio::main]
     /// # async fn main() -> Result<(), idempotent_runtime::StoreError> {
-    /// let store = PostgresStore::builder()
+    /// let store = PostgresStore::builder("postgres://app@db/orders")
     ///     .migrate(false)
-    ///     .connect("postgres://app@db/orders")
+    ///     .build()
     ///     .await?;
     /// store.migrate().await?; // later, for instance from a deployment hook
     /// # Ok(()) }

@@ -18,9 +18,14 @@
 //! # out?; Ok(()) }
 //! ```
 //!
+//! A store is built as every backend's is: [`SqlStore::connect`]`(url)` with the defaults,
+//! [`SqlStore::builder`]`(url)` and [`SqlStoreBuilder::build`] for other settings, or
+//! [`SqlStore::from_pool`]`(pool)` and [`SqlStoreBuilder::build`] on the application's own
+//! sqlx pool.
+//!
 //! # Schema
 //!
-//! One table (default `idempotent_records`, configurable with [`Builder::table`]), one row
+//! One table (default `idempotent_records`, configurable with [`SqlStoreBuilder::table`]), one row
 //! per key: the key as exact bytes (`BYTEA`, `VARBINARY` or `BLOB`: no collation, no case
 //! folding) as the primary key, its readable prefix, the owner's token, the fence, the state
 //! (`in_progress`, `completed`, `released`), the lease end, the stored result, the payload
@@ -38,7 +43,7 @@
 //! `_sqlx_migrations`). To manage the schema with your own migration tool instead, copy the
 //! plain SQL files shipped in this crate's `migrations/postgres/`, `migrations/mysql/` and
 //! `migrations/sqlite/` directories (written for the default table name) into your
-//! migrations, and build the store with [`Builder::migrate`]`(false)`.
+//! migrations, and build the store with [`SqlStoreBuilder::migrate`]`(false)`.
 //!
 //! # Claims
 //!
@@ -125,7 +130,7 @@
 //! [`MIN_DURATION`] ..= [`MAX_DURATION`] ([`clamped_millis`](crate::store::clamped_millis)),
 //! as on every store: `Duration::MAX` means 36,500 days.
 //!
-//! A stored result is at most [`Store::max_result_size`] bytes ([`Builder::max_result_size`],
+//! A stored result is at most [`Store::max_result_size`] bytes ([`SqlStoreBuilder::max_result_size`],
 //! 1 MiB by default, never more than the database takes); [`Store::complete`] refuses a
 //! larger one with [`StoreErrorKind::Rejected`] without sending it.
 //!
@@ -167,7 +172,7 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-pub use builder::Builder;
+pub use builder::SqlStoreBuilder;
 pub use driver::{Dialect, Statements};
 pub use purge::Purger;
 pub use store::SqlStore;

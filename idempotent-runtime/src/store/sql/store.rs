@@ -30,10 +30,10 @@ use crate::store::{BoxFuture, Claim, ClaimRequest, Completion, Record, Store, To
 ///
 /// # #[tokio::main]
 /// # async fn main() -> Result<(), idempotent_runtime::StoreError> {
-/// let store = MySqlStore::builder()
+/// let store = MySqlStore::builder("mysql://app@db/payments")
 ///     .table("payments_idempotency")
 ///     .max_connections(16)
-///     .connect("mysql://app@db/payments")
+///     .build()
 ///     .await?;
 /// # let _ = store; Ok(()) }
 /// ```
