@@ -116,7 +116,8 @@ impl Raw for sqlx::MySql {
             .execute(store.pool())
             .await
             .unwrap();
-        assert_eq!(claimed.last_insert_id(), 1, "not acquired");
+        // The claim leaves the new fence in LAST_INSERT_ID(), 0 when the key was not free.
+        assert_ne!(claimed.last_insert_id(), 0, "not acquired");
         let done = sqlx::query(AssertSqlSafe(sql.complete.clone()))
             .bind(None::<&[u8]>)
             .bind(micros(TTL))
