@@ -1,5 +1,5 @@
 //! The in-memory store, on one core: how many claim + complete cycles per second the store
-//! does on its own, through the guard API, and through the attribute, side by side in one
+//! does on its own, through [`Idempotency`] (the builder API), and through the attribute, side by side in one
 //! process (one current-thread runtime, alternating passes, medians of 5).
 //!
 //! It needs nothing but this repository. Run it with:
@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idempotency::{
-    idempotent, Claim, ClaimRequest, Completion, Error, Guard, Key, MemoryStore, Store, Token,
+    idempotent, Claim, ClaimRequest, Completion, Error, Idempotency, Key, MemoryStore, Store, Token,
 };
 use stats::{figure, median, per_s};
 
@@ -52,7 +52,7 @@ async fn store_pass(store: &MemoryStore, round: u32) -> Duration {
     started.elapsed()
 }
 
-async fn guard_pass(guard: &Guard, round: u32) -> Duration {
+async fn guard_pass(guard: &Idempotency, round: u32) -> Duration {
     let started = Instant::now();
     for id in 0..OPS {
         let key = Key::new("bench:guard", 1, &[&round, &id]).unwrap();
@@ -94,7 +94,7 @@ fn main() {
             let fresh = || Arc::new(MemoryStore::new());
             let store_rate = per_s(OPS as usize, store_pass(&fresh(), round).await);
             let guard_store = fresh();
-            let guard = Guard::new(Duration::from_secs(3600)).store(guard_store.clone());
+            let guard = Idempotency::new(Duration::from_secs(3600)).store(guard_store.clone());
             let attribute_store = fresh();
             let (guard_rate, attribute_rate) = if round % 2 == 0 {
                 let g = per_s(OPS as usize, guard_pass(&guard, round).await);

@@ -49,7 +49,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idempotency::{idempotent, Guard, Key, RedisStore};
+use idempotency::{idempotent, Idempotency, Key, RedisStore};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Script, Value};
 use serde::{Deserialize, Serialize};
@@ -624,7 +624,7 @@ async fn connect(url: &str) -> Result<Bench, BoxError> {
         conn,
         script: Arc::new(Script::new(SCRIPT)),
         run,
-        lease_ms: Guard::new(ttl).lease_duration().as_millis() as u64,
+        lease_ms: Idempotency::new(ttl).lease_duration().as_millis() as u64,
         ttl_ms: ttl.as_millis() as u64,
     })
 }

@@ -3,7 +3,7 @@
 //! For PostgreSQL and MariaDB, side by side in one process: 50 concurrent tasks on a pool of
 //! 8 connections run claim + complete cycles on fresh keys, once as raw sqlx (the store's own
 //! claim and completion SQL text, bound and checked by hand) and once through the framework
-//! (`Guard::run` on the store). A warm-up pass of each comes first; then five measured passes
+//! (`Idempotency::run` on the store). A warm-up pass of each comes first; then five measured passes
 //! of each, alternating, with the table emptied before every pass; the median pass counts.
 //! The last lines are `<db>_raw_ops_per_s`, `<db>_framework_ops_per_s` and `<db>_ratio`
 //! (framework / raw) for `postgres` and `mysql`.
@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe, Row};
 use idempotency::sql::{Dialect, SqlStore};
-use idempotency::{Error, Guard, Key, Token};
+use idempotency::{Error, Idempotency, Key, Token};
 use sql_tables::{Scratch, Server};
 use stats::{figure, median, per_s};
 
@@ -139,7 +139,9 @@ enum Mode {
 /// Runs `ops` cycles with `TASKS` tasks; returns operations per second.
 async fn pass<DB: Raw>(store: &SqlStore<DB>, mode: Mode, ops: usize, run: usize) -> f64 {
     DB::empty(store).await;
-    let guard = Guard::new(TTL).lease(LEASE).store(Arc::new(store.clone()));
+    let guard = Idempotency::new(TTL)
+        .lease(LEASE)
+        .store(Arc::new(store.clone()));
     let sql = Statements {
         claim: store.statements().claim().into(),
         complete: store.statements().complete().into(),

@@ -6,7 +6,7 @@
 //!    msg.activity_id], ttl = 3600)]`: a producer retry (new message id, same order and
 //!    activity) is acknowledged without running the handler again. JetStream's own
 //!    publish deduplication (`Nats-Msg-Id`) cannot catch it: the message id is new;
-//! 2. a fetched batch run through `Guard::run_batch`: all keys claimed at once, the
+//! 2. a fetched batch run through `Idempotency::run_batch`: all keys claimed at once, the
 //!    acquired items cooked concurrently, each message settled by its own outcome with
 //!    `broker::nats::settle` (`+ACK`, `-NAK` with a delay, `+TERM`). The batch shares its
 //!    keys with the attribute (same prefix and parts), so an order cooked in step 1 is a
@@ -31,7 +31,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, stream};
 use futures_util::StreamExt;
 use idempotency::broker::{nats, Decision, Redelivery, Settle};
-use idempotency::{idempotent, Guard, Key};
+use idempotency::{idempotent, Idempotency, Key};
 use serde::{Deserialize, Serialize};
 
 /// "Cook this free-meal order for this activity."
@@ -168,12 +168,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         );
     }
 
-    println!("2. a batch: every key claimed in one round trip (Guard::run_batch)");
+    println!("2. a batch: every key claimed in one round trip (Idempotency::run_batch)");
     publish("msg-4", "A-2001").await?; // cooked in step 1
     publish("msg-5", "A-2003").await?;
     publish("msg-6", "A-2003").await?; // the same order, in the same batch
     publish("msg-7", "A-2004").await?;
-    let guard = Guard::new(Duration::from_secs(3600));
+    let guard = Idempotency::new(Duration::from_secs(3600));
     let mut settled = 0;
     while settled < 4 {
         let batch: Vec<jetstream::Message> = consumer

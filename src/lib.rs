@@ -39,8 +39,8 @@
 //!
 //! - [`#[idempotent]`](macro@idempotent): the attribute, with every argument documented
 //!   (`ttl`, `lease`, `on_in_progress`, `on_error`, `fingerprint`, `done`, `replay`, ...).
-//! - [`Guard`] and [`Operation`]: the same machinery without the attribute, for closures and
-//!   keys computed at run time; [`Guard::run_batch`] claims many keys in one round trip.
+//! - [`Idempotency`] and [`Operation`]: the same machinery without the attribute, for closures and
+//!   keys computed at run time; [`Idempotency::run_batch`] claims many keys in one round trip.
 //! - [`current()`]: inside a handler, the claim's key and **fence**, to make the resource
 //!   refuse a stale owner (`... WHERE fence < $fence`), and a lost-lease signal.
 //! - [`Error`] and [`Error::action`]: every outcome as ack, redeliver or dead-letter;

@@ -388,10 +388,10 @@ async fn fresh_key_traffic_keeps_the_store_bounded_by_its_live_records() {
 
 #[tokio::test]
 async fn boxed_and_static_stores_are_stores() {
-    use idempotency::{Guard, Key, Store};
+    use idempotency::{Idempotency, Key, Store};
     async fn run_on(store: impl Store) -> Result<u32, idempotency::Error> {
         let key = Key::new("pointer", 1, &[&1u8])?;
-        Guard::new(Duration::from_secs(60))
+        Idempotency::new(Duration::from_secs(60))
             .store(Arc::new(store))
             .run(key, async { Ok(7) })
             .await

@@ -200,6 +200,13 @@ async fn keys_are_exact_bytes() {
 }
 
 #[tokio::test]
+async fn transaction_answers_keys_as_the_engine_does() {
+    let records = Scratch::table(Server::MySql);
+    let store = Arc::new(store_on(&records).await);
+    sql_cases::transaction_answers_keys_as_the_engine_does::<Maria>(store).await;
+}
+
+#[tokio::test]
 async fn transaction_refuses_a_ttl_out_of_range() {
     let records = Scratch::table(Server::MySql);
     let store = store_on(&records).await;

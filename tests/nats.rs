@@ -1,7 +1,7 @@
 //! Consumers on a real NATS JetStream server (`NATS_URL`, default `127.0.0.1:4222`) with
 //! exact counts: the broker suite (`tests/broker_suite`: duplicates filtered, a failing
 //! handler naked then terminated, a consumer process killed mid-handler, a store outage
-//! during consumption), and a batch claimed with `Guard::run_batch` and settled message by
+//! during consumption), and a batch claimed with `Idempotency::run_batch` and settled message by
 //! message. Effects are counted in a PostgreSQL
 //! business table (`IDEMPOTENT_BUSINESS_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/test`); the store is the Redis at
@@ -34,7 +34,7 @@ use brokers::{unique, wait_for, AppError, OrderMessage};
 use business::{Business, Effect};
 use futures_util::StreamExt;
 use idempotency::broker::{nats, Decision, Delivery, Redelivery};
-use idempotency::{Guard, Key};
+use idempotency::{Idempotency, Key};
 
 /// A stream, a pull consumer, a business schema and a tenant of one test; removed on drop,
 /// also when the test fails.
@@ -214,7 +214,7 @@ impl Drop for Fixture {
 }
 
 /// Batches of up to 10 fetched messages, every key of a batch claimed with one
-/// `Guard::run_batch` (one pipeline on Redis), each message settled with its own result:
+/// `Idempotency::run_batch` (one pipeline on Redis), each message settled with its own result:
 /// 20 orders × 3 copies give exactly 20 effects, 20 executions and 40 duplicates; a copy
 /// that met its twin in the same batch is naked and acknowledged on redelivery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -225,7 +225,7 @@ async fn batches_are_claimed_in_one_round_trip_and_settled_per_message() {
         brokers::store(&brokers::redis_url()).await,
         Duration::from_millis(10),
     );
-    let guard = Guard::new(Duration::from_secs(600))
+    let guard = Idempotency::new(Duration::from_secs(600))
         .lease(Duration::from_secs(2))
         .store(kitchen.store.clone());
     let redelivery = broker_suite::redelivery();

@@ -25,7 +25,7 @@ use std::time::Duration;
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
 use idempotency::{
-    Action, BoxFuture, Error, Guard, Key, RecordState, SharedStore, Store, StoreErrorKind,
+    Action, BoxFuture, Error, Idempotency, Key, RecordState, SharedStore, Store, StoreErrorKind,
 };
 
 use pg_cluster::PgCluster;
@@ -263,6 +263,13 @@ async fn keys_are_exact_bytes() {
 }
 
 #[tokio::test]
+async fn transaction_answers_keys_as_the_engine_does() {
+    let records = Scratch::table(Server::Postgres);
+    let store = Arc::new(store_on(&records).await);
+    sql_cases::transaction_answers_keys_as_the_engine_does::<Pg>(store).await;
+}
+
+#[tokio::test]
 async fn transaction_refuses_a_ttl_out_of_range() {
     let records = Scratch::table(Server::Postgres);
     let store = store_on(&records).await;
@@ -470,7 +477,7 @@ impl Ledger {
 
 /// One delivery of the message for `order`: the business-status check reads the ledger, so
 /// an effect whose completion was lost with the database is not applied again.
-async fn consume(guard: &Guard, ledger: &Ledger, order: &str) -> Result<(), Error> {
+async fn consume(guard: &Idempotency, ledger: &Ledger, order: &str) -> Result<(), Error> {
     let key = Key::new("order:consume", 1, &[&order])?;
     guard
         .operation(key)
@@ -486,7 +493,7 @@ async fn consume(guard: &Guard, ledger: &Ledger, order: &str) -> Result<(), Erro
 /// A broker: delivers every message, redelivers (after a pause) what the consumer asks to,
 /// with at most 10 deliveries in flight, until every message is acknowledged. Returns how
 /// many deliveries were redelivered.
-async fn deliver_all(guard: &Guard, ledger: &Arc<Ledger>, messages: Vec<String>) -> usize {
+async fn deliver_all(guard: &Idempotency, ledger: &Arc<Ledger>, messages: Vec<String>) -> usize {
     let limit = Arc::new(tokio::sync::Semaphore::new(10));
     let redelivered = Arc::new(AtomicUsize::new(0));
     let mut tasks = tokio::task::JoinSet::new();
@@ -543,7 +550,7 @@ async fn database_outage_fails_closed_and_processing_resumes() {
             .await
             .unwrap_or_else(|e| panic!("{e:?}; server log:\n{}", cluster.log_text())),
     );
-    let guard = Guard::new(Duration::from_secs(3600))
+    let guard = Idempotency::new(Duration::from_secs(3600))
         .lease(Duration::from_secs(2))
         .store(store.clone());
     let ledger = Arc::new(Ledger::default());

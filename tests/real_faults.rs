@@ -23,7 +23,7 @@ use std::time::Duration;
 use idempotency::redis::RedisStore;
 use idempotency::sql::sqlx::{self, AssertSqlSafe, PgPool};
 use idempotency::sql::PostgresStore;
-use idempotency::{Action, Error, Guard, Key, RecordState, SharedStore};
+use idempotency::{Action, Error, Idempotency, Key, RecordState, SharedStore};
 use proxy::Proxy;
 use sql_tables::{Scratch, Server};
 
@@ -115,7 +115,7 @@ impl Workload {
             } else {
                 Duration::from_secs(30)
             };
-            let guard = Guard::new(Duration::from_secs(600))
+            let guard = Idempotency::new(Duration::from_secs(600))
                 .lease(LEASE)
                 .store(store.clone());
             let effect_sent = Arc::new(std::sync::atomic::AtomicBool::new(false));

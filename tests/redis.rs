@@ -20,7 +20,7 @@ use conformance::{unique_namespace, Backend};
 use idempotency::redis::{RedisStore, UnsafeConfig};
 use idempotency::store::{DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
 use idempotency::{
-    Action, BoxFuture, Claim, ClaimRequest, Completion, Error, Guard, Key, RecordState,
+    Action, BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, RecordState,
     SharedStore, Store, StoreErrorKind, Token,
 };
 use redis_server::{connect, delete_matching, redis_url, RedisCluster, RedisServer};
@@ -124,7 +124,7 @@ fn conformance_on_a_three_master_cluster() {
                 .await
                 .unwrap(),
         );
-        let guard = Guard::new(Duration::from_secs(60)).store(store.clone());
+        let guard = Idempotency::new(Duration::from_secs(60)).store(store.clone());
         let run = |id: u32| {
             guard.run(Key::new("from-client", 1, &[&id]).unwrap(), async {
                 Ok::<_, Error>(())
@@ -184,7 +184,7 @@ async fn lost_claim_reply_on_a_real_connection_is_resolved_as_ours() {
     let before = server_micros(&redis_url());
 
     proxy.lose_reply_to(b"\r\nclaim\r\n");
-    let out: Result<(), Error> = Guard::new(Duration::from_secs(60))
+    let out: Result<(), Error> = Idempotency::new(Duration::from_secs(60))
         .store(store.clone())
         .run(key.clone(), async {
             executions.fetch_add(1, Ordering::SeqCst);
@@ -211,7 +211,7 @@ async fn lost_complete_reply_on_a_real_connection_is_resolved_as_completed() {
     let store: SharedStore = Arc::new(connect(&proxy.url()).await);
     let namespace = unique_namespace();
     let key = Key::new(&format!("{namespace}:lost-complete"), 1, &[&"order-2"]).unwrap();
-    let guard = Guard::new(Duration::from_secs(60)).store(store.clone());
+    let guard = Idempotency::new(Duration::from_secs(60)).store(store.clone());
 
     proxy.lose_reply_to(b"\r\ncomplete\r\n");
     let first: Result<u32, Error> = guard
@@ -258,7 +258,7 @@ async fn deliver(
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let out: Result<(), Error> = Guard::new(Duration::from_secs(300))
+        let out: Result<(), Error> = Idempotency::new(Duration::from_secs(300))
             .lease(Duration::from_secs(2))
             .store(store.clone())
             .operation(key.clone())
@@ -288,7 +288,7 @@ async fn outage_fails_closed_and_processing_resumes() {
     let mut server = RedisServer::start(&[]);
     let store = Arc::new(connect(&server.url()).await);
     let shared: SharedStore = store.clone();
-    let guard = Guard::new(Duration::from_secs(300)).store(shared.clone());
+    let guard = Idempotency::new(Duration::from_secs(300)).store(shared.clone());
     let executions = AtomicUsize::new(0);
 
     for id in 0..10u32 {
@@ -459,7 +459,7 @@ async fn out_of_memory_fails_closed() {
         }
     }
     let executions = AtomicUsize::new(0);
-    let out: Result<(), Error> = Guard::new(Duration::from_secs(60))
+    let out: Result<(), Error> = Idempotency::new(Duration::from_secs(60))
         .store(store)
         .run(Key::new("oom", 1, &[&1u8]).unwrap(), async {
             executions.fetch_add(1, Ordering::SeqCst);
@@ -477,7 +477,7 @@ async fn out_of_memory_fails_closed() {
 async fn scripts_are_reloaded_after_a_flush() {
     let server = RedisServer::start(&[]);
     let store: SharedStore = Arc::new(RedisStore::connect(&server.url()).await.unwrap());
-    let guard = Guard::new(Duration::from_secs(60)).store(store);
+    let guard = Idempotency::new(Duration::from_secs(60)).store(store);
     let run = |id: u32| {
         guard.run(Key::new("flush", 1, &[&id]).unwrap(), async {
             Ok::<_, Error>(())
@@ -501,7 +501,7 @@ async fn a_store_on_an_existing_client() {
     );
     let namespace = unique_namespace();
     let key = Key::new(&format!("{namespace}:client"), 1, &[&1u8]).unwrap();
-    let guard = Guard::new(Duration::from_secs(60)).store(store);
+    let guard = Idempotency::new(Duration::from_secs(60)).store(store);
     guard
         .run(key.clone(), async { Ok::<_, Error>(()) })
         .await
@@ -732,7 +732,7 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
     }
     // Through the engine: dead-lettered, and the body never runs.
     let ran = AtomicUsize::new(0);
-    let out: Result<(), Error> = Guard::new(long)
+    let out: Result<(), Error> = Idempotency::new(long)
         .store(store.clone() as SharedStore)
         .run(key.clone(), async {
             ran.fetch_add(1, Ordering::SeqCst);

@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use idempotency::memory::{Clock, MemoryStore};
 use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Error, Guard, Key, Record, RecordState,
+    BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, Record, RecordState,
     SharedStore, Store, StoreError, StoreErrorKind, Token,
 };
 
@@ -518,7 +518,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
             world: world.clone(),
             ran: ran.clone(),
         };
-        let guard = Guard::new(TTL).lease(LEASE).store(shared.clone());
+        let guard = Idempotency::new(TTL).lease(LEASE).store(shared.clone());
         let op = guard.operation(keys[key].clone()).replay();
         let future: Pin<Box<dyn Future<Output = Result<u64, AppError>>>> = if with_done {
             let effects = effects.clone();

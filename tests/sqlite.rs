@@ -269,6 +269,12 @@ async fn claim_sent_again_with_its_token_is_acquired() {
 }
 
 #[tokio::test]
+async fn transaction_answers_keys_as_the_engine_does() {
+    let store = Arc::new(SqliteStore::connect("sqlite::memory:").await.unwrap());
+    sql_cases::transaction_answers_keys_as_the_engine_does::<Lite>(store).await;
+}
+
+#[tokio::test]
 async fn transaction_refuses_a_ttl_out_of_range() {
     let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
     sql_cases::transaction_refuses_a_ttl_out_of_range::<Lite>(&store).await;

@@ -18,7 +18,9 @@ use conformance::{unique_namespace, Backend, Down};
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
 use idempotency::store::TieredStore;
-use idempotency::{BoxFuture, Error, Guard, Key, MemoryStore, RecordState, SharedStore, Store};
+use idempotency::{
+    BoxFuture, Error, Idempotency, Key, MemoryStore, RecordState, SharedStore, Store,
+};
 use redis_server::{delete_matching, redis_url};
 
 struct Tiered {
@@ -83,8 +85,8 @@ async fn redis_over_postgres() -> Tiered {
 
 conformance_suite!(redis_over_postgres);
 
-fn guard(store: SharedStore) -> Guard {
-    Guard::new(Duration::from_secs(60)).store(store)
+fn guard(store: SharedStore) -> Idempotency {
+    Idempotency::new(Duration::from_secs(60)).store(store)
 }
 
 #[tokio::test]

@@ -53,8 +53,8 @@ use std::time::{Duration, Instant};
 use business::{Business, Effect};
 use idempotency::broker::{rabbitmq, Redelivery, Settle, Summary};
 use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Guard, Key, Record, SharedStore, Store, StoreError,
-    Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Idempotency, Key, Record, SharedStore, Store,
+    StoreError, Token,
 };
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -150,7 +150,7 @@ struct Counters {
 
 /// The handler's context.
 struct Context {
-    guard: Guard,
+    guard: Idempotency,
     business: Business,
     prefix: String,
     counters: Counters,
@@ -278,7 +278,7 @@ impl Consumer {
         )
         .await?;
         let context = Arc::new(Context {
-            guard: Guard::new(TTL).lease(LEASE).store(timed.clone()),
+            guard: Idempotency::new(TTL).lease(LEASE).store(timed.clone()),
             business,
             prefix: setup.prefix.clone(),
             counters: Counters::default(),

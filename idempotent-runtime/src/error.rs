@@ -24,7 +24,7 @@ pub enum Action {
     DeadLetter,
 }
 
-/// Errors returned by idempotent handlers, the guard API and stores.
+/// Errors returned by idempotent handlers, the builder API and stores.
 ///
 /// Handlers convert it into their own error type (`AppError: From<idempotency::Error>`), so a
 /// duplicate or a store outage arrives as an ordinary `Err`. [`Error::action`] tells a
@@ -127,7 +127,7 @@ pub enum Error {
     /// A duration setting (`ttl`, `lease`) is outside [`MIN_DURATION`](crate::store::MIN_DURATION)
     /// ..= [`MAX_DURATION`](crate::store::MAX_DURATION). Nothing ran and the store was not
     /// touched, whatever the backend. The attribute rejects such literals at compile time;
-    /// [`Guard::check`](crate::Guard::check) finds them at start-up.
+    /// [`Idempotency::check`](crate::Idempotency::check) finds them at start-up.
     ///
     /// Consumer: [`Action::Redeliver`]; fix the configuration.
     #[error("`{setting}` of {value:?} is outside the supported range of 1 ms to 36500 days")]

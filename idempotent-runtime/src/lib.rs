@@ -2,16 +2,16 @@
 //! its backends, and the claim → run → complete / release engine.
 //!
 //! Most users depend on the `idempotency` crate, which re-exports this one together with the
-//! attribute. Use this crate directly for the guard API ([`Guard`], [`Operation`]) or to
+//! attribute. Use this crate directly for the builder API ([`Idempotency`], [`Operation`]) or to
 //! write a backend.
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
-//! use idempotent_runtime::{Error, Guard, Key, MemoryStore};
+//! use idempotent_runtime::{Error, Idempotency, Key, MemoryStore};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Error> {
-//! let guard = Guard::new(Duration::from_secs(3600)).store(Arc::new(MemoryStore::new()));
+//! let guard = Idempotency::new(Duration::from_secs(3600)).store(Arc::new(MemoryStore::new()));
 //! let key = Key::new("order:consume", 1, &[&"A-1001", &"spring-sale"])?;
 //! let effect: Result<&str, Error> = guard.run(key, async { Ok("consumed") }).await;
 //! assert_eq!(effect?, "consumed");
@@ -43,7 +43,7 @@ pub mod broker;
 pub mod __private;
 
 pub use default_store::{default_store, set_default_store, AlreadySet};
-pub use engine::{current, state, Current, Guard, HandlerResult, Operation};
+pub use engine::{current, state, Current, HandlerResult, Idempotency, Operation};
 pub use error::{Action, Error, StoreError, StoreErrorKind};
 pub use key::{Key, KeyError, KeyPart};
 pub use policy::{InProgress, OnError, OnLostLease, OnStoreError};

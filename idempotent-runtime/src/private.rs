@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 pub use crate::engine::HandlerResult;
-use crate::engine::{Guard, Operation};
+use crate::engine::{Idempotency, Operation};
 pub use crate::policy::{InProgress, OnError, OnStoreError};
 use crate::store::{IntoStore, SharedStore};
 use crate::{Key, KeyPart};
@@ -31,7 +31,7 @@ pub fn operation<R: HandlerResult>(
     store: Option<SharedStore>,
     parts: &[&dyn KeyPart],
 ) -> Operation<R> {
-    let mut guard = Guard::new(Duration::from_secs(spec.ttl_secs))
+    let mut guard = Idempotency::new(Duration::from_secs(spec.ttl_secs))
         .on_in_progress(spec.in_progress)
         .on_store_error(spec.on_store_error);
     if spec.lease_secs > 0 {

@@ -28,7 +28,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idempotency::{BoxFuture, Claim, ClaimRequest, Error, Guard, Key, Record, SharedStore, Token};
+use idempotency::{
+    BoxFuture, Claim, ClaimRequest, Error, Idempotency, Key, Record, SharedStore, Token,
+};
 use serde::{Deserialize, Serialize};
 
 mod batch;
@@ -139,8 +141,8 @@ pub fn key(prefix: &str, parts: &[&dyn idempotency::KeyPart]) -> Key {
     Key::new(prefix, 1, parts).unwrap()
 }
 
-fn guard(store: &SharedStore) -> Guard {
-    Guard::new(Duration::from_secs(60)).store(store.clone())
+fn guard(store: &SharedStore) -> Idempotency {
+    Idempotency::new(Duration::from_secs(60)).store(store.clone())
 }
 
 fn req(key: &Key, lease: Duration) -> ClaimRequest {

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::{Claim, Error, Guard, InProgress, SharedStore};
+use idempotency::{Claim, Error, Idempotency, InProgress, SharedStore};
 use tokio::sync::Notify;
 
 use super::{guard, key, req, same_fence, unique_prefix, Backend, Observed, TestError};
@@ -91,7 +91,7 @@ pub async fn completed_record_expires_after_its_ttl(b: impl Backend) {
     let store = b.store();
     let k = key(&unique_prefix(&b, "ttl"), &[&"order-11"]);
     let ttl = Duration::from_secs(1);
-    let g = Guard::new(ttl)
+    let g = Idempotency::new(ttl)
         .lease(Duration::from_millis(300))
         .store(store.clone());
     let executions = AtomicUsize::new(0);

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::{
-    current, BoxFuture, Claim, ClaimRequest, Completion, Error, Guard, Key, OnError, OnLostLease,
-    Record, RecordState, SharedStore, Store, StoreError, StoreErrorKind, Token,
+    current, BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, OnError,
+    OnLostLease, Record, RecordState, SharedStore, Store, StoreError, StoreErrorKind, Token,
 };
 use tokio::sync::Notify;
 
@@ -182,8 +182,8 @@ impl Store for Faulty {
     }
 }
 
-fn guard(store: SharedStore) -> Guard {
-    Guard::new(Duration::from_secs(60))
+fn guard(store: SharedStore) -> Idempotency {
+    Idempotency::new(Duration::from_secs(60))
         .lease(Duration::from_secs(3))
         .store(store)
 }
@@ -422,14 +422,14 @@ pub async fn out_of_range_durations_are_refused_before_the_store(b: impl Backend
     let store: SharedStore = faulty.clone();
     let k = key(&unique_prefix(&b, "durations"), &[&1u8]);
     let cases = [
-        (Guard::new(Duration::MAX), "ttl"),
-        (Guard::new(Duration::ZERO), "ttl"),
+        (Idempotency::new(Duration::MAX), "ttl"),
+        (Idempotency::new(Duration::ZERO), "ttl"),
         (
-            Guard::new(Duration::from_secs(60)).lease(Duration::MAX),
+            Idempotency::new(Duration::from_secs(60)).lease(Duration::MAX),
             "lease",
         ),
         (
-            Guard::new(Duration::from_secs(60)).lease(Duration::from_micros(10)),
+            Idempotency::new(Duration::from_secs(60)).lease(Duration::from_micros(10)),
             "lease",
         ),
     ];
@@ -451,7 +451,7 @@ pub async fn out_of_range_durations_are_refused_before_the_store(b: impl Backend
         "the store was called"
     );
     // The bounds themselves are accepted.
-    let edge: Result<(), TestError> = Guard::new(idempotency::store::MAX_DURATION)
+    let edge: Result<(), TestError> = Idempotency::new(idempotency::store::MAX_DURATION)
         .lease(idempotency::store::MIN_DURATION * 1000)
         .store(store.clone())
         .run(k, async { Ok(()) })

@@ -20,8 +20,8 @@ use idempotency::sql::sqlx::{self, Database};
 use idempotency::sql::{Dialect, SqlStore};
 use idempotency::store::MAX_DURATION;
 use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Error, Fingerprint, Key, RecordState, Store,
-    StoreError, StoreErrorKind, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Error, Fingerprint, Idempotency, Key, OnError,
+    RecordState, Store, StoreError, StoreErrorKind, Token,
 };
 
 /// A fence taken from the database's clock (microseconds since the Unix epoch) is above this:
@@ -165,6 +165,72 @@ pub async fn transaction_refuses_a_ttl_out_of_range<H: Harness>(store: &SqlStore
     }
     assert_eq!(runs.load(Ordering::SeqCst), 0);
     assert!(store.read(&key).await.unwrap().is_none());
+}
+
+/// `run_in_tx` answers a key the engine left as a single call would: held -> `Held`,
+/// claimed by a live owner outside the transaction -> `InProgress` with that owner's fence,
+/// completed with a replayable result -> `Duplicate` (no replay in a transaction). The body
+/// runs in none of them, and nothing is changed.
+pub async fn transaction_answers_keys_as_the_engine_does<H: Harness>(store: Arc<SqlStore<H::Db>>) {
+    let ttl = Duration::from_secs(3600);
+    let engine = Idempotency::new(ttl).store(store.clone());
+    let held = Key::new("payment:capture", 1, &[&"pay-held"]).unwrap();
+    let live = Key::new("payment:capture", 1, &[&"pay-live"]).unwrap();
+    let replayed = Key::new("payment:capture", 1, &[&"pay-replayed"]).unwrap();
+
+    let failed: Result<(), AppError> = engine
+        .operation(held.clone())
+        .on_error(|_| OnError::Hold)
+        .run(async { Err(AppError::Idem(Error::NoStore)) })
+        .await;
+    assert!(failed.is_err());
+    let first: Result<u32, AppError> = engine
+        .operation(replayed.clone())
+        .replay()
+        .run(async { Ok(5) })
+        .await;
+    assert_eq!(first.unwrap(), 5);
+    let live_fence = match store
+        .claim(&req(&live, Duration::from_secs(60), ttl))
+        .await
+        .unwrap()
+    {
+        Claim::Acquired { fence } => fence,
+        other => panic!("expected the key, got {other:?}"),
+    };
+
+    let runs = AtomicUsize::new(0);
+    for key in [&held, &live, &replayed] {
+        // What a record is, without the lease left (which runs down meanwhile).
+        let seen = async |key| {
+            store.read(key).await.unwrap().map(|r| {
+                let live = matches!(r.state, RecordState::InProgress { .. });
+                (live, r.token, r.fence, r.result)
+            })
+        };
+        let before = seen(key).await;
+        let mut tx = store.pool().begin().await.unwrap();
+        let out = store
+            .run_in_tx(&mut tx, key.clone(), ttl, async |_| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, AppError>(())
+            })
+            .await;
+        tx.commit().await.unwrap();
+        match (key, out) {
+            (k, Err(AppError::Idem(Error::Held { key }))) if k == &held => assert_eq!(&key, k),
+            (k, Err(AppError::Idem(Error::InProgress { key, fence }))) if k == &live => {
+                assert_eq!(&key, k);
+                assert_eq!(fence, live_fence);
+            }
+            (k, Err(AppError::Idem(Error::Duplicate { key }))) if k == &replayed => {
+                assert_eq!(&key, k)
+            }
+            (k, other) => panic!("{k}: unexpected {other:?}"),
+        }
+        assert_eq!(seen(key).await, before, "{key} was changed");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
 
 /// A second transaction on the same key waits for the first: after its commit it is a

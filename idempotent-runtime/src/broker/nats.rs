@@ -3,7 +3,7 @@
 //! [`settle`] acknowledges, naks (with a delay) or terminates one message from its handler's
 //! outcome (see the [table](super)); [`consume`] runs a handler over a pull consumer with
 //! bounded concurrency and settles every message. For batches, fetch messages, run them
-//! through [`Guard::run_batch`](crate::Guard::run_batch) and [`settle`] each with its own result.
+//! through [`Idempotency::run_batch`](crate::Idempotency::run_batch) and [`settle`] each with its own result.
 //!
 //! ```no_run
 //! use idempotent_runtime::broker::{nats, Redelivery};

@@ -3,7 +3,7 @@
 //! [`settle`] acknowledges, requeues or dead-letters one delivery from its handler's outcome
 //! (see the [table](super)); [`consume`] runs a handler over a consumer with bounded
 //! concurrency and settles every delivery. Neither decodes messages nor knows the business:
-//! the handler does that, through an `#[idempotent]` function or a [`Guard`](crate::Guard).
+//! the handler does that, through an `#[idempotent]` function or a [`Idempotency`](crate::Idempotency).
 //! Both need the [`Queue`] the deliveries come from: its type and how its failed deliveries
 //! come back decide how they are counted and settled.
 //!

@@ -22,11 +22,11 @@ tokio::task_local! {
 ///
 /// ```
 /// use std::{sync::Arc, time::Duration};
-/// use idempotent_runtime::{current, Error, Guard, Key, MemoryStore};
+/// use idempotent_runtime::{current, Error, Idempotency, Key, MemoryStore};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
-/// let guard = Guard::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+/// let guard = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
 /// let key = Key::new("stock:deduct", 1, &[&"sku-9"]).unwrap();
 /// let fence: Result<u64, Error> = guard
 ///     .run(key, async {

@@ -1,8 +1,9 @@
 //! The engine: claim → run (with lease renewal) → complete or release.
 //!
-//! - [`Guard`] (`guard.rs`) holds the settings shared by many calls, and runs batches.
-//! - [`Operation`] (`operation.rs`) is one call: built from a guard and a key, refined with a
+//! - [`Idempotency`] (`idempotency.rs`) holds the settings shared by many calls, and runs batches.
+//! - [`Operation`] (`operation.rs`) is one call: built from an [`Idempotency`] and a key, refined with a
 //!   fingerprint, a replay codec, an error policy and a business-status check, and run.
+//! - `bound.rs` runs a call whose claim lives in the caller's transaction (SQL stores).
 //! - `decide.rs` maps a claim's outcome and the policy to the next step, for every path.
 //! - `owner.rs` owns a claim from its round trip to its completion or release, including
 //!   cancellation and completions that fail.
@@ -11,17 +12,21 @@
 //!
 //! The `#[idempotent]` attribute expands to an [`Operation`].
 
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+mod bound;
 mod current;
 mod decide;
-mod guard;
 mod handler;
+mod idempotency;
 mod operation;
 mod owner;
 mod watch;
 
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) use bound::{run_bound, Bound};
 pub use current::{current, Current};
-pub use guard::Guard;
 pub use handler::HandlerResult;
+pub use idempotency::Idempotency;
 pub use operation::Operation;
 
 /// The type states of an [`Operation`]: with or without a business-status check

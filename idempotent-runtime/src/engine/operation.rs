@@ -11,8 +11,8 @@ use crate::codec;
 use crate::default_store::default_store;
 use crate::engine::current::Current;
 use crate::engine::decide::{decide, Busy, Next, Waiting};
-use crate::engine::guard::Guard;
 use crate::engine::handler::{Done, DoneCheck, HandlerResult, NoDone};
+use crate::engine::idempotency::Idempotency;
 use crate::engine::owner::{Claimed, Owner, PendingClaim, Settled};
 use crate::engine::watch::{watch, Watched};
 use crate::error::Error;
@@ -25,16 +25,16 @@ struct Codec<T> {
     decode: fn(&[u8]) -> Result<T, Error>,
 }
 
-/// One idempotent call: built by [`Guard::operation`] (or the attribute), run by
+/// One idempotent call: built by [`Idempotency::operation`] (or the attribute), run by
 /// [`Operation::run`].
 ///
 /// ```
 /// use std::{sync::Arc, time::Duration};
-/// use idempotent_runtime::{Error, Guard, Key, MemoryStore};
+/// use idempotent_runtime::{Error, Idempotency, Key, MemoryStore};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
-/// let guard = Guard::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+/// let guard = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
 /// let key = Key::new("payment:capture", 1, &[&"pay-1"]).unwrap();
 ///
 /// let first: Result<String, Error> = guard
@@ -54,7 +54,7 @@ struct Codec<T> {
 /// ```
 #[must_use = "an operation does nothing until `.run(...).await`"]
 pub struct Operation<R: HandlerResult, D = NoDone> {
-    guard: Guard,
+    guard: Idempotency,
     key: Result<Key, KeyError>,
     fingerprint: Option<Fingerprint>,
     outcomes: Outcomes<R>,
@@ -79,7 +79,7 @@ impl<R: HandlerResult> Default for Outcomes<R> {
 }
 
 impl<R: HandlerResult> Operation<R> {
-    pub(crate) fn new(guard: Guard, key: Result<Key, KeyError>) -> Operation<R> {
+    pub(crate) fn new(guard: Idempotency, key: Result<Key, KeyError>) -> Operation<R> {
         Operation {
             guard,
             key,
@@ -193,11 +193,11 @@ where
     ///
     /// ```
     /// use std::{sync::Arc, time::Duration};
-    /// use idempotent_runtime::{Error, Guard, Key, MemoryStore};
+    /// use idempotent_runtime::{Error, Idempotency, Key, MemoryStore};
     ///
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() {
-    /// let guard = Guard::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    /// let guard = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
     /// let key = Key::new("balance:deduct", 1, &[&"user-7", &"tx-1"]).unwrap();
     /// let out: Result<String, Error> = guard
     ///     .operation(key)

@@ -3,7 +3,7 @@
 //!
 //! ```no_run
 //! use std::{sync::Arc, time::Duration};
-//! use idempotent_runtime::{Error, Guard, Key};
+//! use idempotent_runtime::{Error, Idempotency, Key};
 //! use idempotent_runtime::sql::PostgresStore;
 //!
 //! # #[tokio::main]
@@ -12,7 +12,7 @@
 //! let store = Arc::new(PostgresStore::connect("postgres://app@db/orders").await?);
 //! let _purger = store.spawn_purger(Duration::from_secs(60), 1_000);
 //!
-//! let guard = Guard::new(Duration::from_secs(3600)).store(store.clone());
+//! let guard = Idempotency::new(Duration::from_secs(3600)).store(store.clone());
 //! let key = Key::new("order:consume", 1, &[&"A-1001"])?;
 //! let out: Result<(), Error> = guard.run(key, async { Ok(()) }).await;
 //! # out?; Ok(()) }

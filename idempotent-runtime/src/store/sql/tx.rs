@@ -5,13 +5,12 @@ use std::time::Duration;
 
 use sqlx::Transaction;
 
-use crate::codec;
+use crate::engine::{run_bound, Bound};
 use crate::error::{Error, StoreError};
 use crate::key::Key;
-use crate::policy::default_lease;
+use crate::store::{Claim, ClaimRequest, Completion, Token};
 #[cfg(doc)]
-use crate::store::Store;
-use crate::store::{Claim, ClaimRequest, Completion, Token, MAX_DURATION, MIN_DURATION};
+use crate::store::{Store, MAX_DURATION, MIN_DURATION};
 
 use crate::store::sql::driver::Dialect;
 use crate::store::sql::exec::{claim_on, complete_on, refuse_oversized, release_on};
@@ -73,7 +72,7 @@ impl<DB: Dialect> SqlStore<DB> {
     /// durable; roll it back (or drop it) and neither happened, so the key can be claimed
     /// again. The record is kept `ttl` after completion.
     ///
-    /// Outcomes, as for [`Guard::run`](crate::Guard::run): `body`'s value; `body`'s error
+    /// Outcomes, as for [`Idempotency::run`](crate::Idempotency::run): `body`'s value; `body`'s error
     /// (the claim is released in the transaction: roll back, or commit and the key is free);
     /// [`Error::Duplicate`] when an earlier transaction committed the key (there is no replay
     /// of results here), [`Error::Held`] for a key held by the engine,
@@ -124,66 +123,38 @@ impl<DB: Dialect> SqlStore<DB> {
     where
         E: From<Error>,
     {
-        if !(MIN_DURATION..=MAX_DURATION).contains(&ttl) {
-            return Err(Error::InvalidDuration {
-                setting: "ttl",
-                value: ttl,
-            }
-            .into());
-        }
-        let req = ClaimRequest {
-            key,
-            token: Token::generate(),
-            lease: default_lease(ttl),
-            ttl,
-            fingerprint: None,
-        };
-        let fence = match self.claim_in(tx, &req).await.map_err(Error::Store)? {
-            Claim::Acquired { fence } => fence,
-            Claim::Completed { result, .. } => {
-                let held = result.as_deref().and_then(<[u8]>::first) == Some(&codec::HELD);
-                let key = req.key;
-                return Err(if held {
-                    Error::Held { key }
-                } else {
-                    Error::Duplicate { key }
-                }
-                .into());
-            }
-            Claim::InProgress { fence } => {
-                return Err(Error::InProgress {
-                    key: req.key,
-                    fence,
-                }
-                .into())
-            }
-            Claim::Mismatch { .. } => return Err(Error::PayloadMismatch { key: req.key }.into()),
-        };
-        match body(&mut **tx).await {
-            Ok(value) => {
-                let completion = Completion { result: None, ttl };
-                let completed = self
-                    .complete_in(tx, &req.key, &req.token, &completion)
-                    .await
-                    .map_err(Error::Store)?;
-                if completed {
-                    Ok(value)
-                } else {
-                    Err(Error::LostOwnership {
-                        key: req.key,
-                        fence,
-                    }
-                    .into())
-                }
-            }
-            Err(err) => {
-                // If the body's failure aborted the transaction this fails too; the rollback
-                // removes the claim then.
-                if let Err(release) = self.release_in(tx, &req.key, &req.token).await {
-                    tracing::debug!(error = %release, "release in a failed transaction skipped");
-                }
-                Err(err)
-            }
-        }
+        run_bound(&mut InTx { store: self, tx }, key, ttl, body).await
+    }
+}
+
+/// A store and the caller's transaction: where [`run_bound`] makes its calls.
+struct InTx<'s, 't, 'c, DB: Dialect> {
+    store: &'s SqlStore<DB>,
+    tx: &'t mut Transaction<'c, DB>,
+}
+
+impl<DB: Dialect> Bound for InTx<'_, '_, '_, DB> {
+    type Conn = DB::Connection;
+
+    fn conn(&mut self) -> &mut DB::Connection {
+        self.tx
+    }
+
+    async fn claim(&mut self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        self.store.claim_in(self.tx, req).await
+    }
+
+    async fn complete(
+        &mut self,
+        req: &ClaimRequest,
+        completion: &Completion,
+    ) -> Result<bool, StoreError> {
+        self.store
+            .complete_in(self.tx, &req.key, &req.token, completion)
+            .await
+    }
+
+    async fn release(&mut self, req: &ClaimRequest) -> Result<bool, StoreError> {
+        self.store.release_in(self.tx, &req.key, &req.token).await
     }
 }

@@ -1,4 +1,4 @@
-//! [`Guard`]: the settings shared by many calls, and batches.
+//! [`Idempotency`]: the settings shared by many calls, and batches.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -20,18 +20,21 @@ use crate::store::{
     Claim, ClaimRequest, IntoStore, SharedStore, Token, MAX_DURATION, MIN_DURATION,
 };
 
-/// The settings shared by many idempotent calls: store, ttl, lease and policies.
+/// Idempotent calls without the attribute: the settings many calls share (store, ttl, lease
+/// and policies), and the calls themselves ([`run`](Idempotency::run),
+/// [`operation`](Idempotency::operation), [`run_batch`](Idempotency::run_batch)).
 ///
 /// This is the API for code that cannot use the attribute: closures, keys computed at run
-/// time, generic plumbing.
+/// time, generic plumbing. It is cheap to clone: build one per kind of operation at start-up
+/// and share it.
 ///
 /// ```
 /// use std::{sync::Arc, time::Duration};
-/// use idempotent_runtime::{Error, Guard, Key, MemoryStore};
+/// use idempotent_runtime::{Error, Idempotency, Key, MemoryStore};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
-/// let guard = Guard::new(Duration::from_secs(3600)).store(Arc::new(MemoryStore::new()));
+/// let guard = Idempotency::new(Duration::from_secs(3600)).store(Arc::new(MemoryStore::new()));
 /// let key = Key::new("coupon:grant", 1, &[&"user-7", &"spring-sale"]).unwrap();
 ///
 /// let first: Result<u32, Error> = guard.run(key.clone(), async { Ok(42) }).await;
@@ -42,7 +45,7 @@ use crate::store::{
 /// # }
 /// ```
 #[derive(Clone)]
-pub struct Guard {
+pub struct Idempotency {
     pub(crate) store: Option<SharedStore>,
     pub(crate) ttl: Duration,
     pub(crate) lease: Option<Duration>,
@@ -51,9 +54,9 @@ pub struct Guard {
     pub(crate) on_lost_lease: OnLostLease,
 }
 
-impl std::fmt::Debug for Guard {
+impl std::fmt::Debug for Idempotency {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Guard")
+        f.debug_struct("Idempotency")
             .field("store", &self.store.as_ref().map(|_| "..."))
             .field("ttl", &self.ttl)
             .field("lease", &self.lease_duration())
@@ -64,7 +67,7 @@ impl std::fmt::Debug for Guard {
     }
 }
 
-impl Guard {
+impl Idempotency {
     /// Settings with the given record ttl, the process-default store, the default lease
     /// (30 s, or a third of the ttl when that is shorter) and the default policies (reject
     /// in-progress duplicates, fail closed).
@@ -72,11 +75,11 @@ impl Guard {
     /// Choose `ttl` to cover the worst handler time plus the broker's longest redelivery delay:
     /// a duplicate that arrives after the record expired runs again.
     ///
-    /// `ttl` and the lease must lie within [`MIN_DURATION`] ..= [`MAX_DURATION`]; a guard
-    /// outside that range runs nothing and every call returns [`Error::InvalidDuration`], on
-    /// every store alike. [`check`](Guard::check) finds such a guard at start-up.
-    pub fn new(ttl: Duration) -> Guard {
-        Guard {
+    /// `ttl` and the lease must lie within [`MIN_DURATION`] ..= [`MAX_DURATION`]; settings
+    /// outside that range run nothing and every call returns [`Error::InvalidDuration`], on
+    /// every store alike. [`check`](Idempotency::check) finds such settings at start-up.
+    pub fn new(ttl: Duration) -> Idempotency {
+        Idempotency {
             store: None,
             ttl,
             lease: None,
@@ -87,32 +90,32 @@ impl Guard {
     }
 
     /// Uses this store instead of the process default.
-    pub fn store(mut self, store: impl IntoStore) -> Guard {
+    pub fn store(mut self, store: impl IntoStore) -> Idempotency {
         self.store = Some(store.into_store());
         self
     }
 
     /// How long a claim stays live without renewal. While the handler runs the lease is
     /// renewed every third of it, so it only bounds how long a crashed owner blocks the key.
-    pub fn lease(mut self, lease: Duration) -> Guard {
+    pub fn lease(mut self, lease: Duration) -> Idempotency {
         self.lease = Some(lease);
         self
     }
 
     /// What to do when another owner holds a live claim.
-    pub fn on_in_progress(mut self, policy: InProgress) -> Guard {
+    pub fn on_in_progress(mut self, policy: InProgress) -> Idempotency {
         self.in_progress = policy;
         self
     }
 
     /// What to do when the store fails before the handler ran.
-    pub fn on_store_error(mut self, policy: OnStoreError) -> Guard {
+    pub fn on_store_error(mut self, policy: OnStoreError) -> Idempotency {
         self.on_store_error = policy;
         self
     }
 
     /// What to do with a body whose lease is lost while it runs.
-    pub fn on_lost_lease(mut self, policy: OnLostLease) -> Guard {
+    pub fn on_lost_lease(mut self, policy: OnLostLease) -> Idempotency {
         self.on_lost_lease = policy;
         self
     }
@@ -122,11 +125,11 @@ impl Guard {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use idempotent_runtime::{Error, Guard};
+    /// use idempotent_runtime::{Error, Idempotency};
     ///
-    /// assert!(Guard::new(Duration::from_secs(3600)).check().is_ok());
+    /// assert!(Idempotency::new(Duration::from_secs(3600)).check().is_ok());
     /// assert!(matches!(
-    ///     Guard::new(Duration::MAX).check(),
+    ///     Idempotency::new(Duration::MAX).check(),
     ///     Err(Error::InvalidDuration { setting: "ttl", .. })
     /// ));
     /// ```
@@ -167,7 +170,7 @@ impl Guard {
     /// [`Store::claim_many`](crate::Store::claim_many) (one round trip on Redis), and settles each item by its own
     /// outcome: results come back in input order, each what [`Operation::run`] would have
     /// returned for that item alone. Acquired items run concurrently, each under its own lease
-    /// renewal; items held by a live owner follow the guard's in-progress policy (with
+    /// renewal; items held by a live owner follow the in-progress policy (with
     /// [`InProgress::Wait`] they are claimed again one by one).
     ///
     /// Batches have no fingerprint, replay or business check; use [`Operation`] per item
@@ -175,11 +178,11 @@ impl Guard {
     ///
     /// ```
     /// use std::{sync::Arc, time::Duration};
-    /// use idempotent_runtime::{Error, Guard, Key, MemoryStore};
+    /// use idempotent_runtime::{Error, Idempotency, Key, MemoryStore};
     ///
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() {
-    /// let guard = Guard::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    /// let guard = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
     /// let batch = |ids: &[u32]| {
     ///     ids.iter().map(|id| (Key::new("order", 1, &[id]).unwrap(), *id)).collect::<Vec<_>>()
     /// };
@@ -314,7 +317,7 @@ impl Guard {
         }
     }
 
-    /// Runs `body` at most once for `key`, with this guard's settings: a shorthand for
+    /// Runs `body` at most once for `key`, with these settings: a shorthand for
     /// `self.operation(key).run(body)`.
     pub async fn run<R, F>(&self, key: Key, body: F) -> R
     where
