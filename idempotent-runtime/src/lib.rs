@@ -38,6 +38,10 @@ pub mod store;
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub mod broker;
 
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod http;
+
 #[doc(hidden)]
 #[path = "private.rs"]
 pub mod __private;

@@ -118,6 +118,18 @@ impl<R: HandlerResult, D> Operation<R, D> {
         self
     }
 
+    /// Like [`replay`](Self::replay), with the caller's own encoding of the value (the HTTP
+    /// layer's binary form of a response). `encode` writes [`codec::OK`] first.
+    #[cfg(feature = "http")]
+    pub(crate) fn replay_with(
+        mut self,
+        encode: fn(&R::Ok) -> Result<Vec<u8>, Error>,
+        decode: fn(&[u8]) -> Result<R::Ok, Error>,
+    ) -> Self {
+        self.outcomes.replay = Some(Codec { encode, decode });
+        self
+    }
+
     /// Decides, per handler error, what happens to the claim. Without it every error
     /// releases the claim ([`OnError::Release`]).
     pub fn on_error(mut self, classify: fn(&R::Err) -> OnError) -> Self {

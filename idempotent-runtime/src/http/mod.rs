@@ -1,0 +1,395 @@
+//! HTTP `Idempotency-Key` for tower and axum: [`IdempotencyLayer`] runs a handler once per
+//! key and replays its response to every retry.
+//!
+//! Clients send `Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"` (a structured-field
+//! string as the IETF draft "The Idempotency-Key HTTP Header Field" defines it; a bare token is
+//! accepted too) on `POST` and `PATCH`. The layer claims the key in the store **before** the
+//! handler runs, with the same engine, store and guarantees as the `#[idempotent]` attribute:
+//!
+//! | request | answer |
+//! |---|---|
+//! | first with its key | the handler runs; a storable response is kept ([`Storage`]) |
+//! | retry after the first completed | the stored status, headers and body, with `Idempotent-Replayed: true` |
+//! | retry while the first runs | `409` [`in-flight`](#in-flight) with `Retry-After` (or it waits, with [`InProgress::Wait`](crate::InProgress::Wait)) |
+//! | same key, another method, path, query or body | `422` [`payload-mismatch`](#payload-mismatch) |
+//! | no key where one is required | `400` [`missing-key`](#missing-key) |
+//! | store down | `503` [`store-unavailable`](#store-unavailable); the handler does not run (fail closed) |
+//!
+//! Keys are scoped: the key stored is the scope function's caller (hashed), the method, the
+//! path and the client's key, so one caller never gets another's response.
+//!
+//! ```
+//! use std::{sync::Arc, time::Duration};
+//! use axum::{routing::post, Router};
+//! use idempotent_runtime::{http::IdempotencyLayer, Idempotency, MemoryStore};
+//!
+//! let idempotency = Idempotency::new(Duration::from_secs(24 * 3600))
+//!     .store(Arc::new(MemoryStore::new()));
+//! // The caller: here an API key id an authentication layer put in a header.
+//! let layer = IdempotencyLayer::new(idempotency, |request: &http::request::Parts| {
+//!     request.headers.get("x-api-key-id")?.to_str().ok().map(str::to_owned)
+//! });
+//! let app: Router = Router::new()
+//!     .route("/orders", post(async || "created"))
+//!     .layer(layer);
+//! ```
+//!
+//! # What is stored
+//!
+//! By default ([`Storage::default_for`]) 2xx, 3xx and definitive 4xx responses are stored and
+//! replayed; 5xx, `408`, `425`, `429`, `401` and `403` release the key, so a retry runs the
+//! handler again. Stored headers leave out hop-by-hop headers, `Date`, `Content-Length` and
+//! `Set-Cookie`, then pass through [`IdempotencyLayer::sanitize_headers`]. A response body
+//! larger than [`IdempotencyLayer::max_stored_body`] (or one that fails while read) still
+//! completes the key, without its body: the first client gets the whole body, retries get
+//! `303 See Other` to the response's `Location` when it has one, else the problem
+//! [`response-not-stored`](#response-not-stored). The handler never runs twice because its
+//! answer was too large to keep.
+//!
+//! # Disconnects and shutdown
+//!
+//! Once a handler started it runs to completion in a task of the layer's, even when the
+//! client hangs up (a server drops the request's future), and its response is stored: the
+//! client's retry gets the replay. [`IdempotencyLayer::shutdown`] waits for those tasks.
+//!
+//! # Problems
+//!
+//! Every answer of the layer's own is an RFC 9457 `application/problem+json` body whose `type`
+//! is the [problem base](IdempotencyLayer::problem_base) followed by one of these names (see
+//! [`Problem`]):
+//!
+//! ### missing-key
+//! `400`: the method requires a key and the request has none.
+//! ### invalid-key
+//! `400`: the key is malformed, empty, longer than [`IdempotencyLayer::max_key_len`], or
+//! sent more than once.
+//! ### missing-scope
+//! `400`: the scope function found no caller.
+//! ### request-too-large
+//! `413`: the body is larger than [`IdempotencyLayer::max_request_body`].
+//! ### invalid-body
+//! `400`: the body could not be read.
+//! ### in-flight
+//! `409` with `Retry-After`: a request with this key is running.
+//! ### payload-mismatch
+//! `422`: the key was first used with another method, path, query or body.
+//! ### held
+//! `409`: the first request's outcome is unknown and the key is held.
+//! ### already-processed
+//! `409`: the key was completed elsewhere (a consumer sharing the key space), without a
+//! response.
+//! ### response-not-stored
+//! `409`: the first response was too large to keep and had no `Location`.
+//! ### store-unavailable
+//! `503` with `Retry-After`: the store did not answer; nothing ran.
+//! ### internal
+//! `500`: the layer failed (a stored response it cannot read).
+
+mod body;
+mod key;
+mod problem;
+mod service;
+mod stored;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::request::Parts;
+use http::{HeaderMap, HeaderName, Method, StatusCode};
+use tokio_util::task::TaskTracker;
+
+use crate::engine::Idempotency;
+use crate::store::Fingerprint;
+
+pub use body::{Body, BoxError};
+pub use problem::Problem;
+pub use service::IdempotencyService;
+
+/// The response header that marks a replay.
+pub const REPLAYED: &str = "idempotent-replayed";
+
+/// Whether a response is a replay: an extension on every response the layer's handler path
+/// produced (fresh or replayed), for middleware outside the layer.
+///
+/// ```
+/// use idempotent_runtime::http::Replayed;
+///
+/// let mut response = http::Response::new(());
+/// response.extensions_mut().insert(Replayed(true));
+/// assert_eq!(response.extensions().get::<Replayed>(), Some(&Replayed(true)));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Replayed(pub bool);
+
+/// What happens to the key after the handler answered with a status.
+///
+/// ```
+/// use http::StatusCode;
+/// use idempotent_runtime::http::Storage;
+///
+/// assert_eq!(Storage::default_for(StatusCode::CREATED), Storage::Store);
+/// assert_eq!(Storage::default_for(StatusCode::UNPROCESSABLE_ENTITY), Storage::Store);
+/// assert_eq!(Storage::default_for(StatusCode::TOO_MANY_REQUESTS), Storage::Release);
+/// assert_eq!(Storage::default_for(StatusCode::BAD_GATEWAY), Storage::Release);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Storage {
+    /// Complete the key with the response: retries get it replayed.
+    Store,
+    /// Give the key back: the handler runs again on a retry (nothing was done, or the error
+    /// is transient).
+    Release,
+}
+
+impl Storage {
+    /// The default: 2xx, 3xx and definitive 4xx are stored; 5xx and 1xx, `408 Request
+    /// Timeout`, `425 Too Early`, `429 Too Many Requests`, `401 Unauthorized` and
+    /// `403 Forbidden` (nothing ran; the client may fix its credentials) release the key.
+    pub fn default_for(status: StatusCode) -> Storage {
+        match status.as_u16() {
+            401 | 403 | 408 | 425 | 429 => Storage::Release,
+            200..=499 => Storage::Store,
+            _ => Storage::Release,
+        }
+    }
+}
+
+type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+type FingerprintFn = fn(&Parts, &[u8]) -> Fingerprint;
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) idempotency: Idempotency,
+    pub(crate) scope: Arc<ScopeFn>,
+    pub(crate) prefix: String,
+    pub(crate) header_names: Vec<HeaderName>,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) require_key: bool,
+    pub(crate) max_key_len: usize,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_stored_body: usize,
+    pub(crate) storage: fn(StatusCode) -> Storage,
+    pub(crate) sanitize: Option<fn(&mut HeaderMap)>,
+    pub(crate) fingerprint: Option<FingerprintFn>,
+    pub(crate) retry_after: Duration,
+    pub(crate) problem_base: String,
+    pub(crate) counts: Arc<Counters>,
+}
+
+/// Requests the layer answered, by outcome, since it was built.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) fresh: AtomicU64,
+    pub(crate) replayed: AtomicU64,
+    pub(crate) released: AtomicU64,
+    pub(crate) rejected: AtomicU64,
+    pub(crate) passed_through: AtomicU64,
+}
+
+/// How many requests a layer answered, by outcome: [`IdempotencyLayer::counts`].
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// The handler ran and its response was stored.
+    pub fresh: u64,
+    /// A stored response was replayed (or a `303` to its `Location`).
+    pub replayed: u64,
+    /// The handler ran and its response released the key ([`Storage::Release`]).
+    pub released: u64,
+    /// The layer answered with a [`Problem`].
+    pub rejected: u64,
+    /// The request was not guarded (its method, or no key where none is required).
+    pub passed_through: u64,
+}
+
+/// A tower [`Layer`](tower_layer::Layer) that makes the services it wraps idempotent per
+/// `Idempotency-Key`: see the [module documentation](self).
+///
+/// Cheap to clone; clones share their settings, counters and tasks.
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    config: Arc<Config>,
+    tasks: TaskTracker,
+}
+
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("idempotency", &self.config.idempotency)
+            .field("prefix", &self.config.prefix)
+            .field("header_names", &self.config.header_names)
+            .field("methods", &self.config.methods)
+            .field("require_key", &self.config.require_key)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Default key prefix.
+const PREFIX: &str = "http";
+
+impl IdempotencyLayer {
+    /// A layer with `idempotency`'s store, ttl, lease and in-progress policy, and `scope`:
+    /// the caller a request comes from (tenant, principal, API key id), part of every key so
+    /// that one caller never replays another's response. `scope` returning `None` answers
+    /// [`Problem::MissingScope`]; a service with a single caller returns `Some(String::new())`.
+    ///
+    /// Defaults: keys from `Idempotency-Key` or `X-Idempotency-Key`, required on `POST` and
+    /// `PATCH`, at most 255 characters; request bodies up to 1 MiB, stored response bodies up
+    /// to 256 KiB; [`Storage::default_for`]; `Retry-After: 1` on `409 in-flight`.
+    pub fn new<F>(idempotency: Idempotency, scope: F) -> IdempotencyLayer
+    where
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        IdempotencyLayer {
+            config: Arc::new(Config {
+                idempotency,
+                scope: Arc::new(scope),
+                prefix: PREFIX.to_owned(),
+                header_names: vec![
+                    HeaderName::from_static("idempotency-key"),
+                    HeaderName::from_static("x-idempotency-key"),
+                ],
+                methods: vec![Method::POST, Method::PATCH],
+                require_key: true,
+                max_key_len: 255,
+                max_request_body: 1 << 20,
+                max_stored_body: 256 << 10,
+                storage: Storage::default_for,
+                sanitize: None,
+                fingerprint: None,
+                retry_after: Duration::from_secs(1),
+                problem_base:
+                    "https://docs.rs/idempotent-runtime/latest/idempotent_runtime/http/index.html#"
+                        .to_owned(),
+                counts: Arc::default(),
+            }),
+            tasks: TaskTracker::new(),
+        }
+    }
+
+    fn config(&mut self) -> &mut Config {
+        // Settings are made before the layer is cloned into services; a clone made earlier
+        // keeps the settings it was cloned with (and shares the counters).
+        Arc::make_mut(&mut self.config)
+    }
+
+    /// The key prefix (default `http`): keys are `<prefix>:v1:{scope, method, path, key}`.
+    /// Give each API its own when several share a store.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config().prefix = prefix.into();
+        self
+    }
+
+    /// The header names a key is read from, in place of `Idempotency-Key` and
+    /// `X-Idempotency-Key`. A request carrying more than one of them is
+    /// [`Problem::InvalidKey`].
+    pub fn header_names(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config().header_names = names.into_iter().collect();
+        self
+    }
+
+    /// The methods the layer guards (default `POST` and `PATCH`); requests with other methods
+    /// pass through untouched.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config().methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Whether a guarded request without a key is refused with [`Problem::MissingKey`]
+    /// (`true`, the default) or passed through unguarded (`false`).
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.config().require_key = required;
+        self
+    }
+
+    /// The longest key accepted, in characters (default 255).
+    pub fn max_key_len(mut self, len: usize) -> Self {
+        self.config().max_key_len = len;
+        self
+    }
+
+    /// The largest request body the layer buffers (default 1 MiB); larger ones get
+    /// [`Problem::RequestTooLarge`] and nothing is claimed.
+    pub fn max_request_body(mut self, bytes: usize) -> Self {
+        self.config().max_request_body = bytes;
+        self
+    }
+
+    /// The largest response body kept for replay (default 256 KiB); see the
+    /// [module documentation](self#what-is-stored) for larger ones. Keep it within the
+    /// store's [`max_result_size`](crate::Store::max_result_size).
+    pub fn max_stored_body(mut self, bytes: usize) -> Self {
+        self.config().max_stored_body = bytes;
+        self
+    }
+
+    /// Which statuses are stored and which release the key, in place of
+    /// [`Storage::default_for`].
+    pub fn storage(mut self, storage: fn(StatusCode) -> Storage) -> Self {
+        self.config().storage = storage;
+        self
+    }
+
+    /// Edits the headers kept for replay (after the layer removed hop-by-hop headers, `Date`,
+    /// `Content-Length` and `Set-Cookie`): remove per-response ids, tokens, anything a retry
+    /// must not see.
+    pub fn sanitize_headers(mut self, sanitize: fn(&mut HeaderMap)) -> Self {
+        self.config().sanitize = Some(sanitize);
+        self
+    }
+
+    /// The request's fingerprint, in place of the default SHA-256 of the method, path, query
+    /// and body: for example selected JSON fields, so that a client re-serialising the same
+    /// order is not a mismatch.
+    pub fn fingerprint(mut self, fingerprint: fn(&Parts, &[u8]) -> Fingerprint) -> Self {
+        self.config().fingerprint = Some(fingerprint);
+        self
+    }
+
+    /// The `Retry-After` sent with [`Problem::InFlight`] and [`Problem::StoreUnavailable`]
+    /// (default 1 second; rounded up to whole seconds).
+    pub fn retry_after(mut self, after: Duration) -> Self {
+        self.config().retry_after = after;
+        self
+    }
+
+    /// The start of every problem `type` URI; the problem's [`slug`](Problem::slug) follows.
+    /// Defaults to this module's documentation, whose headings describe each problem.
+    pub fn problem_base(mut self, base: impl Into<String>) -> Self {
+        self.config().problem_base = base.into();
+        self
+    }
+
+    /// Requests answered so far, by outcome (shared by the layer's clones and services).
+    pub fn counts(&self) -> Counts {
+        let c = &self.config.counts;
+        Counts {
+            fresh: c.fresh.load(Ordering::Relaxed),
+            replayed: c.replayed.load(Ordering::Relaxed),
+            released: c.released.load(Ordering::Relaxed),
+            rejected: c.rejected.load(Ordering::Relaxed),
+            passed_through: c.passed_through.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Waits, at most `within`, for handlers still running (those whose clients hung up
+    /// included) to finish and store their responses; call it after the server stopped
+    /// accepting requests. Returns `false` when some were still running at the deadline.
+    pub async fn shutdown(&self, within: Duration) -> bool {
+        self.tasks.close();
+        let done = tokio::time::timeout(within, self.tasks.wait())
+            .await
+            .is_ok();
+        self.tasks.reopen();
+        done
+    }
+}
+
+impl<S> tower_layer::Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> IdempotencyService<S> {
+        IdempotencyService::new(inner, self.config.clone(), self.tasks.clone())
+    }
+}
