@@ -23,11 +23,16 @@ mod owner;
 mod watch;
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-pub(crate) use bound::{run_bound, Bound};
+pub(crate) use bound::{run_bound, Bound, BoundCall};
 pub use current::{current, Current};
 pub use handler::HandlerResult;
 pub use idempotency::Idempotency;
 pub use operation::Operation;
+#[cfg(all(
+    feature = "http",
+    any(feature = "postgres", feature = "mysql", feature = "sqlite")
+))]
+pub(crate) use operation::Outcomes;
 
 /// The type states of an [`Operation`]: with or without a business-status check
 /// ([`Operation::done`]). They appear in signatures only; nothing here is built by hand.

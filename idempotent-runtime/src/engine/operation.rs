@@ -68,6 +68,31 @@ pub(crate) struct Outcomes<R: HandlerResult> {
     on_error: Option<fn(&R::Err) -> OnError>,
 }
 
+impl<R: HandlerResult> Outcomes<R> {
+    /// Replays `Ok` values with the caller's own encoding (`encode` writes [`codec::OK`]
+    /// first).
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    pub(crate) fn replaying(
+        encode: fn(&R::Ok) -> Result<Vec<u8>, Error>,
+        decode: fn(&[u8]) -> Result<R::Ok, Error>,
+    ) -> Self {
+        Outcomes {
+            replay: Some(Codec { encode, decode }),
+            errors: None,
+            on_error: None,
+        }
+    }
+
+    /// The stored form of a successful run's value: `None` without replay.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    pub(crate) fn encode_ok(&self, value: &R::Ok) -> Result<Option<Vec<u8>>, Error> {
+        self.replay
+            .as_ref()
+            .map(|codec| (codec.encode)(value))
+            .transpose()
+    }
+}
+
 impl<R: HandlerResult> Default for Outcomes<R> {
     fn default() -> Self {
         Outcomes {

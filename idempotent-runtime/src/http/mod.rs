@@ -52,6 +52,12 @@
 //! client hangs up (a server drops the request's future), and its response is stored: the
 //! client's retry gets the replay. [`IdempotencyLayer::shutdown`] waits for those tasks.
 //!
+//! # In the business transaction
+//!
+//! On the SQL stores, [`IdempotencyLayer::in_transaction`] gives handlers an
+//! [`InTransaction`]: the claim, the handler's writes and the stored response commit in one
+//! database transaction, so the effect and its record exist together or not at all.
+//!
 //! # Problems
 //!
 //! Every answer of the layer's own is an RFC 9457 `application/problem+json` body whose `type`
@@ -90,6 +96,8 @@ mod key;
 mod problem;
 mod service;
 mod stored;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+mod transaction;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -105,6 +113,12 @@ use crate::store::Fingerprint;
 pub use body::{Body, BoxError};
 pub use problem::Problem;
 pub use service::IdempotencyService;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite")))
+)]
+pub use transaction::InTransaction;
 
 /// The response header that marks a replay.
 pub const REPLAYED: &str = "idempotent-replayed";

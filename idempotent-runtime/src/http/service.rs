@@ -97,13 +97,15 @@ where
 
 /// What the handler's run left for the request that ran it.
 #[derive(Default)]
-struct Live {
-    ran: AtomicBool,
-    response: Mutex<Option<Response<Body>>>,
+pub(crate) struct Live {
+    /// The handler started.
+    pub(crate) ran: AtomicBool,
+    /// The response for the request that ran the handler.
+    pub(crate) response: Mutex<Option<Response<Body>>>,
 }
 
 /// How a run ended, besides a stored response.
-enum Failure<E> {
+pub(crate) enum Failure<E> {
     /// The engine answered (duplicate, in flight, store down...).
     Engine(Error),
     /// The handler's response releases the key: sent as it is, not stored.
@@ -133,56 +135,15 @@ where
     RB: http_body::Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    let counts = &config.counts;
-    if !config.methods.contains(request.method()) {
-        counts.passed_through.fetch_add(1, Ordering::Relaxed);
-        return pass(inner, request).await;
-    }
-    let client_key = match key::read(request.headers(), &config.header_names, config.max_key_len) {
-        KeyHeader::Key(key) => key,
-        KeyHeader::Missing if !config.require_key => {
-            counts.passed_through.fetch_add(1, Ordering::Relaxed);
-            return pass(inner, request).await;
-        }
-        KeyHeader::Missing => {
-            let detail = format!(
-                "{} requests need an {} header",
-                request.method(),
-                config
-                    .header_names
-                    .first()
-                    .map_or("Idempotency-Key", |n| n.as_str())
-            );
-            return Ok(reject(&config, Problem::MissingKey, &detail));
-        }
-        KeyHeader::Invalid(why) => return Ok(reject(&config, Problem::InvalidKey, &why)),
-    };
-    let (parts, body) = request.into_parts();
-    let Some(scope) = (config.scope)(&parts) else {
-        let detail = "the request has no caller to scope its idempotency key to";
-        return Ok(reject(&config, Problem::MissingScope, detail));
-    };
-    let bytes = match read_request(&parts, body, config.max_request_body).await {
-        Ok(bytes) => bytes,
-        Err((problem, detail)) => return Ok(reject(&config, problem, &detail)),
-    };
-    let fingerprint = match config.fingerprint {
-        Some(custom) => custom(&parts, &bytes),
-        None => fingerprint(&parts, &bytes),
-    };
-    let scope = hex(&Sha256::digest(scope.as_bytes())[..16]);
-    let key = match Key::new(
-        &config.prefix,
-        1,
-        &[
-            &scope,
-            &parts.method.as_str(),
-            &parts.uri.path(),
-            &client_key,
-        ],
-    ) {
-        Ok(key) => key,
-        Err(err) => return Ok(reject(&config, Problem::Internal, &err.to_string())),
+    let Prepared {
+        parts,
+        bytes,
+        key,
+        fingerprint,
+    } = match prepare(&config, request, true).await {
+        Guarded::Run(prepared) => prepared,
+        Guarded::Pass(request) => return pass(inner, request).await,
+        Guarded::Answer(response) => return Ok(response),
     };
     let request = Request::from_parts(parts, B::from(bytes));
     let live = Arc::new(Live::default());
@@ -210,6 +171,92 @@ where
         },
     };
     answer(&config, outcome, &live)
+}
+
+/// A guarded request, read and keyed, before anything is claimed.
+pub(crate) struct Prepared {
+    pub(crate) parts: Parts,
+    pub(crate) bytes: Bytes,
+    pub(crate) key: Key,
+    pub(crate) fingerprint: Fingerprint,
+}
+
+/// What becomes of a request before anything is claimed.
+pub(crate) enum Guarded<B> {
+    /// Not guarded: its method, or no key where none is required.
+    Pass(Request<B>),
+    /// Refused with a problem.
+    Answer(Response<Body>),
+    /// To run under its key.
+    Run(Prepared),
+}
+
+/// Reads the key, the scope and the body of `request` (only for the layer's methods when
+/// `by_method`), and builds its key and fingerprint.
+pub(crate) async fn prepare<B>(config: &Config, request: Request<B>, by_method: bool) -> Guarded<B>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let counts = &config.counts;
+    if by_method && !config.methods.contains(request.method()) {
+        counts.passed_through.fetch_add(1, Ordering::Relaxed);
+        return Guarded::Pass(request);
+    }
+    let client_key = match key::read(request.headers(), &config.header_names, config.max_key_len) {
+        KeyHeader::Key(key) => key,
+        KeyHeader::Missing if !config.require_key => {
+            counts.passed_through.fetch_add(1, Ordering::Relaxed);
+            return Guarded::Pass(request);
+        }
+        KeyHeader::Missing => {
+            let detail = format!(
+                "{} requests need an {} header",
+                request.method(),
+                config
+                    .header_names
+                    .first()
+                    .map_or("Idempotency-Key", |n| n.as_str())
+            );
+            return Guarded::Answer(reject(config, Problem::MissingKey, &detail));
+        }
+        KeyHeader::Invalid(why) => {
+            return Guarded::Answer(reject(config, Problem::InvalidKey, &why))
+        }
+    };
+    let (parts, body) = request.into_parts();
+    let Some(scope) = (config.scope)(&parts) else {
+        let detail = "the request has no caller to scope its idempotency key to";
+        return Guarded::Answer(reject(config, Problem::MissingScope, detail));
+    };
+    let bytes = match read_request(&parts, body, config.max_request_body).await {
+        Ok(bytes) => bytes,
+        Err((problem, detail)) => return Guarded::Answer(reject(config, problem, &detail)),
+    };
+    let fingerprint = match config.fingerprint {
+        Some(custom) => custom(&parts, &bytes),
+        None => fingerprint(&parts, &bytes),
+    };
+    let scope = hex(&Sha256::digest(scope.as_bytes())[..16]);
+    let key = Key::new(
+        &config.prefix,
+        1,
+        &[
+            &scope,
+            &parts.method.as_str(),
+            &parts.uri.path(),
+            &client_key,
+        ],
+    );
+    match key {
+        Ok(key) => Guarded::Run(Prepared {
+            parts,
+            bytes,
+            key,
+            fingerprint,
+        }),
+        Err(err) => Guarded::Answer(reject(config, Problem::Internal, &err.to_string())),
+    }
 }
 
 /// An unguarded request: the inner service's answer, body boxed.
@@ -299,25 +346,39 @@ where
         .run(async {
             live.ran.store(true, Ordering::Relaxed);
             let response = inner.call(request).await.map_err(Failure::Service)?;
-            let (parts, body) = response.into_parts();
-            if (config.storage)(parts.status) == Storage::Release {
-                return Err(Failure::Released(Response::from_parts(
-                    parts,
-                    Body::stream(body),
-                )));
-            }
-            let headers = storable(&parts.headers, config.sanitize);
-            let status = parts.status;
-            let (kept, body) = read_response(body, config.max_stored_body).await;
-            *live.response.lock().unwrap_or_else(PoisonError::into_inner) =
-                Some(Response::from_parts(parts, body));
-            Ok(Stored {
-                status,
-                headers,
-                body: kept,
-            })
+            capture(&config, response, &live).await
         })
         .await
+}
+
+/// The stored form of the handler's `response`, its body read up to the limit; the response
+/// to send is left in `live`. A response that releases the key is the failure sent as it is.
+pub(crate) async fn capture<RB, E>(
+    config: &Config,
+    response: Response<RB>,
+    live: &Live,
+) -> Result<Stored, Failure<E>>
+where
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let (parts, body) = response.into_parts();
+    if (config.storage)(parts.status) == Storage::Release {
+        return Err(Failure::Released(Response::from_parts(
+            parts,
+            Body::stream(body),
+        )));
+    }
+    let headers = storable(&parts.headers, config.sanitize);
+    let status = parts.status;
+    let (kept, body) = read_response(body, config.max_stored_body).await;
+    *live.response.lock().unwrap_or_else(PoisonError::into_inner) =
+        Some(Response::from_parts(parts, body));
+    Ok(Stored {
+        status,
+        headers,
+        body: kept,
+    })
 }
 
 /// The response body whole when it is at most `max` bytes of data (then also the body to
@@ -368,7 +429,7 @@ where
 }
 
 /// The response to send for a run's outcome.
-fn answer<E>(
+pub(crate) fn answer<E>(
     config: &Config,
     outcome: Result<Stored, Failure<E>>,
     live: &Live,
@@ -474,7 +535,7 @@ fn engine_problem(config: &Config, err: &Error) -> Response<Body> {
 }
 
 /// A problem response, counted.
-fn reject(config: &Config, problem: Problem, detail: &str) -> Response<Body> {
+pub(crate) fn reject(config: &Config, problem: Problem, detail: &str) -> Response<Body> {
     config.counts.rejected.fetch_add(1, Ordering::Relaxed);
     let retry_after = matches!(problem, Problem::InFlight | Problem::StoreUnavailable)
         .then_some(config.retry_after);

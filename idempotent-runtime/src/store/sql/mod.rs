@@ -163,7 +163,7 @@ mod purge;
 mod record;
 mod store;
 mod table;
-mod tx;
+pub(crate) mod tx;
 
 #[cfg(feature = "mysql")]
 mod mysql;

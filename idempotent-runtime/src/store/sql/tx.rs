@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sqlx::Transaction;
 
-use crate::engine::{run_bound, Bound};
+use crate::engine::{run_bound, Bound, BoundCall};
 use crate::error::{Error, StoreError};
 use crate::key::Key;
 use crate::store::{Claim, ClaimRequest, Completion, Token};
@@ -123,14 +123,19 @@ impl<DB: Dialect> SqlStore<DB> {
     where
         E: From<Error>,
     {
-        run_bound(&mut InTx { store: self, tx }, key, ttl, body).await
+        run_bound(
+            &mut InTx { store: self, tx },
+            BoundCall::new(key, ttl),
+            body,
+        )
+        .await
     }
 }
 
 /// A store and the caller's transaction: where [`run_bound`] makes its calls.
-struct InTx<'s, 't, 'c, DB: Dialect> {
-    store: &'s SqlStore<DB>,
-    tx: &'t mut Transaction<'c, DB>,
+pub(crate) struct InTx<'s, 't, 'c, DB: Dialect> {
+    pub(crate) store: &'s SqlStore<DB>,
+    pub(crate) tx: &'t mut Transaction<'c, DB>,
 }
 
 impl<DB: Dialect> Bound for InTx<'_, '_, '_, DB> {

@@ -1,0 +1,189 @@
+//! [`InTransaction`]: the claim, the handler's business writes and the stored response
+//! committed in one database transaction.
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Request, Response};
+
+use crate::codec;
+use crate::engine::{run_bound, BoundCall, Outcomes};
+use crate::http::body::{Body, BoxError};
+use crate::http::service::{answer, capture, prepare, reject, Failure, Guarded, Live, Prepared};
+use crate::http::stored::Stored;
+use crate::http::{Config, IdempotencyLayer, Problem};
+use crate::store::sql::tx::InTx;
+use crate::store::sql::{Dialect, SqlStore};
+
+/// Idempotent handlers whose idempotency record commits **in the same database transaction**
+/// as their business writes: built by [`IdempotencyLayer::in_transaction`], with the layer's
+/// settings (header names, scope, limits, storage rules, problems, counters).
+///
+/// [`run`](InTransaction::run) begins a transaction on the store's pool, claims the key in it,
+/// runs the handler on the transaction's connection, stores its response in it and commits:
+/// the order row and the response that announces it exist together or not at all. There is
+/// no window in which the effect is committed but the key is not, and no lease to run out:
+///
+/// - a duplicate that arrives while the first transaction is open waits on the record's row
+///   lock and, once it commits, gets the response replayed (or runs, after a rollback);
+/// - a handler whose response releases the key ([`Storage::Release`](crate::http::Storage))
+///   rolls the whole transaction back, its writes included;
+/// - a crash, a dropped future (the client hung up) or a failed commit rolls everything
+///   back, so the retry runs the handler as if it were the first.
+///
+/// Use it on routes *without* the layer (the layer would claim the key a second time, on
+/// its own connection).
+///
+/// ```no_run
+/// use std::{sync::Arc, time::Duration};
+/// use axum::{body::Body, extract::{Request, State}, response::Response, routing::post, Router};
+/// use idempotent_runtime::http::{IdempotencyLayer, InTransaction};
+/// use idempotent_runtime::sql::{sqlx, PostgresStore};
+/// use idempotent_runtime::Idempotency;
+///
+/// async fn create_order(
+///     State(orders): State<Arc<InTransaction<sqlx::Postgres>>>,
+///     request: Request,
+/// ) -> Response<idempotent_runtime::http::Body> {
+///     orders
+///         .run(request, async |conn, _parts, body| {
+///             let id: i64 = sqlx::query_scalar("INSERT INTO orders (item) VALUES ($1) RETURNING id")
+///                 .bind(String::from_utf8_lossy(&body).into_owned())
+///                 .fetch_one(&mut *conn)
+///                 .await
+///                 .unwrap_or(-1);
+///             Response::builder().status(201).body(Body::from(format!("{id}"))).unwrap_or_default()
+///         })
+///         .await
+/// }
+///
+/// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = Arc::new(PostgresStore::connect("postgres://app@db/shop").await?);
+/// let layer = IdempotencyLayer::new(
+///     Idempotency::new(Duration::from_secs(86_400)),
+///     |request: &http::request::Parts| Some(request.headers.get("x-api-key")?.to_str().ok()?.to_owned()),
+/// );
+/// let orders = Arc::new(layer.in_transaction(store));
+/// let app: Router = Router::new().route("/orders", post(create_order)).with_state(orders);
+/// # Ok(()) }
+/// ```
+pub struct InTransaction<DB: Dialect> {
+    config: Arc<Config>,
+    store: Arc<SqlStore<DB>>,
+}
+
+impl<DB: Dialect> std::fmt::Debug for InTransaction<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InTransaction")
+            .field("prefix", &self.config.prefix)
+            .field("table", &self.store.table())
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayer {
+    /// Handlers whose claim, business writes and stored response commit in one transaction of
+    /// `store`: see [`InTransaction`]. The ttl is the layer's; its store, lease and in-progress
+    /// policy do not apply (the row lock orders concurrent requests).
+    pub fn in_transaction<DB: Dialect>(&self, store: Arc<SqlStore<DB>>) -> InTransaction<DB> {
+        InTransaction {
+            config: self.config.clone(),
+            store,
+        }
+    }
+}
+
+impl<DB: Dialect> InTransaction<DB> {
+    /// Answers `request`: its key read and scoped as the layer does, then `handler` run on a
+    /// transaction's connection with the request's head and body, its response stored and
+    /// the transaction committed; or the stored response replayed; or a problem. Requests
+    /// without a key (where the layer does not require one) run in a transaction too,
+    /// without a record.
+    pub async fn run<B, RB>(
+        &self,
+        request: Request<B>,
+        handler: impl AsyncFnOnce(&mut DB::Connection, Parts, Bytes) -> Response<RB>,
+    ) -> Response<Body>
+    where
+        B: http_body::Body<Data = Bytes>,
+        B::Error: Into<BoxError>,
+        RB: http_body::Body<Data = Bytes> + Send + 'static,
+        RB::Error: Into<BoxError>,
+    {
+        let config = &*self.config;
+        let unavailable = |err: &dyn std::fmt::Display| {
+            let detail = format!("the database did not answer ({err}); nothing was done");
+            reject(config, Problem::StoreUnavailable, &detail)
+        };
+        let prepared = match prepare(config, request, false).await {
+            Guarded::Run(prepared) => prepared,
+            Guarded::Answer(response) => return response,
+            Guarded::Pass(request) => {
+                // No key: the handler in a transaction of its own, nothing recorded.
+                let (parts, body) = request.into_parts();
+                let Ok(collected) = http_body_util::BodyExt::collect(body).await else {
+                    return reject(config, Problem::InvalidBody, "the body could not be read");
+                };
+                let mut tx = match self.store.pool().begin().await {
+                    Ok(tx) => tx,
+                    Err(err) => return unavailable(&err),
+                };
+                let response = handler(&mut *tx, parts, collected.to_bytes()).await;
+                return match tx.commit().await {
+                    Ok(()) => response.map(Body::stream),
+                    Err(err) => unavailable(&err),
+                };
+            }
+        };
+        let Prepared {
+            parts,
+            bytes,
+            key,
+            fingerprint,
+        } = prepared;
+        let mut tx = match self.store.pool().begin().await {
+            Ok(tx) => tx,
+            Err(err) => return unavailable(&err),
+        };
+        let live = Live::default();
+        let call = BoundCall {
+            key,
+            ttl: config.idempotency.ttl(),
+            fingerprint: Some(fingerprint),
+            outcomes: Outcomes::replaying(
+                |stored: &Stored| stored.encode(codec::OK),
+                Stored::decode,
+            ),
+        };
+        let outcome: Result<Stored, Failure<Infallible>> = run_bound(
+            &mut InTx {
+                store: &self.store,
+                tx: &mut tx,
+            },
+            call,
+            async |conn| {
+                live.ran.store(true, Ordering::Relaxed);
+                let response = handler(conn, parts, bytes).await;
+                capture(config, response, &live).await
+            },
+        )
+        .await;
+        let fresh = live.ran.load(Ordering::Relaxed);
+        let done = match &outcome {
+            // A run whose response is stored: the effect and the record commit together.
+            Ok(_) if fresh => tx.commit().await,
+            // A replay, a released key, a problem: nothing of this request is kept.
+            _ => tx.rollback().await,
+        };
+        match (done, fresh, &outcome) {
+            (Err(err), true, Ok(_)) => unavailable(&err),
+            _ => match answer(config, outcome, &live) {
+                Ok(response) => response,
+                Err(never) => match never {},
+            },
+        }
+    }
+}
