@@ -12,7 +12,9 @@ mod redis_server;
 #[path = "support/sql_tables.rs"]
 mod sql_tables;
 
+use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,11 +27,15 @@ use axum::Router;
 use idempotency::http::{IdempotencyLayer, Replayed};
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
-use idempotency::{Idempotency, MemoryStore, SharedStore, Token};
+use idempotency::{
+    BoxFuture, Claim, ClaimRequest, Completion, Idempotency, InProgress, Key, MemoryStore, Record,
+    SharedStore, StoreError, Token,
+};
 use proxy::Proxy;
 use redis_server::{connect, delete_matching, redis_url};
 use sql_tables::{Scratch, Server};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio::time::Instant;
 
 /// The stores every scenario runs on.
 #[derive(Debug, Clone, Copy)]
@@ -102,6 +108,8 @@ async fn store(backend: Backend) -> Store {
 #[derive(Default)]
 struct Effects {
     runs: AtomicUsize,
+    /// `/slow` says here that it reached its gate.
+    at_gate: Notify,
     /// `/slow` waits here until the test lets it finish.
     gate: Notify,
     /// `/slow` says here that it finished.
@@ -163,6 +171,7 @@ async fn big_located(State(effects): State<Arc<Effects>>) -> impl IntoResponse {
 }
 
 async fn slow(State(effects): State<Arc<Effects>>) -> impl IntoResponse {
+    effects.at_gate.notify_one();
     effects.gate.notified().await;
     let n = effects.runs.fetch_add(1, Ordering::SeqCst) + 1;
     effects.finished.notify_one();
@@ -174,7 +183,17 @@ struct Running {
     layer: IdempotencyLayer,
     effects: Arc<Effects>,
     client: reqwest::Client,
-    _store: Store,
+    store: Store,
+}
+
+/// The caller of a request: its `x-tenant` header.
+fn tenant(request: &http::request::Parts) -> Option<String> {
+    request
+        .headers
+        .get("x-tenant")?
+        .to_str()
+        .ok()
+        .map(str::to_owned)
 }
 
 /// A server on 127.0.0.1 behind the layer (scoped by the `x-tenant` header), and a client.
@@ -182,21 +201,23 @@ async fn start(
     backend: Backend,
     configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
 ) -> Running {
+    start_with(backend, |idempotency, _| idempotency, configure).await
+}
+
+/// [`start`], with `settings` applied to the engine's settings (given the scenario's store).
+async fn start_with(
+    backend: Backend,
+    settings: impl FnOnce(Idempotency, &SharedStore) -> Idempotency,
+    configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+) -> Running {
     let store = store(backend).await;
-    let idempotency = Idempotency::new(Duration::from_secs(3600))
-        .lease(Duration::from_secs(10))
-        .store(store.store.clone());
-    let layer = configure(
-        IdempotencyLayer::new(idempotency, |request: &http::request::Parts| {
-            request
-                .headers
-                .get("x-tenant")?
-                .to_str()
-                .ok()
-                .map(str::to_owned)
-        })
-        .prefix(store.prefix.clone()),
+    let idempotency = settings(
+        Idempotency::new(Duration::from_secs(3600))
+            .lease(Duration::from_secs(10))
+            .store(store.store.clone()),
+        &store.store,
     );
+    let layer = configure(IdempotencyLayer::new(idempotency, tenant).prefix(store.prefix.clone()));
     let effects = Arc::new(Effects::default());
     let replays = Arc::new(AtomicUsize::new(0));
     let seen = replays.clone();
@@ -222,7 +243,7 @@ async fn start(
         layer,
         effects,
         client: reqwest::Client::new(),
-        _store: store,
+        store,
     }
 }
 
@@ -672,4 +693,296 @@ async fn a_store_outage_is_503_and_runs_nothing() {
     assert_eq!(answer.headers["retry-after"], "1");
     assert_eq!(runs.load(Ordering::SeqCst), 0);
     assert!(proxy.cut() > 0);
+}
+
+/// The real store of a scenario, saying on `busy` each time it answers a claim with
+/// `InProgress`: the moment a duplicate learned that the first request is running.
+struct Watched {
+    inner: SharedStore,
+    busy: Arc<Notify>,
+}
+
+impl idempotency::Store for Watched {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(async move {
+            let claim = self.inner.claim(req).await;
+            if matches!(claim, Ok(Claim::InProgress { .. })) {
+                self.busy.notify_one();
+            }
+            claim
+        })
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.complete(key, token, completion)
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.release(key, token)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.renew(key, token, lease)
+    }
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.inner.read(key)
+    }
+    fn max_result_size(&self) -> usize {
+        self.inner.max_result_size()
+    }
+}
+
+/// With `InProgress::Wait`, a duplicate sent while the first request's handler runs is not
+/// refused with `409`: it waits, and once the first completed it gets the first response
+/// replayed. The handler runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_in_flight_waits_for_the_first_response_with_wait_policy() {
+    for backend in BACKENDS {
+        let busy = Arc::new(Notify::new());
+        let seen = busy.clone();
+        let server = start_with(
+            backend,
+            move |idempotency, store| {
+                idempotency
+                    .on_in_progress(InProgress::Wait(Duration::from_secs(5)))
+                    .store(Arc::new(Watched {
+                        inner: store.clone(),
+                        busy: seen,
+                    }))
+            },
+            |layer| layer,
+        )
+        .await;
+        let first = tokio::spawn(send(server.post("/slow", "a", Some("k"))));
+        server.effects.at_gate.notified().await;
+        let duplicate = tokio::spawn(send(server.post("/slow", "a", Some("k"))));
+        // The store told the duplicate that the first request is in flight: it is waiting.
+        tokio::time::timeout(Duration::from_secs(10), busy.notified())
+            .await
+            .expect("the duplicate's claim never met the first request's");
+        assert!(!duplicate.is_finished(), "{backend:?}");
+        assert_eq!(server.layer.counts().rejected, 0, "{backend:?}");
+        server.effects.gate.notify_one();
+        let first = first.await.unwrap();
+        let duplicate = duplicate.await.unwrap();
+        assert_eq!(first.status, StatusCode::CREATED, "{backend:?}");
+        assert!(!first.replayed());
+        assert_eq!(
+            duplicate.status,
+            StatusCode::CREATED,
+            "{backend:?}: {}",
+            String::from_utf8_lossy(&duplicate.body)
+        );
+        assert!(duplicate.replayed(), "{backend:?}");
+        assert_eq!(duplicate.body, first.body);
+        assert_eq!(first.body, b"slow 1");
+        assert_eq!(server.runs(), 1, "{backend:?}");
+        let counts = server.layer.counts();
+        assert_eq!(
+            (counts.fresh, counts.replayed, counts.rejected),
+            (1, 1, 0),
+            "{backend:?}"
+        );
+    }
+}
+
+/// The lease of [`killed_server_child`]'s engine and of the server that takes over from it.
+const CHILD_LEASE: Duration = Duration::from_secs(1);
+/// What [`killed_server_child`] prints once it listens, before its address.
+const LISTENING: &str = "killed-server-child listening on ";
+/// What [`killed_server_child`]'s handler prints when it starts.
+const HANDLER_STARTED: &str = "killed-server-child handler started";
+
+/// This test binary re-run as a child process running one `#[ignore]`d test that serves
+/// HTTP; its stdout lines come through `lines`. SIGKILLed on drop.
+struct ChildServer {
+    child: Child,
+    /// Kept open: the child exits when it closes (this process died first).
+    _stdin: ChildStdin,
+    lines: mpsc::UnboundedReceiver<String>,
+    base: String,
+}
+
+impl ChildServer {
+    /// Starts `test` with `env` and waits until it listens.
+    async fn spawn(test: &str, env: &[(&str, &str)]) -> ChildServer {
+        let exe = std::env::current_exe().expect("no path to the test binary");
+        let mut command = Command::new(exe);
+        command
+            .args([
+                test,
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut child = command
+            .spawn()
+            .expect("cannot re-run the test binary as a server");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::unbounded_channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut server = ChildServer {
+            child,
+            _stdin: stdin,
+            lines,
+            base: String::new(),
+        };
+        let addr = server.wait_for(LISTENING).await;
+        server.base = format!("http://{addr}");
+        server
+    }
+
+    /// Waits (30 s at most) until the child prints `marker`; returns the rest of its line.
+    async fn wait_for(&mut self, marker: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let line = tokio::time::timeout_at(deadline, self.lines.recv())
+                .await
+                .unwrap_or_else(|_| panic!("the child did not print {marker:?} within 30 s"))
+                .unwrap_or_else(|| panic!("the child exited before printing {marker:?}"));
+            // libtest may have printed the test's name on the same line.
+            if let Some((_, rest)) = line.split_once(marker) {
+                return rest.trim().to_owned();
+            }
+        }
+    }
+
+    /// SIGKILL; returns how the process ended.
+    fn kill(&mut self) -> std::process::ExitStatus {
+        let _ = self.child.kill();
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for ChildServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A server SIGKILLed while its handler runs leaves the key claimed until the lease runs
+/// out: a retry meanwhile (to another server on the same Redis) is `409 in-flight`; then a
+/// retry runs the handler and gets a fresh `201`, which later retries get replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_mid_request_lets_the_retry_run_after_the_lease() {
+    use std::os::unix::process::ExitStatusExt;
+
+    let server = start_with(
+        Backend::Redis,
+        |idempotency, _| idempotency.lease(CHILD_LEASE),
+        |layer| layer,
+    )
+    .await;
+    let mut child = ChildServer::spawn(
+        "killed_server_child",
+        &[("HTTP_CHILD_PREFIX", &server.store.prefix)],
+    )
+    .await;
+    let first = tokio::spawn(
+        server
+            .client
+            .post(format!("{}/orders", child.base))
+            .header("x-tenant", "a")
+            .header("idempotency-key", "k")
+            .body("pizza")
+            .send(),
+    );
+    child.wait_for(HANDLER_STARTED).await;
+    assert_eq!(child.kill().signal(), Some(9));
+    let lost = first.await.unwrap();
+    assert!(lost.is_err(), "the killed server answered: {lost:?}");
+
+    // The dead server's lease is still live.
+    let busy = send(server.post("/orders", "a", Some("k")).body("pizza")).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert_eq!(busy.problem(), "in-flight");
+    assert_eq!(server.runs(), 0);
+
+    // Once it ran out, the retry runs the handler.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let retry = loop {
+        let answer = send(server.post("/orders", "a", Some("k")).body("pizza")).await;
+        if answer.status == StatusCode::CREATED {
+            break answer;
+        }
+        assert_eq!(answer.problem(), "in-flight");
+        assert!(
+            Instant::now() < deadline,
+            "the key was still in flight 10 s after its server was killed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(!retry.replayed());
+    assert_eq!(retry.headers["location"], "/orders/1");
+    assert_eq!(server.runs(), 1);
+    let again = send(server.post("/orders", "a", Some("k")).body("pizza")).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(again.replayed());
+    assert_eq!(again.body, retry.body);
+    assert_eq!(server.runs(), 1);
+    let counts = server.layer.counts();
+    assert_eq!((counts.fresh, counts.replayed), (1, 1));
+}
+
+/// The server of [`a_server_killed_mid_request_lets_the_retry_run_after_the_lease`]: a child
+/// process (this test binary re-run) on the shared Redis, whose `POST /orders` handler says
+/// it started and never finishes, so it is always killed mid-request. Does nothing when run
+/// without the parent's environment.
+#[test]
+#[ignore = "a child process of a_server_killed_mid_request_lets_the_retry_run_after_the_lease"]
+fn killed_server_child() {
+    let Ok(prefix) = std::env::var("HTTP_CHILD_PREFIX") else {
+        return;
+    };
+    // Gone with the parent, whatever ended it: the parent's end of stdin closes.
+    std::thread::spawn(|| {
+        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        std::process::exit(1);
+    });
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let idempotency = Idempotency::new(Duration::from_secs(3600))
+            .lease(CHILD_LEASE)
+            .store(Arc::new(connect(&redis_url()).await));
+        let router = Router::new()
+            .route(
+                "/orders",
+                post(|| async {
+                    println!("{HANDLER_STARTED}");
+                    std::future::pending::<StatusCode>().await
+                }),
+            )
+            .layer(IdempotencyLayer::new(idempotency, tenant).prefix(prefix));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        println!("{LISTENING}{}", listener.local_addr().unwrap());
+        axum::serve(listener, router).await.unwrap();
+    });
 }
