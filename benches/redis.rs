@@ -40,6 +40,8 @@
 // A measurement program: failing loudly on a broken setup is the right behaviour.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/redis_info.rs"]
+mod redis_info;
 #[path = "support/stats.rs"]
 mod stats;
 
@@ -52,6 +54,7 @@ use std::time::{Duration, Instant};
 use idempotency::{idempotent, Idempotency, Key, RedisStore};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Script, Value};
+use redis_info::{client_cpu, info_field, server_cpu};
 use serde::{Deserialize, Serialize};
 use stats::{figure, median, per_s, percentile};
 
@@ -525,44 +528,6 @@ impl Bench {
         );
         Ok(per_record)
     }
-}
-
-/// The number after `prefix` in an `INFO` section (up to a `,` or the end of the line).
-async fn info_field<T: std::str::FromStr + Default>(
-    conn: &mut ConnectionManager,
-    section: &str,
-    prefix: &str,
-) -> Result<T, BoxError>
-where
-    T::Err: std::error::Error + Send + Sync + 'static,
-{
-    let info: String = redis::cmd("INFO").arg(section).query_async(conn).await?;
-    let value = info
-        .lines()
-        .find_map(|line| line.strip_prefix(prefix))
-        .map(|rest| rest.split([',', '\r']).next().unwrap_or_default().trim());
-    match value {
-        Some(n) => Ok(n.parse()?),
-        None => Ok(T::default()),
-    }
-}
-
-/// CPU seconds the server has used (all its threads), from `INFO cpu`.
-async fn server_cpu(conn: &mut ConnectionManager) -> Result<f64, BoxError> {
-    let user: f64 = info_field(conn, "cpu", "used_cpu_user:").await?;
-    let sys: f64 = info_field(conn, "cpu", "used_cpu_sys:").await?;
-    Ok(user + sys)
-}
-
-/// CPU seconds this process's live threads have used, from `/proc/self/task/*/schedstat`
-/// (Linux); `None` elsewhere.
-fn client_cpu() -> Option<f64> {
-    let mut nanos = 0u64;
-    for task in std::fs::read_dir("/proc/self/task").ok()? {
-        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
-        nanos += stat.split_whitespace().next()?.parse::<u64>().ok()?;
-    }
-    Some(nanos as f64 / 1e9)
 }
 
 /// How many `EVALSHA` calls the server has counted since its start or `CONFIG RESETSTAT`.

@@ -1,0 +1,346 @@
+//! The HTTP layer against a handler that guards itself by hand, over real HTTP.
+//!
+//! Two axum servers on 127.0.0.1 in this process, one Redis server, one HTTP/1.1 client with
+//! keep-alive (reqwest) driving 50 connections:
+//!
+//! - **bare**: the handler does what the seed article does by hand: `SET key token NX PX`
+//!   before the work (a taken key answers `409`), then a Lua compare-and-set that stores the
+//!   response body under the key if the token is still the owner's. The key is the
+//!   `Idempotency-Key` header under a prefix.
+//! - **layer**: the same handler without any of that, behind `http::IdempotencyLayer` on a
+//!   `RedisStore` (one `EVALSHA` to claim, one to complete with the stored response).
+//!
+//! Both sides make two Redis round trips per request and answer `201` with the same small
+//! JSON body. Every request carries a fresh key (every request is a first run). After a
+//! warm-up pass of each, bare and layer passes alternate (5 rounds); the median of each side
+//! is kept. Latency is per request, over all requests of the measured passes.
+//!
+//! Needs a Redis server this benchmark may write to, at `IDEMPOTENT_REDIS_URL` (default
+//! `redis://127.0.0.1:6379`); every key carries a tag unique to the run, expires after an
+//! hour, and is deleted before the run ends. Run it with:
+//!
+//! ```text
+//! cargo bench --bench http --features redis,http
+//! ```
+//!
+//! The last lines are the figures: `http_bare_rps`, `http_layer_rps`, `http_ratio` (layer over
+//! bare), `http_bare_p50_ms`, `http_bare_p99_ms`, `http_layer_p50_ms`, `http_layer_p99_ms`,
+//! and the CPU time per request (median over passes) of this process (client and servers:
+//! `http_*_process_cpu_us`) and of Redis (`http_*_redis_cpu_us`), which machine noise
+//! disturbs less than the throughput.
+
+// A measurement program: failing loudly on a broken setup is the right behaviour.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "support/redis_info.rs"]
+mod redis_info;
+#[path = "support/stats.rs"]
+mod stats;
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::Router;
+use idempotency::http::IdempotencyLayer;
+use idempotency::{Idempotency, RedisStore};
+use redis::aio::ConnectionManager;
+use redis::Script;
+use redis_info::{client_cpu, server_cpu};
+use stats::{figure, median, per_s, percentile};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const CONNECTIONS: usize = 50;
+const REQUESTS: usize = 4_000;
+const ROUNDS: usize = 5;
+const TTL_MS: u64 = 3_600_000;
+const LEASE_MS: u64 = 30_000;
+
+/// The seed's completion: store the result only while the token still owns the key.
+const COMPLETE: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+";
+
+static ORDERS: AtomicU64 = AtomicU64::new(0);
+
+/// The work both handlers do: number an order.
+fn order_body() -> String {
+    format!("{{\"order\":{}}}", ORDERS.fetch_add(1, Ordering::Relaxed))
+}
+
+/// The layer's handler: the work only.
+async fn create_order() -> impl IntoResponse {
+    (StatusCode::CREATED, order_body())
+}
+
+#[derive(Clone)]
+struct Bare {
+    conn: ConnectionManager,
+    complete: Arc<Script>,
+    prefix: String,
+}
+
+/// The handler guarding itself the seed's way.
+async fn create_order_bare(
+    State(bare): State<Bare>,
+    headers: HeaderMap,
+) -> axum::response::Response {
+    let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()) else {
+        return StatusCode::BAD_REQUEST.into_response();
+    };
+    let key = format!("{}:{key}", bare.prefix);
+    let token = format!("{:032x}", rand_u128());
+    let mut conn = bare.conn.clone();
+    let claimed: Option<String> = match redis::cmd("SET")
+        .arg(&key)
+        .arg(&token)
+        .arg("NX")
+        .arg("PX")
+        .arg(LEASE_MS)
+        .query_async(&mut conn)
+        .await
+    {
+        Ok(claimed) => claimed,
+        Err(_) => return StatusCode::SERVICE_UNAVAILABLE.into_response(),
+    };
+    if claimed.is_none() {
+        return StatusCode::CONFLICT.into_response();
+    }
+    let body = order_body();
+    let stored: Result<i64, _> = bare
+        .complete
+        .key(&key)
+        .arg(&token)
+        .arg(format!("201:{body}"))
+        .arg(TTL_MS)
+        .invoke_async(&mut conn)
+        .await;
+    if stored.is_err() {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+    (StatusCode::CREATED, body).into_response()
+}
+
+fn rand_u128() -> u128 {
+    use std::hash::{BuildHasher, RandomState};
+    let state = RandomState::new();
+    (u128::from(state.hash_one(1u8)) << 64) | u128::from(state.hash_one(2u8))
+}
+
+async fn serve(router: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/orders", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    url
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Side {
+    Bare,
+    Layer,
+}
+
+/// One pass: `REQUESTS` requests with fresh keys over `CONNECTIONS` concurrent clients.
+/// Requests per second, and each request's latency in milliseconds.
+async fn pass(client: &reqwest::Client, url: &str, tag: &str) -> Result<(f64, Vec<f64>), BoxError> {
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..CONNECTIONS)
+        .map(|worker| {
+            let (client, url, tag) = (client.clone(), url.to_owned(), tag.to_owned());
+            tokio::spawn(async move {
+                let mut latencies = Vec::with_capacity(REQUESTS / CONNECTIONS);
+                for i in (worker..REQUESTS).step_by(CONNECTIONS) {
+                    let sent = Instant::now();
+                    let response = client
+                        .post(&url)
+                        .header("idempotency-key", format!("{tag}-{i}"))
+                        .header("x-api-key", "bench")
+                        .send()
+                        .await?;
+                    let status = response.status();
+                    response.bytes().await?;
+                    if status != reqwest::StatusCode::CREATED {
+                        return Err(format!("{url}: {status}").into());
+                    }
+                    latencies.push(sent.elapsed().as_secs_f64() * 1e3);
+                }
+                Ok::<_, BoxError>(latencies)
+            })
+        })
+        .collect();
+    let mut latencies = Vec::with_capacity(REQUESTS);
+    for task in tasks {
+        latencies.extend(task.await??);
+    }
+    Ok((per_s(REQUESTS, start.elapsed()), latencies))
+}
+
+async fn delete_matching(conn: &mut ConnectionManager, pattern: &str) -> Result<u64, BoxError> {
+    let mut removed = 0;
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        if !keys.is_empty() {
+            removed += redis::cmd("UNLINK")
+                .arg(&keys)
+                .query_async::<u64>(conn)
+                .await?;
+        }
+        if next == 0 {
+            return Ok(removed);
+        }
+        cursor = next;
+    }
+}
+
+async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
+    let client = redis::Client::open(url)?;
+    let conn = ConnectionManager::new(client).await?;
+    let store = RedisStore::connect(url).await?;
+    let bare_url = serve(
+        Router::new()
+            .route("/orders", post(create_order_bare))
+            .with_state(Bare {
+                conn: conn.clone(),
+                complete: Arc::new(Script::new(COMPLETE)),
+                prefix: format!("bench:http:bare:{run_tag}"),
+            }),
+    )
+    .await;
+    let idempotency = Idempotency::new(Duration::from_millis(TTL_MS))
+        .lease(Duration::from_millis(LEASE_MS))
+        .store(Arc::new(store));
+    let layer = IdempotencyLayer::new(idempotency, |request: &http::request::Parts| {
+        Some(request.headers.get("x-api-key")?.to_str().ok()?.to_owned())
+    })
+    .prefix(format!("bench:http:layer:{run_tag}"));
+    let layer_url = serve(
+        Router::new()
+            .route("/orders", post(create_order))
+            .layer(layer),
+    )
+    .await;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(CONNECTIONS)
+        .build()?;
+
+    // Warm-up: connections, the script caches, allocators.
+    pass(&client, &bare_url, "warm").await?;
+    pass(&client, &layer_url, "warm").await?;
+
+    let mut info = conn.clone();
+    let (mut bare, mut layer) = (Vec::new(), Vec::new());
+    // CPU microseconds per request: this process (client and server), and Redis.
+    let (mut bare_cpu, mut layer_cpu) = (Vec::new(), Vec::new());
+    let (mut bare_redis, mut layer_redis) = (Vec::new(), Vec::new());
+    let (mut bare_latency, mut layer_latency) = (Vec::new(), Vec::new());
+    for round in 0..ROUNDS {
+        let order = if round % 2 == 0 {
+            [Side::Bare, Side::Layer]
+        } else {
+            [Side::Layer, Side::Bare]
+        };
+        for side in order {
+            let tag = format!("r{round}");
+            let (url, rates, latencies, cpu, redis_cpu, name) = match side {
+                Side::Bare => (
+                    &bare_url,
+                    &mut bare,
+                    &mut bare_latency,
+                    &mut bare_cpu,
+                    &mut bare_redis,
+                    "bare",
+                ),
+                Side::Layer => (
+                    &layer_url,
+                    &mut layer,
+                    &mut layer_latency,
+                    &mut layer_cpu,
+                    &mut layer_redis,
+                    "layer",
+                ),
+            };
+            let (process_before, redis_before) = (client_cpu(), server_cpu(&mut info).await?);
+            let (rps, lat) = pass(&client, url, &tag).await?;
+            let per_request = |seconds: f64| seconds * 1e6 / REQUESTS as f64;
+            let redis_us = per_request(server_cpu(&mut info).await? - redis_before);
+            let process_us = match (process_before, client_cpu()) {
+                (Some(before), Some(after)) => per_request(after - before),
+                _ => f64::NAN,
+            };
+            println!(
+                "round {round} {name:>5}: {rps:>8.0} requests/s, cpu/request: process {process_us:.1} us, redis {redis_us:.1} us"
+            );
+            rates.push(rps);
+            latencies.extend(lat);
+            cpu.push(process_us);
+            redis_cpu.push(redis_us);
+        }
+    }
+    bare_latency.sort_by(f64::total_cmp);
+    layer_latency.sort_by(f64::total_cmp);
+    let (bare_rps, layer_rps) = (median(&bare), median(&layer));
+    figure("http_bare_rps", bare_rps, 0);
+    figure("http_layer_rps", layer_rps, 0);
+    figure("http_ratio", layer_rps / bare_rps, 3);
+    figure("http_bare_p50_ms", percentile(&bare_latency, 0.50), 2);
+    figure("http_bare_p99_ms", percentile(&bare_latency, 0.99), 2);
+    figure("http_layer_p50_ms", percentile(&layer_latency, 0.50), 2);
+    figure("http_layer_p99_ms", percentile(&layer_latency, 0.99), 2);
+    figure("http_bare_process_cpu_us", median(&bare_cpu), 1);
+    figure("http_layer_process_cpu_us", median(&layer_cpu), 1);
+    figure("http_bare_redis_cpu_us", median(&bare_redis), 1);
+    figure("http_layer_redis_cpu_us", median(&layer_redis), 1);
+    Ok(())
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() -> ExitCode {
+    let url = std::env::var("IDEMPOTENT_REDIS_URL")
+        .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string());
+    let run_tag = format!("{:08x}", rand_u128() as u32);
+    println!(
+        "http bench: {CONNECTIONS} connections, {REQUESTS} requests a pass, run tag {run_tag}"
+    );
+    let outcome = run(&url, &run_tag).await;
+    // Whatever happened, remove every key of this run.
+    if let Ok(client) = redis::Client::open(url.as_str()) {
+        if let Ok(mut conn) = ConnectionManager::new(client).await {
+            for pattern in [
+                format!("bench:http:bare:{run_tag}:*"),
+                format!("bench:http:layer:{run_tag}:*"),
+            ] {
+                if let Err(err) = delete_matching(&mut conn, &pattern).await {
+                    eprintln!("cleanup of {pattern} failed: {err}");
+                }
+            }
+        }
+    }
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!(
+                "error: {err}\n(needs a Redis server at {url}: start one with\n  \
+                 redis-server --daemonize yes\nor set IDEMPOTENT_REDIS_URL)"
+            );
+            ExitCode::FAILURE
+        }
+    }
+}

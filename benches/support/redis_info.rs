@@ -1,0 +1,45 @@
+//! What a Redis server and this process say of their work: `INFO` fields, and the CPU time
+//! each used. Included by the benches that talk to Redis with
+//! `#[path = "support/redis_info.rs"] mod redis_info;`.
+
+use redis::aio::ConnectionManager;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The number after `prefix` in an `INFO` section (up to a `,` or the end of the line).
+pub(crate) async fn info_field<T: std::str::FromStr + Default>(
+    conn: &mut ConnectionManager,
+    section: &str,
+    prefix: &str,
+) -> Result<T, BoxError>
+where
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
+    let info: String = redis::cmd("INFO").arg(section).query_async(conn).await?;
+    let value = info
+        .lines()
+        .find_map(|line| line.strip_prefix(prefix))
+        .map(|rest| rest.split([',', '\r']).next().unwrap_or_default().trim());
+    match value {
+        Some(n) => Ok(n.parse()?),
+        None => Ok(T::default()),
+    }
+}
+
+/// CPU seconds the server has used (all its threads), from `INFO cpu`.
+pub(crate) async fn server_cpu(conn: &mut ConnectionManager) -> Result<f64, BoxError> {
+    let user: f64 = info_field(conn, "cpu", "used_cpu_user:").await?;
+    let sys: f64 = info_field(conn, "cpu", "used_cpu_sys:").await?;
+    Ok(user + sys)
+}
+
+/// CPU seconds this process's live threads have used, from `/proc/self/task/*/schedstat`
+/// (Linux); `None` elsewhere.
+pub(crate) fn client_cpu() -> Option<f64> {
+    let mut nanos = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        nanos += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(nanos as f64 / 1e9)
+}
