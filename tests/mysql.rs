@@ -174,18 +174,14 @@ async fn expired_records_are_purged_in_batches() {
     sql_cases::expired_records_are_purged_in_batches::<Maria>(&store_on(&records).await).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn purger_task_purges_until_dropped() {
+/// A store on a table of its own, and the table (dropped after the store).
+async fn fresh() -> (Scratch, MySqlStore) {
     let records = Scratch::table(Server::MySql);
-    sql_cases::purger_task_purges_until_dropped::<Maria>(&store_on(&records).await).await;
+    let store = store_on(&records).await;
+    (records, store)
 }
 
-#[tokio::test]
-async fn claim_sent_again_with_its_token_is_acquired() {
-    let records = Scratch::table(Server::MySql);
-    sql_cases::claim_sent_again_with_its_token_is_acquired::<Maria>(&store_on(&records).await)
-        .await;
-}
+fresh_store_cases!(Maria, fresh);
 
 #[tokio::test]
 async fn batch_answers_as_single_claims_would() {
@@ -194,50 +190,9 @@ async fn batch_answers_as_single_claims_would() {
 }
 
 #[tokio::test]
-async fn keys_are_exact_bytes() {
-    let records = Scratch::table(Server::MySql);
-    sql_cases::keys_are_exact_bytes::<Maria>(&store_on(&records).await).await;
-}
-
-#[tokio::test]
-async fn transaction_answers_keys_as_the_engine_does() {
-    let records = Scratch::table(Server::MySql);
-    let store = Arc::new(store_on(&records).await);
-    sql_cases::transaction_answers_keys_as_the_engine_does::<Maria>(store).await;
-}
-
-#[tokio::test]
-async fn transaction_refuses_a_ttl_out_of_range() {
-    let records = Scratch::table(Server::MySql);
-    let store = store_on(&records).await;
-    sql_cases::transaction_refuses_a_ttl_out_of_range::<Maria>(&store).await;
-}
-
-#[tokio::test]
-async fn expired_record_is_claimed_again_with_a_higher_fence() {
-    let records = Scratch::table(Server::MySql);
-    sql_cases::expired_record_is_claimed_again_with_a_higher_fence::<Maria>(
-        &store_on(&records).await,
-    )
-    .await;
-}
-
-#[tokio::test]
 async fn corrupt_records_are_reported_as_corrupt() {
     let records = Scratch::table(Server::MySql);
     sql_cases::corrupt_records_are_reported_as_corrupt::<Maria>(&store_on(&records).await).await;
-}
-
-#[tokio::test]
-async fn result_refused_by_the_table_is_rejected() {
-    let records = Scratch::table(Server::MySql);
-    sql_cases::result_refused_by_the_table_is_rejected::<Maria>(&store_on(&records).await).await;
-}
-
-#[tokio::test]
-async fn longest_durations_work() {
-    let records = Scratch::table(Server::MySql);
-    sql_cases::longest_durations_work::<Maria>(&store_on(&records).await).await;
 }
 
 /// The largest result the store may take on this server: the `MEDIUMBLOB` column, and

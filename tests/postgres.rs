@@ -231,17 +231,14 @@ async fn expired_records_are_purged_in_batches() {
     sql_cases::expired_records_are_purged_in_batches::<Pg>(&store_on(&records).await).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn purger_task_purges_until_dropped() {
+/// A store on a table of its own, and the table (dropped after the store).
+async fn fresh() -> (Scratch, PostgresStore) {
     let records = Scratch::table(Server::Postgres);
-    sql_cases::purger_task_purges_until_dropped::<Pg>(&store_on(&records).await).await;
+    let store = store_on(&records).await;
+    (records, store)
 }
 
-#[tokio::test]
-async fn claim_sent_again_with_its_token_is_acquired() {
-    let records = Scratch::table(Server::Postgres);
-    sql_cases::claim_sent_again_with_its_token_is_acquired::<Pg>(&store_on(&records).await).await;
-}
+fresh_store_cases!(Pg, fresh);
 
 #[tokio::test]
 async fn batch_answers_as_single_claims_would() {
@@ -257,48 +254,9 @@ async fn batch_answers_as_single_claims_would() {
 }
 
 #[tokio::test]
-async fn keys_are_exact_bytes() {
-    let records = Scratch::table(Server::Postgres);
-    sql_cases::keys_are_exact_bytes::<Pg>(&store_on(&records).await).await;
-}
-
-#[tokio::test]
-async fn transaction_answers_keys_as_the_engine_does() {
-    let records = Scratch::table(Server::Postgres);
-    let store = Arc::new(store_on(&records).await);
-    sql_cases::transaction_answers_keys_as_the_engine_does::<Pg>(store).await;
-}
-
-#[tokio::test]
-async fn transaction_refuses_a_ttl_out_of_range() {
-    let records = Scratch::table(Server::Postgres);
-    let store = store_on(&records).await;
-    sql_cases::transaction_refuses_a_ttl_out_of_range::<Pg>(&store).await;
-}
-
-#[tokio::test]
-async fn expired_record_is_claimed_again_with_a_higher_fence() {
-    let records = Scratch::table(Server::Postgres);
-    sql_cases::expired_record_is_claimed_again_with_a_higher_fence::<Pg>(&store_on(&records).await)
-        .await;
-}
-
-#[tokio::test]
 async fn corrupt_records_are_reported_as_corrupt() {
     let records = Scratch::table(Server::Postgres);
     sql_cases::corrupt_records_are_reported_as_corrupt::<Pg>(&store_on(&records).await).await;
-}
-
-#[tokio::test]
-async fn result_refused_by_the_table_is_rejected() {
-    let records = Scratch::table(Server::Postgres);
-    sql_cases::result_refused_by_the_table_is_rejected::<Pg>(&store_on(&records).await).await;
-}
-
-#[tokio::test]
-async fn longest_durations_work() {
-    let records = Scratch::table(Server::Postgres);
-    sql_cases::longest_durations_work::<Pg>(&store_on(&records).await).await;
 }
 
 #[tokio::test]

@@ -220,22 +220,17 @@ async fn expired_records_are_purged_in_batches() {
     sql_cases::expired_records_are_purged_in_batches::<Lite>(&store).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn purger_task_purges_until_dropped() {
-    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
-    sql_cases::purger_task_purges_until_dropped::<Lite>(&store).await;
+/// A store on a database of its own, in memory.
+async fn fresh() -> ((), SqliteStore) {
+    ((), SqliteStore::connect("sqlite::memory:").await.unwrap())
 }
+
+fresh_store_cases!(Lite, fresh);
 
 #[tokio::test]
 async fn batch_answers_as_single_claims_would() {
     let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
     sql_cases::batch_answers_as_single_claims_would::<Lite>(&store).await;
-}
-
-#[tokio::test]
-async fn keys_are_exact_bytes() {
-    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
-    sql_cases::keys_are_exact_bytes::<Lite>(&store).await;
 }
 
 #[tokio::test]
@@ -263,46 +258,10 @@ async fn store_urls_pick_the_sqlite_store() {
 }
 
 #[tokio::test]
-async fn claim_sent_again_with_its_token_is_acquired() {
-    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
-    sql_cases::claim_sent_again_with_its_token_is_acquired::<Lite>(&store).await;
-}
-
-#[tokio::test]
-async fn transaction_answers_keys_as_the_engine_does() {
-    let store = Arc::new(SqliteStore::connect("sqlite::memory:").await.unwrap());
-    sql_cases::transaction_answers_keys_as_the_engine_does::<Lite>(store).await;
-}
-
-#[tokio::test]
-async fn transaction_refuses_a_ttl_out_of_range() {
-    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
-    sql_cases::transaction_refuses_a_ttl_out_of_range::<Lite>(&store).await;
-}
-
-#[tokio::test]
-async fn expired_record_is_claimed_again_with_a_higher_fence() {
-    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
-    sql_cases::expired_record_is_claimed_again_with_a_higher_fence::<Lite>(&store).await;
-}
-
-#[tokio::test]
 async fn corrupt_records_are_reported_as_corrupt() {
     let file = TempFile::new();
     let store = SqliteStore::connect(&file.url()).await.unwrap();
     sql_cases::corrupt_records_are_reported_as_corrupt::<Lite>(&store).await;
-}
-
-#[tokio::test]
-async fn result_refused_by_the_table_is_rejected() {
-    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
-    sql_cases::result_refused_by_the_table_is_rejected::<Lite>(&store).await;
-}
-
-#[tokio::test]
-async fn longest_durations_work() {
-    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
-    sql_cases::longest_durations_work::<Lite>(&store).await;
 }
 
 #[tokio::test]

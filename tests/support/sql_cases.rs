@@ -768,3 +768,44 @@ pub async fn longest_durations_work<H: Harness>(store: &SqlStore<H::Db>) {
         Ok(Claim::Completed { .. })
     ));
 }
+
+/// The cases that need only a fresh store, as `#[tokio::test]` functions of the including
+/// file: `$harness` is its [`Harness`], `$fresh` an async fn returning what keeps the store's
+/// table alive (dropped last) and the store.
+#[macro_export]
+macro_rules! fresh_store_cases {
+    ($harness:ty, $fresh:ident) => {
+        $crate::fresh_store_cases!(@each $harness, $fresh;
+            claim_sent_again_with_its_token_is_acquired,
+            keys_are_exact_bytes,
+            transaction_refuses_a_ttl_out_of_range,
+            expired_record_is_claimed_again_with_a_higher_fence,
+            result_refused_by_the_table_is_rejected,
+            longest_durations_work,
+        );
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn purger_task_purges_until_dropped() {
+            let (_keep, store) = $fresh().await;
+            sql_cases::purger_task_purges_until_dropped::<$harness>(&store).await;
+        }
+
+        #[tokio::test]
+        async fn transaction_answers_keys_as_the_engine_does() {
+            let (_keep, store) = $fresh().await;
+            sql_cases::transaction_answers_keys_as_the_engine_does::<$harness>(
+                ::std::sync::Arc::new(store),
+            )
+            .await;
+        }
+    };
+    (@each $harness:ty, $fresh:ident; $($case:ident,)*) => {
+        $(
+            #[tokio::test]
+            async fn $case() {
+                let (_keep, store) = $fresh().await;
+                sql_cases::$case::<$harness>(&store).await;
+            }
+        )*
+    };
+}
