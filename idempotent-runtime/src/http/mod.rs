@@ -46,6 +46,14 @@
 //! [`response-not-stored`](#response-not-stored). The handler never runs twice because its
 //! answer was too large to keep.
 //!
+//! # Telling a replay from a fresh run
+//!
+//! Replays carry `Idempotent-Replayed: true` ([`REPLAYED`]); every response of the guarded
+//! path carries a [`Replayed`] extension for middleware outside the layer;
+//! [`IdempotencyLayer::counts`] counts fresh runs, replays, released keys, problems and
+//! requests passed through; each answer is a `tracing` debug event with an `outcome` field
+//! (`fresh`, `replayed`, `released`) or a `problem` field.
+//!
 //! # Disconnects and shutdown
 //!
 //! Once a handler started it runs to completion in a task of the layer's, even when the

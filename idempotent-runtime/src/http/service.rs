@@ -445,6 +445,7 @@ pub(crate) fn answer<E>(
             match fresh {
                 Some(mut response) => {
                     counts.fresh.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(outcome = "fresh", status = %response.status(), "stored");
                     response.extensions_mut().insert(Replayed(false));
                     Ok(response)
                 }
@@ -453,6 +454,7 @@ pub(crate) fn answer<E>(
         }
         Err(Failure::Released(mut response)) => {
             counts.released.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(outcome = "released", status = %response.status(), "not stored");
             response.extensions_mut().insert(Replayed(false));
             Ok(response)
         }
@@ -494,6 +496,7 @@ fn replay(config: &Config, stored: Stored) -> Response<Body> {
         },
     };
     config.counts.replayed.fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(outcome = "replayed", status = %response.status(), "replayed");
     response
         .headers_mut()
         .insert(REPLAYED, HeaderValue::from_static("true"));
