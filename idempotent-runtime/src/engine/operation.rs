@@ -71,7 +71,10 @@ pub(crate) struct Outcomes<R: HandlerResult> {
 impl<R: HandlerResult> Outcomes<R> {
     /// Replays `Ok` values with the caller's own encoding (`encode` writes [`codec::OK`]
     /// first).
-    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    #[cfg(all(
+        feature = "http",
+        any(feature = "postgres", feature = "mysql", feature = "sqlite")
+    ))]
     pub(crate) fn replaying(
         encode: fn(&R::Ok) -> Result<Vec<u8>, Error>,
         decode: fn(&[u8]) -> Result<R::Ok, Error>,
