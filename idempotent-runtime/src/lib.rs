@@ -47,7 +47,7 @@ pub mod http;
 pub mod __private;
 
 pub use default_store::{default_store, set_default_store, AlreadySet};
-pub use engine::{current, state, Current, HandlerResult, Idempotency, Operation};
+pub use engine::{current, state, Current, HandlerResult, Idempotency, Lock, LockGuard, Operation};
 pub use error::{Action, Error, StoreError, StoreErrorKind};
 pub use key::{Key, KeyError, KeyPart};
 pub use policy::{InProgress, OnError, OnLostLease, OnStoreError};

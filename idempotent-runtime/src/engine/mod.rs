@@ -7,6 +7,7 @@
 //! - `decide.rs` maps a claim's outcome and the policy to the next step, for every path.
 //! - `owner.rs` owns a claim from its round trip to its completion or release, including
 //!   cancellation and completions that fail.
+//! - [`Lock`] (`lock.rs`) is a fenced lease lock built on the same claim, renewal and release.
 //! - `watch.rs` renews the lease while a body runs and notices a lost lease.
 //! - [`Current`] (`current.rs`) is the claim as the body sees it.
 //!
@@ -18,6 +19,7 @@ mod current;
 mod decide;
 mod handler;
 mod idempotency;
+mod lock;
 mod operation;
 mod owner;
 mod watch;
@@ -27,6 +29,7 @@ pub(crate) use bound::{run_bound, Bound, BoundCall};
 pub use current::{current, Current};
 pub use handler::HandlerResult;
 pub use idempotency::Idempotency;
+pub use lock::{Lock, LockGuard};
 pub use operation::Operation;
 #[cfg(all(
     feature = "http",

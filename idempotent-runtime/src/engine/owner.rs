@@ -323,6 +323,20 @@ impl Owner {
         }
     }
 
+    /// Gives the claim back and says whether it was still ours. When the store does not
+    /// answer, the claim is given back in the background (as on drop) and the error returned.
+    pub(crate) async fn give_back_now(mut self) -> Result<bool, StoreError> {
+        let released = self
+            .claim
+            .store
+            .release(&self.claim.key, &self.claim.token)
+            .await;
+        if released.is_ok() {
+            self.phase = Phase::Done;
+        }
+        released
+    }
+
     /// When the record expires on its own, as far as the caller knows.
     fn expires_at(&self) -> tokio::time::Instant {
         self.claim

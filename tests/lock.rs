@@ -1,0 +1,255 @@
+//! `Lock` on every store: the memory store, the Redis at `IDEMPOTENT_REDIS_URL`, and
+//! PostgreSQL, MariaDB and SQLite. Contenders with real concurrency, exact counts, fences
+//! that only grow, a holder that stops renewing, and the watchdog that keeps a long critical
+//! section locked. (A paused holder refused by the fence, and a killed one, are in
+//! `tests/lock_fence.rs`.)
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "support/redis_server.rs"]
+mod redis_server;
+#[path = "support/sql_tables.rs"]
+mod sql_tables;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotency::sql::{MySqlStore, PostgresStore, SqliteStore};
+use idempotency::{
+    Claim, ClaimRequest, Error, Key, Lock, MemoryStore, SharedStore, Store as _, Token,
+};
+use redis_server::{connect, delete_matching, redis_url};
+use sql_tables::{Scratch, Server};
+
+#[derive(Debug, Clone, Copy)]
+enum Backend {
+    Memory,
+    Redis,
+    Postgres,
+    MariaDb,
+    Sqlite,
+}
+
+const BACKENDS: [Backend; 5] = [
+    Backend::Memory,
+    Backend::Redis,
+    Backend::Postgres,
+    Backend::MariaDb,
+    Backend::Sqlite,
+];
+
+/// A store for one scenario, a key prefix of its own, and what it must clean up.
+struct Store {
+    store: SharedStore,
+    prefix: String,
+    _table: Option<Scratch>,
+    redis: Option<String>,
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if let Some(url) = self.redis.take() {
+            let pattern = format!("{}:*", self.prefix);
+            let _ = std::thread::spawn(move || delete_matching(&url, &pattern)).join();
+        }
+    }
+}
+
+impl Store {
+    fn key(&self, name: &str) -> Key {
+        Key::new(&self.prefix, 1, &[&name]).unwrap()
+    }
+}
+
+async fn store(backend: Backend) -> Store {
+    let token = format!("{:?}", Token::generate());
+    let prefix = format!("lock-{}", &token[6..token.len() - 1]);
+    let (store, table, redis): (SharedStore, _, _) = match backend {
+        Backend::Memory => (Arc::new(MemoryStore::new()), None, None),
+        Backend::Redis => {
+            let url = redis_url();
+            (Arc::new(connect(&url).await), None, Some(url))
+        }
+        Backend::Postgres => {
+            let table = Scratch::table(Server::Postgres);
+            let store = PostgresStore::builder(table.url())
+                .table(table.name().to_string())
+                .build()
+                .await
+                .unwrap();
+            (Arc::new(store), Some(table), None)
+        }
+        Backend::MariaDb => {
+            let table = Scratch::table(Server::MySql);
+            let store = MySqlStore::builder(table.url())
+                .table(table.name().to_string())
+                .build()
+                .await
+                .unwrap();
+            (Arc::new(store), Some(table), None)
+        }
+        Backend::Sqlite => (
+            Arc::new(SqliteStore::connect("sqlite::memory:").await.unwrap()),
+            None,
+            None,
+        ),
+    };
+    Store {
+        store,
+        prefix,
+        _table: table,
+        redis,
+    }
+}
+
+/// 50 tasks each add one to a counter with a read, a pause and a write (a race without the
+/// lock) under the lock: the counter ends at exactly 50, and each holder's fence is higher
+/// than the one before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn contenders_increment_a_counter_exactly() {
+    for backend in BACKENDS {
+        let store = store(backend).await;
+        let locks =
+            Lock::new(store.store.clone(), Duration::from_secs(10)).wait(Duration::from_secs(120));
+        let key = store.key("counter");
+        let counter = Arc::new(AtomicU64::new(0));
+        let fences = Arc::new(Mutex::new(Vec::new()));
+        let tasks: Vec<_> = (0..50)
+            .map(|_| {
+                let (locks, key, counter, fences) =
+                    (locks.clone(), key.clone(), counter.clone(), fences.clone());
+                tokio::spawn(async move {
+                    let guard = locks.lock(key).await.unwrap();
+                    fences.lock().unwrap().push(guard.fence());
+                    let seen = counter.load(Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    counter.store(seen + 1, Ordering::SeqCst);
+                    assert!(guard.unlock().await.unwrap(), "the lock was lost");
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert_eq!(counter.load(Ordering::SeqCst), 50, "{backend:?}");
+        let fences = fences.lock().unwrap().clone();
+        assert_eq!(fences.len(), 50);
+        assert!(
+            fences.windows(2).all(|pair| pair[0] < pair[1]),
+            "{backend:?}: fences out of order: {fences:?}"
+        );
+    }
+}
+
+/// While held, `try_lock` is `None` and `lock` gives up at its bound with the holder's fence;
+/// after `unlock` (which reports it still owned the key) the next holder's fence is higher.
+#[tokio::test]
+async fn a_held_lock_is_refused_and_unlock_frees_it() {
+    for backend in BACKENDS {
+        let store = store(backend).await;
+        let locks =
+            Lock::new(store.store.clone(), Duration::from_secs(10)).wait(Duration::from_millis(50));
+        let key = store.key("account-1");
+        let first = locks.lock(key.clone()).await.unwrap();
+        assert_eq!(first.key(), &key);
+        assert!(
+            locks.try_lock(key.clone()).await.unwrap().is_none(),
+            "{backend:?}"
+        );
+        match locks.lock(key.clone()).await {
+            Err(Error::InProgress { fence, .. }) => assert_eq!(fence, first.fence()),
+            other => panic!("{backend:?}: expected the key held, got {other:?}"),
+        }
+        let fence = first.fence();
+        assert!(first.unlock().await.unwrap());
+        let second = locks
+            .try_lock(key)
+            .await
+            .unwrap()
+            .expect("free after unlock");
+        assert!(second.fence() > fence, "{backend:?}");
+    }
+}
+
+/// A dropped guard gives the key back in the background: the next `lock` gets it long before
+/// the lease (60 s) would have run out.
+#[tokio::test]
+async fn a_dropped_guard_releases_the_key() {
+    for backend in BACKENDS {
+        let store = store(backend).await;
+        let locks =
+            Lock::new(store.store.clone(), Duration::from_secs(60)).wait(Duration::from_secs(10));
+        let key = store.key("dropped");
+        let fence = {
+            let guard = locks.lock(key.clone()).await.unwrap();
+            guard.fence()
+        };
+        let started = tokio::time::Instant::now();
+        let next = locks.lock(key).await.unwrap();
+        assert!(next.fence() > fence);
+        assert!(started.elapsed() < Duration::from_secs(10), "{backend:?}");
+    }
+}
+
+/// A holder that stopped renewing (here a raw claim, as a crashed process leaves it) keeps
+/// the key until its lease runs out; then `lock` takes it with that holder's fence + 1.
+#[tokio::test]
+async fn a_holder_that_stopped_renewing_is_taken_over_after_its_lease() {
+    for backend in BACKENDS {
+        let store = store(backend).await;
+        let key = store.key("crashed");
+        let lease = Duration::from_millis(400);
+        // What `Lock` claims: the lease, and a record that lives twice as long.
+        let crashed = ClaimRequest::new(key.clone(), Token::generate(), lease, lease * 2);
+        let Claim::Acquired { fence } = store.store.claim(&crashed).await.unwrap() else {
+            panic!("{backend:?}: the raw claim was refused");
+        };
+        let locks =
+            Lock::new(store.store.clone(), Duration::from_secs(10)).wait(Duration::from_secs(10));
+        assert!(
+            locks.try_lock(key.clone()).await.unwrap().is_none(),
+            "{backend:?}"
+        );
+        let next = locks.lock(key).await.unwrap();
+        assert_eq!(next.fence(), fence + 1, "{backend:?}");
+    }
+}
+
+/// A critical section four times longer than the lease stays locked: the guard's watchdog
+/// renews the lease, so no one else gets the key and the guard is not lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watchdog_keeps_a_long_critical_section_locked() {
+    for backend in BACKENDS {
+        let store = store(backend).await;
+        let lease = Duration::from_millis(600);
+        let locks = Lock::new(store.store.clone(), lease);
+        let key = store.key("long");
+        let guard = locks.lock(key.clone()).await.unwrap();
+        let until = tokio::time::Instant::now() + lease * 4;
+        while tokio::time::Instant::now() < until {
+            assert!(
+                locks.try_lock(key.clone()).await.unwrap().is_none(),
+                "{backend:?}"
+            );
+            tokio::time::sleep(lease / 4).await;
+        }
+        assert!(!guard.is_lost(), "{backend:?}");
+        assert!(guard.unlock().await.unwrap(), "{backend:?}");
+    }
+}
+
+/// A lease outside the supported range is refused before the store is asked.
+#[tokio::test]
+async fn an_invalid_lease_is_refused() {
+    let locks = Lock::new(Arc::new(MemoryStore::new()), Duration::ZERO);
+    let key = Key::new("lock", 1, &[&"k"]).unwrap();
+    assert!(matches!(
+        locks.lock(key).await,
+        Err(Error::InvalidDuration {
+            setting: "lease",
+            ..
+        })
+    ));
+}
