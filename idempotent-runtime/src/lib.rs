@@ -46,7 +46,7 @@ pub mod http;
 #[path = "private.rs"]
 pub mod __private;
 
-pub use default_store::{default_store, set_default_store, AlreadySet};
+pub use default_store::{default_store, set_default_store, with_default_store, AlreadySet};
 pub use engine::{current, state, Current, HandlerResult, Idempotency, Lock, LockGuard, Operation};
 pub use error::{Action, Error, StoreError, StoreErrorKind};
 pub use key::{Key, KeyError, KeyPart};

@@ -12,6 +12,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::{Decision, Redelivery, Settle, Summary};
+use crate::default_store::{carry, scoped};
 
 /// One message from a broker, as the [`consume`] loop needs it: its payload, the delivery
 /// count the broker records, and the three ways to settle it.
@@ -146,11 +147,11 @@ where
             Some(Err(err)) => break Err(err),
             Some(Ok(message)) => {
                 let (handler, redelivery) = (handler.clone(), redelivery.clone());
-                tasks.spawn(async move {
+                tasks.spawn(carry(scoped(), async move {
                     let settled = handle(&*handler, message, &redelivery).await;
                     drop(slot);
                     settled
-                });
+                }));
             }
         }
     };
@@ -205,7 +206,7 @@ where
             self.0.abort();
         }
     }
-    let mut task = AbortOnDrop(tokio::spawn(handler));
+    let mut task = AbortOnDrop(tokio::spawn(carry(scoped(), handler)));
     (&mut task.0).await
 }
 

@@ -16,6 +16,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::codec;
+use crate::default_store::{carry, scoped};
 use crate::error::Error;
 use crate::http::body::{Body, BoxError};
 use crate::http::key::{self, KeyHeader};
@@ -149,7 +150,8 @@ where
     let live = Arc::new(Live::default());
     // The handler runs in a task of its own: a client that hangs up drops this future, not
     // the handler, whose response is stored for the client's retry.
-    let task = tasks.spawn(
+    let task = tasks.spawn(carry(
+        scoped(),
         run(
             inner,
             config.clone(),
@@ -159,7 +161,7 @@ where
             live.clone(),
         )
         .instrument(tracing::Span::current()),
-    );
+    ));
     let outcome = match task.await {
         Ok(outcome) => outcome,
         Err(err) => match err.try_into_panic() {
