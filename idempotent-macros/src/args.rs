@@ -24,6 +24,7 @@ pub(crate) mod kw {
     syn::custom_keyword!(fingerprint);
     syn::custom_keyword!(done);
     syn::custom_keyword!(replay);
+    syn::custom_keyword!(on_replay);
 
     syn::custom_keyword!(reject);
     syn::custom_keyword!(skip);
@@ -35,7 +36,7 @@ pub(crate) mod kw {
 }
 
 /// Every argument name, in the order the documentation lists them.
-pub(crate) const NAMES: [&str; 13] = [
+pub(crate) const NAMES: [&str; 14] = [
     "prefix",
     "keys",
     "ttl",
@@ -48,6 +49,7 @@ pub(crate) const NAMES: [&str; 13] = [
     "fingerprint",
     "done",
     "replay",
+    "on_replay",
     "crate",
 ];
 
@@ -67,6 +69,8 @@ pub(crate) struct Args {
     pub(crate) done: Option<Arg<Expr>>,
     /// The span of the `replay` flag.
     pub(crate) replay: Option<Arg<()>>,
+    /// `on_replay = hook`: called with the key when a stored result is returned.
+    pub(crate) on_replay: Option<Arg<Expr>>,
     /// `crate = path`: where the runtime is, when not at `::idempotency`.
     pub(crate) krate: Option<Arg<Path>>,
 }
@@ -151,6 +155,9 @@ impl Parse for Args {
             } else if lookahead.peek(kw::done) {
                 let name = input.parse::<kw::done>()?.span;
                 set_once(&mut args.done, "done", name, assigned(input)?)?;
+            } else if lookahead.peek(kw::on_replay) {
+                let name = input.parse::<kw::on_replay>()?.span;
+                set_once(&mut args.on_replay, "on_replay", name, assigned(input)?)?;
             } else if lookahead.peek(kw::replay) {
                 let name = input.parse::<kw::replay>()?.span;
                 if input.peek(Token![=]) {

@@ -41,6 +41,7 @@ pub(crate) fn handler(handler: Handler) -> TokenStream {
         fingerprint,
         done,
         replay,
+        on_replay,
         krate,
     } = handler;
     let private = quote!(#krate::__private);
@@ -121,6 +122,10 @@ pub(crate) fn handler(handler: Handler) -> TokenStream {
     }
     if let Some(span) = replay {
         chain.step("replay", TokenStream::new(), (span, span));
+    }
+    if let Some(hook) = on_replay {
+        let spans = first_and_last_span(&hook);
+        chain.step("on_replay", hook.into_token_stream(), spans);
     }
 
     let fake_return = output.map(fake_return);

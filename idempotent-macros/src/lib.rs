@@ -412,6 +412,37 @@ use proc_macro::TokenStream;
 /// # }
 /// ```
 ///
+/// ## `on_replay = <fn>`
+///
+/// A `fn(&idempotency::Key)` (a path, or a closure that captures nothing) called each time
+/// the call returns a stored value (`replay`) or a stored error (`on_error = store`) instead
+/// of running the handler: the way to tell a replay from a fresh run (a metric, a log line)
+/// without changing what the handler returns. Without `replay` or `on_error = store` nothing
+/// is ever replayed, so the attribute refuses it.
+///
+/// ```
+/// # use idempotency::idempotent;
+/// # use std::sync::atomic::{AtomicU64, Ordering};
+/// # use std::sync::Arc;
+/// static REPLAYED: AtomicU64 = AtomicU64::new(0);
+///
+/// fn count_replay(_key: &idempotency::Key) {
+///     REPLAYED.fetch_add(1, Ordering::Relaxed);
+/// }
+///
+/// #[idempotent(prefix = "coupon:grant", keys = [user], ttl = 86400, replay, on_replay = count_replay)]
+/// async fn grant_coupon(user: &str) -> Result<String, idempotency::Error> {
+///     Ok(format!("SPRING-{user}"))
+/// }
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # idempotency::set_default_store(Arc::new(idempotency::MemoryStore::new()))?;
+/// # assert_eq!(grant_coupon("u7").await?, grant_coupon("u7").await?);
+/// # assert_eq!(REPLAYED.load(Ordering::Relaxed), 1);
+/// # Ok(())
+/// # }
+/// ```
+///
 /// ## `crate = path`
 ///
 /// Where the runtime is, when it is not at `::idempotency`: a renamed dependency

@@ -32,6 +32,8 @@ pub(crate) struct Handler {
     pub(crate) done: Option<Expr>,
     /// The span of the `replay` flag.
     pub(crate) replay: Option<Span>,
+    /// `on_replay = hook`.
+    pub(crate) on_replay: Option<Expr>,
     /// The path of the runtime: `crate = path`, or `::idempotency`.
     pub(crate) krate: syn::Path,
 }
@@ -122,6 +124,25 @@ pub(crate) fn handler(args: Result<Args>, item: Result<Item>, call_site: Span) -
         check_done(done, &mut errors);
     }
 
+    let on_replay = args.on_replay.map(|hook| {
+        let replays = args.replay.is_some()
+            || matches!(
+                &args.on_error,
+                Some(Arg {
+                    value: args::OnError::Store(_),
+                    ..
+                })
+            );
+        if !replays {
+            errors.push(Error::new(
+                hook.name,
+                "`on_replay` needs something to replay: add `replay` (stored values) or \
+                 `on_error = store` (stored errors)",
+            ));
+        }
+        hook.value
+    });
+
     errors.append(signature);
     if let Some(error) = errors.0 {
         return Err(error);
@@ -150,6 +171,7 @@ pub(crate) fn handler(args: Result<Args>, item: Result<Item>, call_site: Span) -
         fingerprint,
         done,
         replay: args.replay.map(|replay| replay.name),
+        on_replay,
         krate: args
             .krate
             .map_or_else(|| syn::parse_quote!(::idempotency), |krate| krate.value),

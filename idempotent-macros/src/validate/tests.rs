@@ -254,7 +254,7 @@ fn the_item_is_checked_even_when_the_arguments_do_not_parse() {
         [
             "unknown argument `retries`; the arguments are `prefix`, `keys`, `ttl`, `lease`, \
              `version`, `store`, `on_in_progress`, `on_store_error`, `on_error`, \
-             `fingerprint`, `done`, `replay`, `crate`",
+             `fingerprint`, `done`, `replay`, `on_replay`, `crate`",
             "`#[idempotent]` handlers must be `async fn`",
             "`#[idempotent]` handlers must return `Result<T, E>` where `E: From<idempotency::Error>`",
         ]
@@ -268,4 +268,19 @@ fn all_errors_at_once() {
         "fn h(msg: &Msg) -> Result<(), E> {}",
     );
     assert_eq!(found.len(), 7, "{found:#?}");
+}
+
+#[test]
+fn on_replay_needs_something_to_replay() {
+    let item = "async fn f(id: u64) -> Result<(), E> { Ok(()) }";
+    let hook = r#"prefix = "p", keys = [id], ttl = 60, on_replay = count"#;
+    assert_eq!(
+        errors(hook, item),
+        [
+            "`on_replay` needs something to replay: add `replay` (stored values) or \
+          `on_error = store` (stored errors)"
+        ]
+    );
+    assert!(check(&format!("{hook}, replay"), item).is_ok());
+    assert!(check(&format!("{hook}, on_error = store"), item).is_ok());
 }

@@ -66,6 +66,7 @@ pub(crate) struct Outcomes<R: HandlerResult> {
     replay: Option<Codec<R::Ok>>,
     errors: Option<Codec<R::Err>>,
     on_error: Option<fn(&R::Err) -> OnError>,
+    on_replay: Option<fn(&Key)>,
 }
 
 impl<R: HandlerResult> Outcomes<R> {
@@ -83,6 +84,7 @@ impl<R: HandlerResult> Outcomes<R> {
             replay: Some(Codec { encode, decode }),
             errors: None,
             on_error: None,
+            on_replay: None,
         }
     }
 
@@ -102,6 +104,7 @@ impl<R: HandlerResult> Default for Outcomes<R> {
             replay: None,
             errors: None,
             on_error: None,
+            on_replay: None,
         }
     }
 }
@@ -178,6 +181,41 @@ impl<R: HandlerResult, D> Operation<R, D> {
         if self.outcomes.on_error.is_none() {
             self.outcomes.on_error = Some(|_| OnError::Store);
         }
+        self
+    }
+
+    /// Calls `hook` with the key each time this call answers with a stored result (a value
+    /// from [`replay`](Self::replay), an error from [`store_errors`](Self::store_errors))
+    /// instead of running the body: the way to tell a replay from a fresh run (count it, log
+    /// it) without changing what the body returns.
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicUsize, Ordering};
+    /// use std::{sync::Arc, time::Duration};
+    /// use idempotent_runtime::{Error, Idempotency, Key, MemoryStore};
+    ///
+    /// static REPLAYS: AtomicUsize = AtomicUsize::new(0);
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let coupons = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    /// let key = Key::new("coupon:grant", 1, &[&"user-7"]).unwrap();
+    /// for _ in 0..3 {
+    ///     let code: Result<String, Error> = coupons
+    ///         .operation(key.clone())
+    ///         .replay()
+    ///         .on_replay(|_key| {
+    ///             REPLAYS.fetch_add(1, Ordering::Relaxed);
+    ///         })
+    ///         .run(async { Ok("SPRING-0001".to_owned()) })
+    ///         .await;
+    ///     assert_eq!(code.unwrap(), "SPRING-0001");
+    /// }
+    /// assert_eq!(REPLAYS.load(Ordering::Relaxed), 2);
+    /// # }
+    /// ```
+    pub fn on_replay(mut self, hook: fn(&Key)) -> Self {
+        self.outcomes.on_replay = Some(hook);
         self
     }
 
@@ -486,13 +524,26 @@ pub(crate) fn completed<R: HandlerResult>(
     result: Option<Vec<u8>>,
     outcomes: &Outcomes<R>,
 ) -> Result<R::Ok, R::Err> {
+    let replayed = |key: &Key| {
+        if let Some(hook) = outcomes.on_replay {
+            hook(key);
+        }
+    };
     match result.as_deref().and_then(<[u8]>::split_first) {
         Some((&codec::OK, body)) => match &outcomes.replay {
-            Some(codec) => Ok((codec.decode)(body)?),
+            Some(codec) => {
+                let value = (codec.decode)(body)?;
+                replayed(&key);
+                Ok(value)
+            }
             None => Err(Error::Duplicate { key }.into()),
         },
         Some((&codec::ERR, body)) => match &outcomes.errors {
-            Some(codec) => Err((codec.decode)(body)?),
+            Some(codec) => {
+                let err = (codec.decode)(body)?;
+                replayed(&key);
+                Err(err)
+            }
             None => Err(Error::Duplicate { key }.into()),
         },
         Some((&codec::HELD, _)) => Err(Error::Held { key }.into()),
