@@ -42,6 +42,10 @@ pub mod broker;
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http;
 
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod outbox;
+
 #[doc(hidden)]
 #[path = "private.rs"]
 pub mod __private;

@@ -156,13 +156,13 @@ use crate::store::{Claim, Store, MAX_DURATION, MIN_DURATION};
 
 mod builder;
 mod driver;
-mod error;
+pub(crate) mod error;
 mod exec;
 mod failure;
 mod purge;
 mod record;
 mod store;
-mod table;
+pub(crate) mod table;
 pub(crate) mod tx;
 
 #[cfg(feature = "mysql")]

@@ -72,6 +72,13 @@ impl TableName {
         }
     }
 
+    /// The table's name followed by `suffix`, shortened with a hash to fit an identifier
+    /// (unqualified: for indexes, which live in their table's schema).
+    #[cfg(feature = "postgres")]
+    pub(crate) fn with_suffix(&self, suffix: &str) -> String {
+        derived(&self.table, suffix)
+    }
+
     /// The expiry index's name (unqualified: an index lives in its table's schema).
     pub(crate) fn expiry_index(&self) -> String {
         derived(&self.table, "_expires_at")

@@ -1,0 +1,278 @@
+//! [`Relay`]: publishes committed outbox rows and marks them published once confirmed.
+
+use std::future::Future;
+use std::time::Duration;
+
+use sqlx::postgres::PgListener;
+use tokio::time::Instant;
+
+use crate::error::StoreError;
+use crate::outbox::publish::Publisher;
+use crate::outbox::{db_error, postgres, Outbox};
+use crate::store::Token;
+
+/// What a relay did ([`Relay::run_once`], [`Relay::run`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayStats {
+    /// Rows claimed.
+    pub claimed: u64,
+    /// Messages the broker confirmed and that were marked published.
+    pub published: u64,
+    /// Publications that failed (retried later, or dead-lettered).
+    pub failed: u64,
+    /// Rows that went `dead` on their last attempt.
+    pub dead: u64,
+    /// Messages confirmed whose row could not be marked (the claim ran out, or the database
+    /// failed): they are published again later, and consumers filter the duplicate.
+    pub unmarked: u64,
+}
+
+impl RelayStats {
+    fn add(&mut self, other: RelayStats) {
+        self.claimed += other.claimed;
+        self.published += other.published;
+        self.failed += other.failed;
+        self.dead += other.dead;
+        self.unmarked += other.unmarked;
+    }
+}
+
+/// Publishes an [`Outbox`]'s committed rows through a [`Publisher`].
+///
+/// Each round claims at most [`batch`](Relay::batch) due rows with a fresh token for
+/// [`lease`](Relay::lease) (`FOR UPDATE SKIP LOCKED`: other relays take other rows), publishes
+/// them in order and marks each published once the broker confirmed it, only while its claim
+/// holds. It stops publishing a batch before the lease runs out, so no two relays ever
+/// publish a row at the same time. A failed publication is retried after a backoff (1 s,
+/// doubling, at most 5 minutes by default); after [`max_attempts`](Relay::max_attempts) the
+/// row goes `dead` for an operator ([`Outbox::dead`], [`Outbox::retry`], [`Outbox::discard`]).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idempotent_runtime::outbox::{Outbox, Relay};
+/// # async fn f(outbox: Outbox, publisher: impl idempotent_runtime::outbox::Publisher) -> Result<(), idempotent_runtime::StoreError> {
+/// let relay = Relay::new(outbox, publisher).max_attempts(8);
+/// let stop = async { let _ = tokio::signal::ctrl_c().await; };
+/// let stats = relay.run(stop).await?;
+/// println!("published {}", stats.published);
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Relay<P> {
+    outbox: Outbox,
+    publisher: P,
+    batch: u32,
+    lease: Duration,
+    max_attempts: u32,
+    first_backoff: Duration,
+    max_backoff: Duration,
+    poll: Duration,
+}
+
+impl<P: Publisher> Relay<P> {
+    /// A relay of `outbox` through `publisher`: batches of 100, a 30 s claim, 10 attempts,
+    /// polling every second besides the notifications.
+    pub fn new(outbox: Outbox, publisher: P) -> Relay<P> {
+        Relay {
+            outbox,
+            publisher,
+            batch: 100,
+            lease: Duration::from_secs(30),
+            max_attempts: 10,
+            first_backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(300),
+            poll: Duration::from_secs(1),
+        }
+    }
+
+    /// Rows claimed per round (at least 1).
+    pub fn batch(mut self, rows: u32) -> Self {
+        self.batch = rows.max(1);
+        self
+    }
+
+    /// How long a claim holds: a relay that dies keeps its rows this long.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(10));
+        self
+    }
+
+    /// Attempts before a failing row goes `dead` (at least 1).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// The wait after the first failed attempt, doubling per attempt up to `max`.
+    pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.first_backoff = first;
+        self.max_backoff = max.max(first);
+        self
+    }
+
+    /// How often [`run`](Relay::run) looks for due rows without a notification (retries that
+    /// became due, a missed notification).
+    pub fn poll(mut self, every: Duration) -> Self {
+        self.poll = every.max(Duration::from_millis(10));
+        self
+    }
+
+    /// The outbox.
+    pub fn outbox(&self) -> &Outbox {
+        &self.outbox
+    }
+
+    fn backoff_after(&self, attempts: u32) -> Duration {
+        let doublings = attempts.saturating_sub(1).min(30);
+        self.first_backoff
+            .saturating_mul(1 << doublings)
+            .min(self.max_backoff)
+    }
+
+    /// One round: claims a batch of due rows and publishes it.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError`] when the claim failed (nothing was published). Failures after it are
+    /// counted in the stats, not returned.
+    pub async fn run_once(&self) -> Result<RelayStats, StoreError> {
+        let token = Token::generate();
+        let claimed_at = Instant::now();
+        let rows = postgres::claim(
+            self.outbox.pool(),
+            &self.outbox.table,
+            &token,
+            self.lease,
+            self.batch,
+        )
+        .await
+        .map_err(db_error)?;
+        // Stop a tenth of the lease early: the claim is counted on the database's clock.
+        let publish_until = claimed_at + self.lease - self.lease / 10;
+        let mut stats = RelayStats {
+            claimed: rows.len() as u64,
+            ..RelayStats::default()
+        };
+        for row in &rows {
+            let left = publish_until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!(id = %row.id, "claim ran out; leaving the rest of the batch");
+                break;
+            }
+            let published = tokio::time::timeout(left, self.publisher.publish(row)).await;
+            let error = match published {
+                Ok(Ok(())) => {
+                    match postgres::published(
+                        self.outbox.pool(),
+                        &self.outbox.table,
+                        &row.id,
+                        &token,
+                    )
+                    .await
+                    {
+                        Ok(true) => stats.published += 1,
+                        Ok(false) => {
+                            tracing::warn!(id = %row.id, "published, but the claim had run out; it will be published again");
+                            stats.unmarked += 1;
+                        }
+                        Err(err) => {
+                            tracing::warn!(id = %row.id, error = %err, "published, but not marked; it will be published again");
+                            stats.unmarked += 1;
+                        }
+                    }
+                    continue;
+                }
+                Ok(Err(err)) => err.to_string(),
+                Err(_) => "the broker did not confirm before the claim ran out".to_owned(),
+            };
+            stats.failed += 1;
+            let dead = row.attempts >= self.max_attempts;
+            if dead {
+                stats.dead += 1;
+                tracing::error!(id = %row.id, attempts = row.attempts, error, "publication failed for the last time; the message is dead");
+            } else {
+                tracing::warn!(id = %row.id, attempts = row.attempts, error, "publication failed; retrying later");
+            }
+            if let Err(err) = postgres::failed(
+                self.outbox.pool(),
+                &self.outbox.table,
+                &row.id,
+                &token,
+                &error,
+                self.max_attempts,
+                self.backoff_after(row.attempts),
+            )
+            .await
+            {
+                tracing::warn!(id = %row.id, error = %err, "failed attempt not recorded; the claim will run out");
+            }
+        }
+        Ok(stats)
+    }
+
+    /// Publishes until `stop` resolves: a round whenever a transaction that enqueued commits
+    /// (`LISTEN`/`NOTIFY`), at once again while rounds come back full, and every
+    /// [`poll`](Relay::poll) interval otherwise. A round that fails (the database is down) is
+    /// logged and tried again at the next interval.
+    ///
+    /// # Errors
+    ///
+    /// None today; the `Result` leaves room for unrecoverable setups.
+    pub async fn run(&self, stop: impl Future<Output = ()>) -> Result<RelayStats, StoreError> {
+        let mut stop = std::pin::pin!(stop);
+        let mut total = RelayStats::default();
+        let mut listener = self.listen().await;
+        loop {
+            let full = match self.run_once().await {
+                Ok(stats) => {
+                    total.add(stats);
+                    stats.claimed >= u64::from(self.batch)
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, "outbox round failed; retrying");
+                    false
+                }
+            };
+            if full {
+                continue;
+            }
+            let woken = async {
+                match listener.as_mut() {
+                    Some(listening) => {
+                        match tokio::time::timeout(self.poll, listening.recv()).await {
+                            Ok(Ok(_)) | Err(_) => {}
+                            Ok(Err(err)) => {
+                                tracing::warn!(error = %err, "outbox notifications lost; polling");
+                                tokio::time::sleep(self.poll).await;
+                            }
+                        }
+                    }
+                    None => tokio::time::sleep(self.poll).await,
+                }
+            };
+            tokio::select! {
+                biased;
+                () = &mut stop => return Ok(total),
+                () = woken => {}
+            }
+        }
+    }
+
+    async fn listen(&self) -> Option<PgListener> {
+        let mut listener = match PgListener::connect_with(self.outbox.pool()).await {
+            Ok(listener) => listener,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot listen for outbox notifications; polling");
+                return None;
+            }
+        };
+        match listener.listen(self.outbox.channel()).await {
+            Ok(()) => Some(listener),
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot listen for outbox notifications; polling");
+                None
+            }
+        }
+    }
+}
