@@ -2,6 +2,9 @@
 //! each used. Included by the benches that talk to Redis with
 //! `#[path = "support/redis_info.rs"] mod redis_info;`.
 
+// Each bench uses only some of these.
+#![allow(dead_code)]
+
 use redis::aio::ConnectionManager;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
