@@ -54,7 +54,7 @@ pub fn default_store() -> Option<SharedStore> {
 /// parallel) without changing the handlers.
 ///
 /// The scope covers `fut` and what it awaits, not tasks it spawns (give those their own
-/// scope). The HTTP layer and the broker loops resolve the store before they spawn.
+/// scope); the tasks the HTTP layer and the broker loops spawn for handlers carry it.
 ///
 /// ```
 /// use std::sync::Arc;
