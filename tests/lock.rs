@@ -6,6 +6,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/proxy.rs"]
+mod proxy;
 #[path = "support/redis_server.rs"]
 mod redis_server;
 #[path = "support/sql_tables.rs"]
@@ -19,6 +21,7 @@ use idempotency::sql::{MySqlStore, PostgresStore, SqliteStore};
 use idempotency::{
     Claim, ClaimRequest, Error, Key, Lock, MemoryStore, SharedStore, Store as _, Token,
 };
+use proxy::Proxy;
 use redis_server::{connect, delete_matching, redis_url};
 use sql_tables::{Scratch, Server};
 
@@ -252,4 +255,41 @@ async fn an_invalid_lease_is_refused() {
             ..
         })
     ));
+}
+
+/// Behind a proxy that cuts every request, `lock` fails with `Error::Store` and leaves
+/// nothing held; `unlock` that cannot reach the store fails too, and the key is given back in
+/// the background once the store answers again, long before its 60 s lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_holds_nothing_and_an_unlock_is_retried() {
+    let url = redis_url();
+    let upstream = url.trim_start_matches("redis://").parse().unwrap();
+    let proxy = Proxy::start(upstream).await;
+    let through_proxy: SharedStore = Arc::new(connect(&proxy.url()).await);
+    let direct = store(Backend::Redis).await;
+    let key = direct.key("outage");
+    let locks = Lock::new(through_proxy, Duration::from_secs(60)).wait(Duration::from_secs(10));
+
+    proxy.chaos(1000, 0, 1);
+    assert!(matches!(
+        locks.lock(key.clone()).await,
+        Err(Error::Store(_))
+    ));
+    proxy.calm();
+    let guard = locks
+        .try_lock(key.clone())
+        .await
+        .unwrap()
+        .expect("the failed lock left the key held");
+
+    proxy.chaos(1000, 0, 2);
+    assert!(matches!(guard.unlock().await, Err(Error::Store(_))));
+    proxy.calm();
+    let others =
+        Lock::new(direct.store.clone(), Duration::from_secs(60)).wait(Duration::from_secs(20));
+    let started = tokio::time::Instant::now();
+    let next = others.lock(key).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert!(next.unlock().await.unwrap());
+    assert!(proxy.cut() > 0);
 }

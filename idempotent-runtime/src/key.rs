@@ -375,11 +375,27 @@ fn push_decimal(out: &mut Vec<u8>, n: u64) {
 }
 
 pub(crate) fn push_hex(out: &mut Vec<u8>, bytes: &[u8]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     for b in bytes {
         out.push(HEX[usize::from(b >> 4)]);
         out.push(HEX[usize::from(b & 0x0f)]);
     }
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// `bytes` as lowercase hex.
+#[cfg(any(
+    feature = "http",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite"
+))]
+pub(crate) fn hex_string(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .flat_map(|b| [HEX[usize::from(b >> 4)], HEX[usize::from(b & 0x0f)]])
+        .map(char::from)
+        .collect()
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::engine::decide::{decide, Busy, Next, Waiting};
+use crate::engine::operation::unwrap_req;
 use crate::engine::owner::{Claimed, Owner, PendingClaim};
 use crate::engine::watch::watch;
 use crate::error::Error;
@@ -131,8 +132,8 @@ impl Lock {
             let claim = PendingClaim::new(&self.store, &req).await?;
             match decide(claim, policy, &mut waiting) {
                 Next::Run { fence } => {
-                    let req = Arc::try_unwrap(req).unwrap_or_else(|shared| (*shared).clone());
-                    let claimed = Arc::new(Claimed::new(self.store.clone(), req, fence, sent_at));
+                    let claimed = Claimed::new(self.store.clone(), unwrap_req(req), fence, sent_at);
+                    let claimed = Arc::new(claimed);
                     return Ok(LockGuard::new(claimed));
                 }
                 Next::Busy {

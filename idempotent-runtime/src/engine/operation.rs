@@ -406,7 +406,7 @@ where
 }
 
 /// The request back out of its `Arc` once no claim round trip holds it (a clone otherwise).
-fn unwrap_req(req: Arc<ClaimRequest>) -> ClaimRequest {
+pub(crate) fn unwrap_req(req: Arc<ClaimRequest>) -> ClaimRequest {
     Arc::try_unwrap(req).unwrap_or_else(|shared| (*shared).clone())
 }
 

@@ -22,7 +22,7 @@ use crate::http::body::{Body, BoxError};
 use crate::http::key::{self, KeyHeader};
 use crate::http::stored::{storable, Stored};
 use crate::http::{Config, Problem, Replayed, Storage, REPLAYED};
-use crate::key::Key;
+use crate::key::{hex_string, Key};
 use crate::store::Fingerprint;
 
 /// The service [`IdempotencyLayer`](crate::http::IdempotencyLayer) wraps around `S`.
@@ -239,7 +239,7 @@ where
         Some(custom) => custom(&parts, &bytes),
         None => fingerprint(&parts, &bytes),
     };
-    let scope = hex(&Sha256::digest(scope.as_bytes())[..16]);
+    let scope = hex_string(&Sha256::digest(scope.as_bytes())[..16]);
     let key = Key::new(
         &config.prefix,
         1,
@@ -272,7 +272,11 @@ where
 }
 
 /// The request body, whole, or why not.
-async fn read_request<B>(parts: &Parts, body: B, max: usize) -> Result<Bytes, (Problem, String)>
+pub(crate) async fn read_request<B>(
+    parts: &Parts,
+    body: B,
+    max: usize,
+) -> Result<Bytes, (Problem, String)>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -315,14 +319,6 @@ fn fingerprint(parts: &Parts, body: &[u8]) -> Fingerprint {
     let mut first = [0u8; 16];
     first.copy_from_slice(&digest[..16]);
     Fingerprint::from_bytes(first)
-}
-
-fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write;
-    bytes.iter().fold(String::with_capacity(32), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
 }
 
 /// Claims the key and runs the inner service under it; the engine completes the key with

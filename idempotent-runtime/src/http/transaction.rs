@@ -12,7 +12,9 @@ use http::{Request, Response};
 use crate::codec;
 use crate::engine::{run_bound, BoundCall, Outcomes};
 use crate::http::body::{Body, BoxError};
-use crate::http::service::{answer, capture, prepare, reject, Failure, Guarded, Live, Prepared};
+use crate::http::service::{
+    answer, capture, prepare, read_request, reject, Failure, Guarded, Live, Prepared,
+};
 use crate::http::stored::Stored;
 use crate::http::{Config, IdempotencyLayer, Problem};
 use crate::store::sql::tx::InTx;
@@ -124,14 +126,15 @@ impl<DB: Dialect> InTransaction<DB> {
             Guarded::Pass(request) => {
                 // No key: the handler in a transaction of its own, nothing recorded.
                 let (parts, body) = request.into_parts();
-                let Ok(collected) = http_body_util::BodyExt::collect(body).await else {
-                    return reject(config, Problem::InvalidBody, "the body could not be read");
+                let bytes = match read_request(&parts, body, config.max_request_body).await {
+                    Ok(bytes) => bytes,
+                    Err((problem, detail)) => return reject(config, problem, &detail),
                 };
                 let mut tx = match self.store.pool().begin().await {
                     Ok(tx) => tx,
                     Err(err) => return unavailable(&err),
                 };
-                let response = handler(&mut *tx, parts, collected.to_bytes()).await;
+                let response = handler(&mut *tx, parts, bytes).await;
                 return match tx.commit().await {
                     Ok(()) => response.map(Body::stream),
                     Err(err) => unavailable(&err),

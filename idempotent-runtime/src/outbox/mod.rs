@@ -57,6 +57,7 @@ use std::time::Duration;
 use sqlx::{PgPool, Postgres, Transaction};
 
 use crate::error::{StoreError, StoreErrorKind};
+use crate::key::hex_string;
 use crate::store::sql::table::TableName;
 use crate::store::Token;
 
@@ -74,13 +75,7 @@ pub struct MessageId(String);
 impl MessageId {
     /// A fresh id (a per-process random salt and a counter, like a [`Token`]).
     pub fn generate() -> MessageId {
-        let token = Token::generate();
-        let mut hex = String::with_capacity(32);
-        for byte in token.as_bytes() {
-            hex.push(char::from(HEX[usize::from(byte >> 4)]));
-            hex.push(char::from(HEX[usize::from(byte & 0xf)]));
-        }
-        MessageId(hex)
+        MessageId(hex_string(Token::generate().as_bytes()))
     }
 
     /// An id as read back from the table or a message.
@@ -93,8 +88,6 @@ impl MessageId {
         &self.0
     }
 }
-
-const HEX: &[u8; 16] = b"0123456789abcdef";
 
 impl fmt::Display for MessageId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

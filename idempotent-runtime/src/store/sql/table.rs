@@ -124,9 +124,7 @@ fn derived(table: &str, suffix: &str) -> String {
         return name;
     }
     let digest = Sha256::digest(table.as_bytes());
-    let mut hex = Vec::with_capacity(16);
-    crate::key::push_hex(&mut hex, &digest[..8]);
-    let hex = String::from_utf8_lossy(&hex);
+    let hex = crate::key::hex_string(&digest[..8]);
     let keep = MAX_IDENT - suffix.len() - hex.len() - 1;
     format!("{}_{hex}{suffix}", &table[..keep])
 }
