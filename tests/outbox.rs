@@ -1,19 +1,24 @@
-//! The transactional outbox on PostgreSQL, published to a real RabbitMQ (publisher confirms)
-//! and a real NATS JetStream: commit and rollback, the outbox id as the message id, relays in
-//! parallel, retries, dead-lettering and the operator API, the wake-up on commit, purging.
+//! The transactional outbox on PostgreSQL, MariaDB and SQLite, published to a real RabbitMQ
+//! (publisher confirms) and a real NATS JetStream: commit and rollback, the outbox id as the
+//! message id, relays in parallel, retries, dead-lettering and the operator API, the wake-up
+//! on commit, purging, and the outbox in the same transaction as an idempotency claim. Every
+//! case runs on every database (the `cases!` modules at the end).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "support/sql_tables.rs"]
 mod sql_tables;
 
+use std::any::Any;
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
-use idempotency::outbox::{self, Message, MessageId, Outbox, Relay};
-use idempotency::sql::sqlx::PgPool;
-use idempotency::Token;
+use idempotency::outbox::{self, Message, MessageId, Outbox, OutboxDialect, Relay};
+use idempotency::sql::sqlx::{self, MySqlPool, PgPool, SqlitePool};
+use idempotency::sql::SqlStore;
+use idempotency::{Error, Key, Token};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use sql_tables::{Scratch, Server};
@@ -35,15 +40,75 @@ async fn rabbitmq() -> lapin::Connection {
         })
 }
 
-/// An outbox in a table of its own, and its pool.
-async fn outbox() -> (Scratch, Outbox) {
+/// An outbox in a table of its own, and what removes it (tables, a database file) on drop.
+struct Fixture<DB: OutboxDialect> {
+    outbox: Outbox<DB>,
+    // The scratch tables of the outbox and of an idempotency store (or a database file).
+    _cleanup: Vec<Box<dyn Any>>,
+    records_table: String,
+}
+
+impl<DB: OutboxDialect> Fixture<DB> {
+    async fn new(pool: sqlx::Pool<DB>, table: &str, cleanup: Vec<Box<dyn Any>>) -> Self {
+        let outbox = Outbox::with_table(pool, table).unwrap();
+        outbox.create_table().await.unwrap();
+        // A second time is harmless.
+        outbox.create_table().await.unwrap();
+        Fixture {
+            outbox,
+            _cleanup: cleanup,
+            records_table: format!("{table}_r"),
+        }
+    }
+}
+
+async fn postgres() -> Fixture<sqlx::Postgres> {
     let table = Scratch::table(Server::Postgres);
+    let records = Scratch::table(Server::Postgres);
     let pool = PgPool::connect(table.url()).await.unwrap();
-    let outbox = Outbox::with_table(pool, table.name()).unwrap();
-    outbox.create_table().await.unwrap();
-    // A second time is harmless.
-    outbox.create_table().await.unwrap();
-    (table, outbox)
+    let name = table.name().to_string();
+    let mut fixture = Fixture::new(pool, &name, vec![Box::new(table)]).await;
+    fixture.records_table = records.name().to_string();
+    fixture._cleanup.push(Box::new(records));
+    fixture
+}
+
+async fn mariadb() -> Fixture<sqlx::MySql> {
+    let table = Scratch::table(Server::MySql);
+    let records = Scratch::table(Server::MySql);
+    let pool = MySqlPool::connect(table.url()).await.unwrap();
+    let name = table.name().to_string();
+    let mut fixture = Fixture::new(pool, &name, vec![Box::new(table)]).await;
+    fixture.records_table = records.name().to_string();
+    fixture._cleanup.push(Box::new(records));
+    fixture
+}
+
+/// A database file in the temporary directory, removed (with its journal files) on drop.
+struct TempFile(std::path::PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm", "-journal"] {
+            let mut path = self.0.clone().into_os_string();
+            path.push(suffix);
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+async fn sqlite() -> Fixture<sqlx::Sqlite> {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let file = TempFile(std::env::temp_dir().join(format!(
+        "{}-{}-{}.db",
+        unique("outbox"),
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )));
+    let pool = SqlitePool::connect(&format!("sqlite:{}?mode=rwc", file.0.display()))
+        .await
+        .unwrap();
+    Fixture::new(pool, "outbox", vec![Box::new(file)]).await
 }
 
 /// A RabbitMQ queue of the test's own (deleted on drop), and a publisher routing to it.
@@ -92,13 +157,15 @@ impl Queue {
     }
 }
 
-async fn enqueue(outbox: &Outbox, messages: &[Message]) -> Vec<MessageId> {
+/// Enqueues `messages` in one transaction and commits it through the outbox (which wakes
+/// this process's relays on every database).
+async fn enqueue<DB: OutboxDialect>(outbox: &Outbox<DB>, messages: &[Message]) -> Vec<MessageId> {
     let mut tx = outbox.pool().begin().await.unwrap();
     let mut ids = Vec::new();
     for message in messages {
         ids.push(outbox.enqueue(&mut tx, message).await.unwrap());
     }
-    tx.commit().await.unwrap();
+    outbox.commit(tx).await.unwrap();
     ids
 }
 
@@ -113,18 +180,20 @@ fn order(n: u32, destination: &str) -> Message {
     .header("tenant", "acme")
 }
 
+async fn publisher(conn: &lapin::Connection) -> outbox::rabbitmq::Publisher {
+    outbox::rabbitmq::Publisher::new(conn.create_channel().await.unwrap(), "")
+        .await
+        .unwrap()
+}
+
 /// A committed message is published once, with the outbox id as AMQP `message_id`, its event
 /// type as `type`, its headers and payload; the row is marked published, then purged.
-#[tokio::test]
-async fn a_committed_message_is_published_with_its_id() {
-    let (_table, outbox) = outbox().await;
+async fn a_committed_message_is_published_with_its_id<DB: OutboxDialect>(fixture: Fixture<DB>) {
+    let outbox = &fixture.outbox;
     let conn = rabbitmq().await;
     let queue = Queue::new(&conn).await;
-    let ids = enqueue(&outbox, &[order(1, &queue.name)]).await;
-    let publisher = outbox::rabbitmq::Publisher::new(conn.create_channel().await.unwrap(), "")
-        .await
-        .unwrap();
-    let relay = Relay::new(outbox.clone(), publisher);
+    let ids = enqueue(outbox, &[order(1, &queue.name)]).await;
+    let relay = Relay::new(outbox.clone(), publisher(&conn).await);
     let stats = relay.run_once().await.unwrap();
     assert_eq!((stats.claimed, stats.published, stats.failed), (1, 1, 0));
     assert_eq!(relay.run_once().await.unwrap().claimed, 0);
@@ -147,29 +216,37 @@ async fn a_committed_message_is_published_with_its_id() {
         headers.inner().get("tenant"),
         Some(AMQPValue::LongString(value)) if value.to_string() == "acme"
     ));
+    let stored = outbox.get(&ids[0]).await.unwrap().expect("the row");
+    assert_eq!(stored.aggregate_id, "A-1");
+    assert_eq!(stored.attempts, 1);
     let counts = outbox.counts().await.unwrap();
     assert_eq!((counts.pending, counts.published, counts.dead), (0, 1, 0));
+    assert_eq!(
+        outbox
+            .purge_published(Duration::from_secs(3600), 100)
+            .await
+            .unwrap(),
+        0,
+        "published just now"
+    );
     assert_eq!(
         outbox.purge_published(Duration::ZERO, 100).await.unwrap(),
         1
     );
     assert_eq!(outbox.counts().await.unwrap().published, 0);
+    assert_eq!(outbox.get(&ids[0]).await.unwrap(), None);
     queue.delete().await;
 }
 
 /// A message enqueued in a transaction that rolls back never exists, so nothing is
 /// published.
-#[tokio::test]
-async fn a_rolled_back_message_is_never_published() {
-    let (_table, outbox) = outbox().await;
+async fn a_rolled_back_message_is_never_published<DB: OutboxDialect>(fixture: Fixture<DB>) {
+    let outbox = &fixture.outbox;
     let mut tx = outbox.pool().begin().await.unwrap();
     outbox.enqueue(&mut tx, &order(1, "nowhere")).await.unwrap();
     tx.rollback().await.unwrap();
     let conn = rabbitmq().await;
-    let publisher = outbox::rabbitmq::Publisher::new(conn.create_channel().await.unwrap(), "")
-        .await
-        .unwrap();
-    let stats = Relay::new(outbox.clone(), publisher)
+    let stats = Relay::new(outbox.clone(), publisher(&conn).await)
         .run_once()
         .await
         .unwrap();
@@ -179,9 +256,8 @@ async fn a_rolled_back_message_is_never_published() {
 
 /// Three relays drain 300 rows in parallel, in batches of 20: every message reaches the
 /// queue exactly once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn relays_in_parallel_publish_each_row_once() {
-    let (_table, outbox) = outbox().await;
+async fn relays_in_parallel_publish_each_row_once<DB: OutboxDialect>(fixture: Fixture<DB>) {
+    let outbox = &fixture.outbox;
     let conn = rabbitmq().await;
     let queue = Queue::new(&conn).await;
     let mut expected = HashSet::new();
@@ -189,14 +265,11 @@ async fn relays_in_parallel_publish_each_row_once() {
         let messages: Vec<_> = (0..30)
             .map(|n| order(chunk * 30 + n, &queue.name))
             .collect();
-        expected.extend(enqueue(&outbox, &messages).await);
+        expected.extend(enqueue(outbox, &messages).await);
     }
     let mut relays = Vec::new();
     for _ in 0..3 {
-        let publisher = outbox::rabbitmq::Publisher::new(conn.create_channel().await.unwrap(), "")
-            .await
-            .unwrap();
-        let relay = Relay::new(outbox.clone(), publisher).batch(20);
+        let relay = Relay::new(outbox.clone(), publisher(&conn).await).batch(20);
         relays.push(tokio::spawn(async move {
             let mut published = 0;
             loop {
@@ -239,16 +312,14 @@ async fn relays_in_parallel_publish_each_row_once() {
 /// A message no queue takes fails (mandatory publish, returned), is retried after its
 /// backoff, and goes dead at its last attempt; an operator retries it once the queue exists,
 /// and the next round publishes it. Discard removes a dead message.
-#[tokio::test]
-async fn failures_retry_then_go_dead_and_an_operator_retries() {
-    let (_table, outbox) = outbox().await;
+async fn failures_retry_then_go_dead_and_an_operator_retries<DB: OutboxDialect>(
+    fixture: Fixture<DB>,
+) {
+    let outbox = &fixture.outbox;
     let conn = rabbitmq().await;
     let missing = unique("outbox_missing");
-    let ids = enqueue(&outbox, &[order(1, &missing), order(2, &missing)]).await;
-    let publisher = outbox::rabbitmq::Publisher::new(conn.create_channel().await.unwrap(), "")
-        .await
-        .unwrap();
-    let relay = Relay::new(outbox.clone(), publisher)
+    let ids = enqueue(outbox, &[order(1, &missing), order(2, &missing)]).await;
+    let relay = Relay::new(outbox.clone(), publisher(&conn).await)
         .max_attempts(3)
         .backoff(Duration::ZERO, Duration::ZERO);
     for attempt in 1..=3 {
@@ -263,6 +334,11 @@ async fn failures_retry_then_go_dead_and_an_operator_retries() {
     assert!(
         dead[0].last_error.as_deref().unwrap().contains(&missing),
         "{dead:?}"
+    );
+    assert!(
+        (0.0..60.0).contains(&dead[0].age_seconds),
+        "{}",
+        dead[0].age_seconds
     );
 
     // The operator creates the queue and retries the first; discards the second.
@@ -303,17 +379,77 @@ async fn failures_retry_then_go_dead_and_an_operator_retries() {
     queue.delete().await;
 }
 
-/// `run` publishes a message as soon as its transaction commits (the notification), not at
-/// its next poll a minute later.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn run_publishes_on_commit() {
-    let (_table, outbox) = outbox().await;
+/// A relay whose broker never confirms stops waiting before its claim runs out (so no two
+/// relays ever publish a row at once), records the failed attempt with its token, and the
+/// row goes to the next relay, which publishes it once.
+async fn a_relay_that_stalls_gives_the_row_back_before_its_claim_ends<DB: OutboxDialect>(
+    fixture: Fixture<DB>,
+) {
+    let outbox = &fixture.outbox;
     let conn = rabbitmq().await;
     let queue = Queue::new(&conn).await;
-    let publisher = outbox::rabbitmq::Publisher::new(conn.create_channel().await.unwrap(), "")
+    let ids = enqueue(outbox, &[order(1, &queue.name)]).await;
+    let lease = Duration::from_millis(500);
+    let stalled = Relay::new(outbox.clone(), Stalled)
+        .lease(lease)
+        .backoff(Duration::ZERO, Duration::ZERO);
+    let started = tokio::time::Instant::now();
+    let stats = stalled.run_once().await.unwrap();
+    assert!(started.elapsed() < lease, "waited past its claim");
+    assert_eq!((stats.claimed, stats.published, stats.failed), (1, 0, 1));
+    let row = outbox.get(&ids[0]).await.unwrap().expect("the row");
+    assert_eq!(row.attempts, 1);
+
+    let stats = Relay::new(outbox.clone(), publisher(&conn).await)
+        .run_once()
         .await
         .unwrap();
-    let relay = Relay::new(outbox.clone(), publisher).poll(Duration::from_secs(60));
+    assert_eq!((stats.claimed, stats.published), (1, 1));
+    assert_eq!(outbox.get(&ids[0]).await.unwrap().unwrap().attempts, 2);
+    assert_eq!(queue.drain().await.len(), 1);
+    queue.delete().await;
+}
+
+/// A publisher whose broker never confirms.
+struct Stalled;
+
+impl outbox::Publisher for Stalled {
+    fn publish<'a>(
+        &'a self,
+        _message: &'a outbox::OutboxMessage,
+    ) -> idempotency::BoxFuture<'a, Result<(), outbox::PublishError>> {
+        Box::pin(std::future::pending())
+    }
+}
+
+/// `run` publishes a message as soon as its transaction commits through `Outbox::commit`,
+/// not at its next poll a minute later.
+async fn run_publishes_on_commit<DB: OutboxDialect>(fixture: Fixture<DB>) {
+    let outbox = &fixture.outbox;
+    let conn = rabbitmq().await;
+    let queue = Queue::new(&conn).await;
+    let relay = Relay::new(outbox.clone(), publisher(&conn).await).poll(Duration::from_secs(60));
+    let (stop, running) = spawn_run(relay);
+    // The first message may be taken by the relay's first round or by the wake-up; the
+    // second comes after that round, so only a wake-up can bring it before the poll.
+    for n in 1..=2 {
+        enqueue(outbox, &[order(n, &queue.name)]).await;
+        wait_published(outbox, u64::from(n)).await;
+    }
+    stop.send(()).unwrap();
+    let stats = running.await.unwrap();
+    assert_eq!(stats.published, 2);
+    assert_eq!(queue.drain().await.len(), 2);
+    queue.delete().await;
+}
+
+/// Runs `relay` in a task until the sender is used; the task returns the relay's stats.
+fn spawn_run<DB: OutboxDialect, P: outbox::Publisher + 'static>(
+    relay: Relay<DB, P>,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<outbox::RelayStats>,
+) {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(async move {
         relay
@@ -323,23 +459,150 @@ async fn run_publishes_on_commit() {
             .await
             .unwrap()
     });
-    // The first message may be taken by the relay's first round or by a notification; the
-    // second comes after that round, so only a notification can bring it before the poll.
-    for n in 1..=2 {
-        enqueue(&outbox, &[order(n, &queue.name)]).await;
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while outbox.counts().await.unwrap().published < u64::from(n) {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "message {n} not published"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    (stop, running)
+}
+
+async fn wait_published<DB: OutboxDialect>(outbox: &Outbox<DB>, n: u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while outbox.counts().await.unwrap().published < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "message {n} not published"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[derive(Debug)]
+enum AppError {
+    Idempotency(Error),
+    // Read through `Debug`, in a failing assertion's message.
+    #[allow(dead_code)]
+    Outbox(idempotency::StoreError),
+}
+
+impl From<Error> for AppError {
+    fn from(e: Error) -> Self {
+        AppError::Idempotency(e)
+    }
+}
+
+/// The idempotency claim, the business change (here: the message itself) and the message
+/// commit as one in `run_in_tx`: a duplicate of a committed operation enqueues nothing, and a
+/// rolled-back one leaves neither record nor message, so its retry enqueues once.
+async fn the_outbox_commits_with_the_idempotency_record<DB: OutboxDialect>(fixture: Fixture<DB>) {
+    let outbox = &fixture.outbox;
+    let store = SqlStore::from_pool(outbox.pool().clone())
+        .table(fixture.records_table.clone())
+        .build()
+        .await
+        .unwrap();
+    let ttl = Duration::from_secs(3600);
+    let attempt = |key: &str, commit: bool| {
+        let (store, outbox, key) = (&store, outbox, key.to_string());
+        async move {
+            let mut tx = outbox.pool().begin().await.unwrap();
+            let key = Key::new("order:create", 1, &[&key]).unwrap();
+            let out = store
+                .run_in_tx(&mut tx, key, ttl, async |conn| {
+                    outbox
+                        .enqueue(conn, &order(7, "orders"))
+                        .await
+                        .map_err(AppError::Outbox)
+                })
+                .await;
+            if commit && out.is_ok() {
+                outbox.commit(tx).await.unwrap();
+            } else {
+                tx.rollback().await.unwrap();
+            }
+            out
         }
+    };
+    // Rolled back: nothing remains, so the retry runs and enqueues once.
+    attempt("A-7", false).await.unwrap();
+    assert_eq!(outbox.counts().await.unwrap().pending, 0);
+    let id = attempt("A-7", true).await.unwrap();
+    assert!(outbox.get(&id).await.unwrap().is_some());
+    // A duplicate of the committed operation enqueues nothing.
+    match attempt("A-7", true).await {
+        Err(AppError::Idempotency(e)) if e.is_duplicate() => {}
+        other => panic!("expected a duplicate, got {other:?}"),
+    }
+    assert_eq!(outbox.counts().await.unwrap().pending, 1);
+}
+
+/// Every case, on one database.
+macro_rules! cases {
+    ($db:ident, $fixture:expr) => {
+        mod $db {
+            use super::*;
+
+            #[tokio::test]
+            async fn a_committed_message_is_published_with_its_id() {
+                super::a_committed_message_is_published_with_its_id($fixture).await;
+            }
+
+            #[tokio::test]
+            async fn a_rolled_back_message_is_never_published() {
+                super::a_rolled_back_message_is_never_published($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn relays_in_parallel_publish_each_row_once() {
+                super::relays_in_parallel_publish_each_row_once($fixture).await;
+            }
+
+            #[tokio::test]
+            async fn failures_retry_then_go_dead_and_an_operator_retries() {
+                super::failures_retry_then_go_dead_and_an_operator_retries($fixture).await;
+            }
+
+            #[tokio::test]
+            async fn a_relay_that_stalls_gives_the_row_back_before_its_claim_ends() {
+                super::a_relay_that_stalls_gives_the_row_back_before_its_claim_ends($fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn run_publishes_on_commit() {
+                super::run_publishes_on_commit($fixture).await;
+            }
+
+            #[tokio::test]
+            async fn the_outbox_commits_with_the_idempotency_record() {
+                super::the_outbox_commits_with_the_idempotency_record($fixture).await;
+            }
+        }
+    };
+}
+
+cases!(on_postgres, postgres().await);
+cases!(on_mariadb, mariadb().await);
+cases!(on_sqlite, sqlite().await);
+
+/// On PostgreSQL a plain `commit` wakes relays in any process (`NOTIFY` is delivered at
+/// commit): a relay that polls once a minute publishes within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_relays_are_notified_at_a_plain_commit() {
+    let fixture = postgres().await;
+    let outbox = &fixture.outbox;
+    let conn = rabbitmq().await;
+    let queue = Queue::new(&conn).await;
+    // A relay on an outbox value of its own: `Outbox::commit` on this one cannot wake it.
+    let relay_outbox = Outbox::with_table(outbox.pool().clone(), outbox.table()).unwrap();
+    let relay = Relay::new(relay_outbox, publisher(&conn).await).poll(Duration::from_secs(60));
+    let (stop, running) = spawn_run(relay);
+    for n in 1..=2 {
+        let mut tx = outbox.pool().begin().await.unwrap();
+        outbox
+            .enqueue(&mut tx, &order(n, &queue.name))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        wait_published(outbox, u64::from(n)).await;
     }
     stop.send(()).unwrap();
-    let stats = running.await.unwrap();
-    assert_eq!(stats.published, 2);
-    assert_eq!(queue.drain().await.len(), 2);
+    assert_eq!(running.await.unwrap().published, 2);
     queue.delete().await;
 }
 
@@ -348,7 +611,8 @@ async fn run_publishes_on_commit() {
 /// window.
 #[tokio::test]
 async fn jetstream_drops_a_republished_row() {
-    let (_table, outbox) = outbox().await;
+    let fixture = postgres().await;
+    let outbox = &fixture.outbox;
     let url = std::env::var("NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into());
     let client = async_nats::connect(&url)
         .await
@@ -364,7 +628,7 @@ async fn jetstream_drops_a_republished_row() {
         })
         .await
         .unwrap();
-    let ids = enqueue(&outbox, &[order(1, &subject)]).await;
+    let ids = enqueue(outbox, &[order(1, &subject)]).await;
     let publisher = outbox::nats::Publisher::new(js.clone());
     let relay = Relay::new(outbox.clone(), publisher.clone());
     assert_eq!(relay.run_once().await.unwrap().published, 1);

@@ -8,7 +8,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use idempotency::outbox::{Message, MessageId, Outbox};
+use idempotency::outbox::{Message, MessageId, PostgresOutbox};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 
@@ -102,7 +102,7 @@ impl Business {
     /// The order service: order `n` and its `order.created` message, in one transaction.
     pub(crate) async fn create_order(
         &self,
-        outbox: &Outbox,
+        outbox: &PostgresOutbox,
         n: u32,
         destination: &str,
     ) -> Result<MessageId, Box<dyn std::error::Error + Send + Sync>> {

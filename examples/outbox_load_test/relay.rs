@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use futures_util::StreamExt;
-use idempotency::outbox::{self, Outbox, OutboxMessage, PublishError, Publisher, Relay};
+use idempotency::outbox::{
+    self, Outbox, OutboxMessage, PostgresOutbox, PublishError, Publisher, Relay,
+};
 use idempotency::BoxFuture;
 use lapin::{Connection, ConnectionProperties};
 use sqlx::postgres::PgPoolOptions;
@@ -124,7 +126,7 @@ pub(crate) async fn run(setup: &Setup) -> Result<i32, BoxError> {
 }
 
 async fn relay<P: Publisher>(
-    outbox: Outbox,
+    outbox: PostgresOutbox,
     publisher: P,
     hold: Arc<AtomicBool>,
     mut stop: watch::Receiver<Stop>,

@@ -42,8 +42,11 @@ pub mod broker;
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http;
 
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite")))
+)]
 pub mod outbox;
 
 #[doc(hidden)]

@@ -28,20 +28,33 @@
 //!     .await?;
 //! let message = Message::new("order", "A-1001", "order.created", "orders.created", br#"{"id":"A-1001"}"#.to_vec());
 //! let id = outbox.enqueue(&mut tx, &message).await?;
-//! tx.commit().await?; // the order and its message, or neither
+//! outbox.commit(tx).await?; // the order and its message, or neither
 //! println!("message {id} will be published");
 //! # Ok(()) }
 //! ```
 //!
-//! PostgreSQL for now. The relay claims due rows with `FOR UPDATE SKIP LOCKED` and a claim
-//! token, so several relays share the work and never publish a row concurrently (each stops
-//! publishing its batch once its claim's lease is over); [`Outbox::enqueue`] notifies the
-//! relays (`LISTEN`/`NOTIFY`, delivered at commit) so a committed message is published at
-//! once, and the relays poll as a fallback.
+//! The outbox runs on PostgreSQL, MySQL / MariaDB and SQLite ([`PostgresOutbox`],
+//! [`MySqlOutbox`], [`SqliteOutbox`]), with the schema shipped in
+//! `migrations/outbox/<database>/` ([`Outbox::create_table`] applies it). Relays claim due
+//! rows with a claim token, so several relays share the work and never publish a row
+//! concurrently (each stops publishing its batch once its claim's lease is over): on
+//! PostgreSQL with `FOR UPDATE SKIP LOCKED`, elsewhere with an `UPDATE ... LIMIT` that writes
+//! the token, then a read by token. A committed message is published at once: on PostgreSQL
+//! [`Outbox::enqueue`] notifies relays in every process (`LISTEN`/`NOTIFY`, delivered at
+//! commit); on every database [`Outbox::commit`] wakes the relays of the same process. Relays
+//! poll as a fallback.
+//!
+//! The semantics are specified in `docs/semantics.md` ("Outbox").
 
+mod driver;
+#[cfg(feature = "mysql")]
+mod mysql;
+#[cfg(feature = "postgres")]
 mod postgres;
 mod publish;
 mod relay;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
@@ -54,13 +67,19 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use sqlx::{PgPool, Postgres, Transaction};
+use std::sync::Arc;
+
+use sqlx::{Pool, Transaction};
+use tokio::sync::watch;
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::hex_string;
+use crate::store::sql::error::{is_conflict, store_error, Phase};
 use crate::store::sql::table::TableName;
 use crate::store::Token;
+use driver::{Arg, OutboxStatements};
 
+pub use driver::OutboxDialect;
 pub use publish::{PublishError, Publisher};
 pub use relay::{Relay, RelayStats};
 
@@ -181,38 +200,67 @@ pub struct DeadMessage {
     pub age_seconds: f64,
 }
 
-/// An outbox table on a PostgreSQL pool: enqueue in transactions, operate on dead rows. The
-/// [`Relay`] publishes it.
-#[derive(Debug, Clone)]
-pub struct Outbox {
-    pool: PgPool,
+/// An outbox table on a sqlx pool of PostgreSQL, MySQL / MariaDB or SQLite: enqueue in
+/// transactions, operate on dead rows. The [`Relay`] publishes it. Cloning is cheap (the pool
+/// and the statements are shared).
+pub struct Outbox<DB: OutboxDialect> {
+    pool: Pool<DB>,
     table: TableName,
+    sql: Arc<OutboxStatements>,
+    // Wakes the relays of this process: bumped by `commit` and `wake`.
+    wake: Arc<watch::Sender<u64>>,
 }
 
-impl Outbox {
-    /// The outbox in the table `idempotent_outbox` of `pool`'s database.
-    pub fn new(pool: PgPool) -> Outbox {
+impl<DB: OutboxDialect> Clone for Outbox<DB> {
+    fn clone(&self) -> Self {
         Outbox {
-            pool,
-            table: TableName::parse(DEFAULT_TABLE, true, "PostgreSQL")
-                .unwrap_or_else(|_| unreachable!("the default table name is valid")),
+            pool: self.pool.clone(),
+            table: self.table.clone(),
+            sql: self.sql.clone(),
+            wake: self.wake.clone(),
         }
     }
+}
 
-    /// The outbox in `table` (`[A-Za-z_][A-Za-z0-9_]{0,62}`, optionally `schema.table`).
+impl<DB: OutboxDialect> fmt::Debug for Outbox<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox")
+            .field("database", &DB::NAME)
+            .field("table", &self.table.as_str())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: OutboxDialect> Outbox<DB> {
+    /// The outbox in the table `idempotent_outbox` of `pool`'s database.
+    pub fn new(pool: Pool<DB>) -> Outbox<DB> {
+        let table = TableName::parse(DEFAULT_TABLE, DB::SCHEMA_QUALIFIED, DB::NAME)
+            .unwrap_or_else(|_| unreachable!("the default table name is valid"));
+        Outbox::build(pool, table)
+    }
+
+    /// The outbox in `table` (`[A-Za-z_][A-Za-z0-9_]{0,62}`, or `schema.table` on
+    /// PostgreSQL).
     ///
     /// # Errors
     ///
     /// [`StoreErrorKind::Unsafe`] for any other name: it is written into SQL text.
-    pub fn with_table(pool: PgPool, table: &str) -> Result<Outbox, StoreError> {
-        Ok(Outbox {
+    pub fn with_table(pool: Pool<DB>, table: &str) -> Result<Outbox<DB>, StoreError> {
+        let table = TableName::parse(table, DB::SCHEMA_QUALIFIED, DB::NAME)?;
+        Ok(Outbox::build(pool, table))
+    }
+
+    fn build(pool: Pool<DB>, table: TableName) -> Outbox<DB> {
+        Outbox {
+            sql: Arc::new(OutboxStatements::render(&DB::OUTBOX, &table)),
             pool,
-            table: TableName::parse(table, true, "PostgreSQL")?,
-        })
+            table,
+            wake: Arc::new(watch::Sender::new(0)),
+        }
     }
 
     /// The pool.
-    pub fn pool(&self) -> &PgPool {
+    pub fn pool(&self) -> &Pool<DB> {
         &self.pool
     }
 
@@ -221,27 +269,47 @@ impl Outbox {
         self.table.as_str()
     }
 
-    /// The channel `enqueue` notifies and relays listen on: the table's name.
+    /// The channel `enqueue` notifies and relays listen on (PostgreSQL): the table's name.
     pub(crate) fn channel(&self) -> &str {
         self.table.as_str()
     }
 
+    pub(crate) fn statements(&self) -> &OutboxStatements {
+        &self.sql
+    }
+
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.wake.subscribe()
+    }
+
     /// Creates the table and its indexes when missing (the shipped file
-    /// `migrations/outbox/postgres/0001_create_idempotent_outbox.sql`, for the configured
-    /// name).
+    /// `migrations/outbox/<database>/0001_create_idempotent_outbox.sql`, for the configured
+    /// name; `<database>` is `postgres`, `mysql` or `sqlite`).
     ///
     /// # Errors
     ///
     /// [`StoreError`] when the database refuses or does not answer.
     pub async fn create_table(&self) -> Result<(), StoreError> {
-        postgres::create_table(&self.pool, &self.table)
+        let mut conn = self.pool.acquire().await.map_err(db_error::<DB>)?;
+        if let Some(schema) = self.table.schema() {
+            let sql = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
+            DB::create(&mut *conn, &sql).await.map_err(db_error::<DB>)?;
+        }
+        DB::create(&mut *conn, &self.sql.create)
             .await
-            .map_err(db_error)
+            .map_err(db_error::<DB>)
     }
 
-    /// Writes `message` in the caller's transaction `tx` and returns its id. The message is
-    /// published after `tx` commits, never if it rolls back. Relays listening on the table
-    /// are notified at commit.
+    /// Writes `message` on `conn`, the caller's open transaction, and returns its id. The
+    /// message is published after the transaction commits, never if it rolls back. Pass
+    /// `&mut tx` for a sqlx [`Transaction`], or the connection that
+    /// [`SqlStore::run_in_tx`](crate::sql::SqlStore::run_in_tx) hands its body, so the
+    /// idempotency record, the business change and the message commit as one.
+    ///
+    /// On PostgreSQL relays in every process are notified when the transaction commits
+    /// (`NOTIFY`); on MySQL and SQLite, commit with [`commit`](Outbox::commit) (or call
+    /// [`wake`](Outbox::wake) after committing) to wake this process's relays at once;
+    /// relays elsewhere find the message at their next poll.
     ///
     /// # Errors
     ///
@@ -249,24 +317,47 @@ impl Outbox {
     /// back).
     pub async fn enqueue(
         &self,
-        tx: &mut Transaction<'_, Postgres>,
+        conn: &mut DB::Connection,
         message: &Message,
     ) -> Result<MessageId, StoreError> {
         let id = MessageId::generate();
         let headers = serde_json::to_string(&message.headers).map_err(|e| {
             StoreError::new(StoreErrorKind::Rejected, format!("message headers: {e}"))
         })?;
-        postgres::enqueue(
-            &mut *tx,
-            &self.table,
-            self.channel(),
-            &id,
-            message,
-            &headers,
-        )
-        .await
-        .map_err(db_error)?;
+        let mut args = vec![
+            Arg::Text(id.as_str()),
+            Arg::Text(&message.aggregate_type),
+            Arg::Text(&message.aggregate_id),
+            Arg::Text(&message.event_type),
+            Arg::Text(&message.destination),
+            Arg::Bytes(&message.payload),
+            Arg::Text(&headers),
+        ];
+        if DB::NOTIFIES {
+            args.push(Arg::Text(self.channel()));
+        }
+        DB::exec(conn, &self.sql.enqueue, &args)
+            .await
+            .map_err(db_error::<DB>)?;
         Ok(id)
+    }
+
+    /// Commits `tx` and wakes this process's relays: the message is published at once, on
+    /// every database.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError`] when the commit fails (nothing was enqueued then).
+    pub async fn commit(&self, tx: Transaction<'_, DB>) -> Result<(), StoreError> {
+        tx.commit().await.map_err(db_error::<DB>)?;
+        self.wake();
+        Ok(())
+    }
+
+    /// Wakes this process's relays: call it after committing a transaction that enqueued
+    /// (not needed on PostgreSQL, whose relays are notified at commit).
+    pub fn wake(&self) {
+        self.wake.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// The message `id`, whatever its state (`None` once purged or discarded, or for an id
@@ -276,9 +367,11 @@ impl Outbox {
     ///
     /// [`StoreError`] when the query fails.
     pub async fn get(&self, id: &MessageId) -> Result<Option<OutboxMessage>, StoreError> {
-        postgres::get(&self.pool, &self.table, id)
+        let mut conn = self.pool.acquire().await.map_err(db_error::<DB>)?;
+        let mut rows = DB::messages(&mut *conn, &self.sql.get, &[Arg::Text(id.as_str())])
             .await
-            .map_err(db_error)
+            .map_err(db_error::<DB>)?;
+        Ok(rows.pop())
     }
 
     /// Messages that went `dead` (their attempts ran out), oldest first, at most `limit`.
@@ -287,9 +380,10 @@ impl Outbox {
     ///
     /// [`StoreError`] when the query fails.
     pub async fn dead(&self, limit: u32) -> Result<Vec<DeadMessage>, StoreError> {
-        postgres::dead(&self.pool, &self.table, limit)
+        let mut conn = self.pool.acquire().await.map_err(db_error::<DB>)?;
+        DB::dead(&mut *conn, &self.sql.dead, &[Arg::Int(i64::from(limit))])
             .await
-            .map_err(db_error)
+            .map_err(db_error::<DB>)
     }
 
     /// Puts a dead message back in the queue with its attempts reset: `true` when `id` was
@@ -299,9 +393,14 @@ impl Outbox {
     ///
     /// [`StoreError`] when the statement fails.
     pub async fn retry(&self, id: &MessageId) -> Result<bool, StoreError> {
-        postgres::retry(&self.pool, &self.table, id)
-            .await
-            .map_err(db_error)
+        let done = self
+            .exec(&self.sql.retry, &[Arg::Text(id.as_str())])
+            .await?
+            == 1;
+        if done {
+            self.wake();
+        }
+        Ok(done)
     }
 
     /// Deletes a dead message: `true` when `id` was dead.
@@ -310,9 +409,10 @@ impl Outbox {
     ///
     /// [`StoreError`] when the statement fails.
     pub async fn discard(&self, id: &MessageId) -> Result<bool, StoreError> {
-        postgres::discard(&self.pool, &self.table, id)
-            .await
-            .map_err(db_error)
+        Ok(self
+            .exec(&self.sql.discard, &[Arg::Text(id.as_str())])
+            .await?
+            == 1)
     }
 
     /// Deletes at most `limit` messages published more than `older_than` ago; returns how
@@ -326,9 +426,12 @@ impl Outbox {
         older_than: Duration,
         limit: u32,
     ) -> Result<u64, StoreError> {
-        postgres::purge_published(&self.pool, &self.table, older_than, limit)
-            .await
-            .map_err(db_error)
+        let older = driver::ticks::<DB>(older_than);
+        self.exec(
+            &self.sql.purge,
+            &[Arg::Int(older), Arg::Int(i64::from(limit))],
+        )
+        .await
     }
 
     /// How many messages are `pending`, `published` and `dead`.
@@ -337,11 +440,49 @@ impl Outbox {
     ///
     /// [`StoreError`] when the query fails.
     pub async fn counts(&self) -> Result<OutboxCounts, StoreError> {
-        postgres::counts(&self.pool, &self.table)
+        let mut conn = self.pool.acquire().await.map_err(db_error::<DB>)?;
+        DB::counts(&mut *conn, &self.sql.counts)
             .await
-            .map_err(db_error)
+            .map_err(db_error::<DB>)
+    }
+
+    /// Executes an autocommit statement on the pool, sent again (a few times) when a
+    /// conflict rolled it back.
+    pub(crate) async fn exec(&self, sql: &str, args: &[Arg<'_>]) -> Result<u64, StoreError> {
+        let mut attempt = 0;
+        loop {
+            let mut conn = self.pool.acquire().await.map_err(db_error::<DB>)?;
+            match DB::exec(&mut *conn, sql, args).await {
+                Ok(rows) => return Ok(rows),
+                Err(err) if attempt < CONFLICT_RETRIES && is_conflict::<DB>(&err) => {
+                    attempt += 1;
+                    drop(conn);
+                    tokio::time::sleep(Duration::from_millis(2 << attempt)).await;
+                }
+                Err(err) => return Err(db_error::<DB>(err)),
+            }
+        }
     }
 }
+
+/// The outbox on PostgreSQL.
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub type PostgresOutbox = Outbox<sqlx::Postgres>;
+
+/// The outbox on MySQL or MariaDB.
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub type MySqlOutbox = Outbox<sqlx::MySql>;
+
+/// The outbox on SQLite.
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub type SqliteOutbox = Outbox<sqlx::Sqlite>;
+
+/// How often an autocommit outbox statement rolled back by a conflict (a deadlock, a lock
+/// wait timeout, a busy SQLite database) is sent again.
+const CONFLICT_RETRIES: u32 = 4;
 
 /// Rows of an outbox by state ([`Outbox::counts`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -355,7 +496,6 @@ pub struct OutboxCounts {
     pub dead: u64,
 }
 
-fn db_error(err: sqlx::Error) -> StoreError {
-    use crate::store::sql::error::{store_error, Phase};
-    store_error::<Postgres>(err, Phase::Write, "outbox statement")
+fn db_error<DB: OutboxDialect>(err: sqlx::Error) -> StoreError {
+    store_error::<DB>(err, Phase::Write, "outbox statement")
 }

@@ -12,8 +12,8 @@ use crate::store::BoxFuture;
 /// `Outbox-Event-Type`, and the headers.
 ///
 /// ```no_run
-/// use idempotent_runtime::outbox::{nats, Outbox, Relay};
-/// # async fn f(client: async_nats::Client, outbox: Outbox) {
+/// use idempotent_runtime::outbox::{nats, Outbox, OutboxDialect, Relay};
+/// # async fn f<DB: OutboxDialect>(client: async_nats::Client, outbox: Outbox<DB>) {
 /// let relay = Relay::new(outbox, nats::Publisher::new(async_nats::jetstream::new(client)));
 /// # }
 /// ```

@@ -15,8 +15,8 @@ use crate::store::BoxFuture;
 /// resolves once the broker acknowledged it.
 ///
 /// ```no_run
-/// use idempotent_runtime::outbox::{rabbitmq, Outbox, Relay};
-/// # async fn f(conn: lapin::Connection, outbox: Outbox) -> Result<(), Box<dyn std::error::Error>> {
+/// use idempotent_runtime::outbox::{rabbitmq, Outbox, OutboxDialect, Relay};
+/// # async fn f<DB: OutboxDialect>(conn: lapin::Connection, outbox: Outbox<DB>) -> Result<(), Box<dyn std::error::Error>> {
 /// let publisher = rabbitmq::Publisher::new(conn.create_channel().await?, "orders").await?;
 /// let relay = Relay::new(outbox, publisher);
 /// # Ok(()) }

@@ -3,12 +3,12 @@
 use std::future::Future;
 use std::time::Duration;
 
-use sqlx::postgres::PgListener;
 use tokio::time::Instant;
 
 use crate::error::StoreError;
+use crate::outbox::driver::{self, Arg, Listener};
 use crate::outbox::publish::Publisher;
-use crate::outbox::{db_error, postgres, Outbox};
+use crate::outbox::{db_error, Outbox, OutboxDialect, OutboxMessage};
 use crate::store::Token;
 
 /// What a relay did ([`Relay::run_once`], [`Relay::run`]).
@@ -41,7 +41,9 @@ impl RelayStats {
 /// Publishes an [`Outbox`]'s committed rows through a [`Publisher`].
 ///
 /// Each round claims at most [`batch`](Relay::batch) due rows with a fresh token for
-/// [`lease`](Relay::lease) (`FOR UPDATE SKIP LOCKED`: other relays take other rows), publishes
+/// [`lease`](Relay::lease) (PostgreSQL: `FOR UPDATE SKIP LOCKED`; MySQL and SQLite: an
+/// `UPDATE` that writes the token on the rows it takes; either way other relays take other
+/// rows), publishes
 /// them in order and marks each published once the broker confirmed it, only while its claim
 /// holds. It stops publishing a batch before the lease runs out, so no two relays ever
 /// publish a row at the same time. A failed publication is retried after a backoff (1 s,
@@ -51,7 +53,7 @@ impl RelayStats {
 /// ```no_run
 /// use std::time::Duration;
 /// use idempotent_runtime::outbox::{Outbox, Relay};
-/// # async fn f(outbox: Outbox, publisher: impl idempotent_runtime::outbox::Publisher) -> Result<(), idempotent_runtime::StoreError> {
+/// # async fn f(outbox: Outbox<idempotent_runtime::sql::sqlx::Postgres>, publisher: impl idempotent_runtime::outbox::Publisher) -> Result<(), idempotent_runtime::StoreError> {
 /// let relay = Relay::new(outbox, publisher).max_attempts(8);
 /// let stop = async { let _ = tokio::signal::ctrl_c().await; };
 /// let stats = relay.run(stop).await?;
@@ -59,8 +61,8 @@ impl RelayStats {
 /// # Ok(()) }
 /// ```
 #[derive(Debug)]
-pub struct Relay<P> {
-    outbox: Outbox,
+pub struct Relay<DB: OutboxDialect, P> {
+    outbox: Outbox<DB>,
     publisher: P,
     batch: u32,
     lease: Duration,
@@ -70,10 +72,10 @@ pub struct Relay<P> {
     poll: Duration,
 }
 
-impl<P: Publisher> Relay<P> {
+impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
     /// A relay of `outbox` through `publisher`: batches of 100, a 30 s claim, 10 attempts,
     /// polling every second besides the notifications.
-    pub fn new(outbox: Outbox, publisher: P) -> Relay<P> {
+    pub fn new(outbox: Outbox<DB>, publisher: P) -> Relay<DB, P> {
         Relay {
             outbox,
             publisher,
@@ -119,7 +121,7 @@ impl<P: Publisher> Relay<P> {
     }
 
     /// The outbox.
-    pub fn outbox(&self) -> &Outbox {
+    pub fn outbox(&self) -> &Outbox<DB> {
         &self.outbox
     }
 
@@ -139,15 +141,7 @@ impl<P: Publisher> Relay<P> {
     pub async fn run_once(&self) -> Result<RelayStats, StoreError> {
         let token = Token::generate();
         let claimed_at = Instant::now();
-        let rows = postgres::claim(
-            self.outbox.pool(),
-            &self.outbox.table,
-            &token,
-            self.lease,
-            self.batch,
-        )
-        .await
-        .map_err(db_error)?;
+        let rows = self.claim(&token).await?;
         // Stop a tenth of the lease early: the claim is counted on the database's clock.
         let publish_until = claimed_at + self.lease - self.lease / 10;
         let mut stats = RelayStats {
@@ -163,16 +157,16 @@ impl<P: Publisher> Relay<P> {
             let published = tokio::time::timeout(left, self.publisher.publish(row)).await;
             let error = match published {
                 Ok(Ok(())) => {
-                    match postgres::published(
-                        self.outbox.pool(),
-                        &self.outbox.table,
-                        &row.id,
-                        &token,
-                    )
-                    .await
-                    {
-                        Ok(true) => stats.published += 1,
-                        Ok(false) => {
+                    let marked = self
+                        .outbox
+                        .exec(
+                            &self.outbox.statements().published,
+                            &[Arg::Text(row.id.as_str()), Arg::Bytes(token.as_bytes())],
+                        )
+                        .await;
+                    match marked {
+                        Ok(1) => stats.published += 1,
+                        Ok(_) => {
                             tracing::warn!(id = %row.id, "published, but the claim had run out; it will be published again");
                             stats.unmarked += 1;
                         }
@@ -194,27 +188,57 @@ impl<P: Publisher> Relay<P> {
             } else {
                 tracing::warn!(id = %row.id, attempts = row.attempts, error, "publication failed; retrying later");
             }
-            if let Err(err) = postgres::failed(
-                self.outbox.pool(),
-                &self.outbox.table,
-                &row.id,
-                &token,
-                &error,
-                self.max_attempts,
-                self.backoff_after(row.attempts),
-            )
-            .await
-            {
+            let recorded = self
+                .outbox
+                .exec(
+                    &self.outbox.statements().failed,
+                    &[
+                        Arg::Text(&error),
+                        Arg::Int(i64::from(self.max_attempts)),
+                        Arg::Int(driver::ticks::<DB>(self.backoff_after(row.attempts))),
+                        Arg::Text(row.id.as_str()),
+                        Arg::Bytes(token.as_bytes()),
+                    ],
+                )
+                .await;
+            if let Err(err) = recorded {
                 tracing::warn!(id = %row.id, error = %err, "failed attempt not recorded; the claim will run out");
             }
         }
         Ok(stats)
     }
 
+    /// Claims at most a batch of due rows for `token`, counting an attempt on each, oldest
+    /// first.
+    async fn claim(&self, token: &Token) -> Result<Vec<OutboxMessage>, StoreError> {
+        let sql = self.outbox.statements();
+        let claim = [
+            Arg::Bytes(token.as_bytes()),
+            Arg::Int(driver::ticks::<DB>(self.lease)),
+            Arg::Int(i64::from(self.batch)),
+        ];
+        if sql.claimed.is_empty() {
+            let mut conn = self.outbox.pool().acquire().await.map_err(db_error::<DB>)?;
+            return DB::messages(&mut *conn, &sql.claim, &claim)
+                .await
+                .map_err(db_error::<DB>);
+        }
+        if self.outbox.exec(&sql.claim, &claim).await? == 0 {
+            return Ok(Vec::new());
+        }
+        // The rows carry the token until they are marked or the claim runs out; if this read
+        // fails, they wait for the lease and are claimed again.
+        let mut conn = self.outbox.pool().acquire().await.map_err(db_error::<DB>)?;
+        DB::messages(&mut *conn, &sql.claimed, &[Arg::Bytes(token.as_bytes())])
+            .await
+            .map_err(db_error::<DB>)
+    }
+
     /// Publishes until `stop` resolves: a round whenever a transaction that enqueued commits
-    /// (`LISTEN`/`NOTIFY`), at once again while rounds come back full, and every
-    /// [`poll`](Relay::poll) interval otherwise. A round that fails (the database is down) is
-    /// logged and tried again at the next interval.
+    /// (on PostgreSQL `LISTEN`/`NOTIFY`, from any process; on every database
+    /// [`Outbox::commit`] and [`Outbox::wake`] in this process), at once again while rounds
+    /// come back full, and every [`poll`](Relay::poll) interval otherwise. A round that fails
+    /// (the database is down) is logged and tried again at the next interval.
     ///
     /// # Errors
     ///
@@ -222,8 +246,11 @@ impl<P: Publisher> Relay<P> {
     pub async fn run(&self, stop: impl Future<Output = ()>) -> Result<RelayStats, StoreError> {
         let mut stop = std::pin::pin!(stop);
         let mut total = RelayStats::default();
+        let mut local = self.outbox.subscribe();
         let mut listener = self.listen().await;
         loop {
+            // A wake-up that comes during the round is kept for the next wait.
+            local.mark_unchanged();
             let full = match self.run_once().await {
                 Ok(stats) => {
                     total.add(stats);
@@ -237,38 +264,34 @@ impl<P: Publisher> Relay<P> {
             if full {
                 continue;
             }
-            let woken = async {
+            let notified = async {
                 match listener.as_mut() {
                     Some(listening) => {
-                        match tokio::time::timeout(self.poll, listening.recv()).await {
-                            Ok(Ok(_)) | Err(_) => {}
-                            Ok(Err(err)) => {
-                                tracing::warn!(error = %err, "outbox notifications lost; polling");
-                                tokio::time::sleep(self.poll).await;
-                            }
+                        if let Err(err) = listening.recv().await {
+                            tracing::warn!(error = %err, "outbox notifications lost; polling");
+                            std::future::pending::<()>().await;
                         }
                     }
-                    None => tokio::time::sleep(self.poll).await,
+                    None => std::future::pending::<()>().await,
                 }
+            };
+            let woken = async {
+                // The sender lives in the outbox this relay holds: `changed` cannot fail.
+                let _ = local.changed().await;
             };
             tokio::select! {
                 biased;
                 () = &mut stop => return Ok(total),
+                () = notified => {}
                 () = woken => {}
+                () = tokio::time::sleep(self.poll) => {}
             }
         }
     }
 
-    async fn listen(&self) -> Option<PgListener> {
-        let mut listener = match PgListener::connect_with(self.outbox.pool()).await {
+    async fn listen(&self) -> Option<Box<dyn Listener>> {
+        match DB::listen(self.outbox.pool(), self.outbox.channel()).await {
             Ok(listener) => listener,
-            Err(err) => {
-                tracing::warn!(error = %err, "cannot listen for outbox notifications; polling");
-                return None;
-            }
-        };
-        match listener.listen(self.outbox.channel()).await {
-            Ok(()) => Some(listener),
             Err(err) => {
                 tracing::warn!(error = %err, "cannot listen for outbox notifications; polling");
                 None

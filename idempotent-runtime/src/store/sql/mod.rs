@@ -155,7 +155,7 @@ use crate::error::StoreErrorKind;
 use crate::store::{Claim, Store, MAX_DURATION, MIN_DURATION};
 
 mod builder;
-mod driver;
+pub(crate) mod driver;
 pub(crate) mod error;
 mod exec;
 mod failure;

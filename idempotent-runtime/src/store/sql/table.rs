@@ -74,12 +74,12 @@ impl TableName {
 
     /// The table's name followed by `suffix`, shortened with a hash to fit an identifier
     /// (unqualified: for indexes, which live in their table's schema).
-    #[cfg(feature = "postgres")]
     pub(crate) fn with_suffix(&self, suffix: &str) -> String {
         derived(&self.table, suffix)
     }
 
     /// The expiry index's name (unqualified: an index lives in its table's schema).
+    #[cfg(test)]
     pub(crate) fn expiry_index(&self) -> String {
         derived(&self.table, "_expires_at")
     }
@@ -87,7 +87,13 @@ impl TableName {
     /// A shipped template with `idempotent_records` (and the names derived from it) replaced
     /// by this table's names. Only whole identifiers are replaced.
     pub(crate) fn render(&self, template: &str) -> String {
-        let index = self.expiry_index();
+        self.render_for(template, DEFAULT_TABLE, &["_expires_at"])
+    }
+
+    /// `template` with the identifier `base` replaced by this table's name, and each
+    /// `base + suffix` by [`with_suffix`](TableName::with_suffix)`(suffix)`. Only whole
+    /// identifiers are replaced.
+    pub(crate) fn render_for(&self, template: &str, base: &str, suffixes: &[&str]) -> String {
         let mut out = String::with_capacity(template.len() + 64);
         let mut rest = template;
         while let Some(start) = rest.find(|c: char| c.is_ascii_alphabetic() || c == '_') {
@@ -96,11 +102,13 @@ impl TableName {
                 .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
                 .unwrap_or(rest.len() - start);
             let word = &rest[start..start + word_len];
-            out.push_str(match word {
-                "idempotent_records" => self.as_str(),
-                "idempotent_records_expires_at" => &index,
-                other => other,
-            });
+            match word.strip_prefix(base) {
+                Some("") => out.push_str(self.as_str()),
+                Some(suffix) if suffixes.contains(&suffix) => {
+                    out.push_str(&self.with_suffix(suffix));
+                }
+                _ => out.push_str(word),
+            }
             rest = &rest[start + word_len..];
         }
         out.push_str(rest);
