@@ -1,5 +1,5 @@
-//! `Lock` on every store: the memory store, the Redis at `IDEMPOTENT_REDIS_URL`, and
-//! PostgreSQL, MariaDB and SQLite. Contenders with real concurrency, exact counts, fences
+//! `Lock` on every store: the memory store, the Redis at `IDEMPOTENT_REDIS_URL`, a 3-master
+//! Redis Cluster the test starts, and PostgreSQL, MariaDB and SQLite. Contenders with real concurrency, exact counts, fences
 //! that only grow, a holder that stops renewing, and the watchdog that keeps a long critical
 //! section locked. (A paused holder refused by the fence, and a killed one, are in
 //! `tests/lock_fence.rs`.)
@@ -22,7 +22,7 @@ use idempotency::{
     Claim, ClaimRequest, Error, Key, Lock, MemoryStore, SharedStore, Store as _, Token,
 };
 use proxy::Proxy;
-use redis_server::{connect, delete_matching, redis_url};
+use redis_server::{connect, delete_matching, redis_url, RedisCluster};
 use sql_tables::{Scratch, Server};
 
 #[derive(Debug, Clone, Copy)]
@@ -112,38 +112,42 @@ async fn store(backend: Backend) -> Store {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn contenders_increment_a_counter_exactly() {
     for backend in BACKENDS {
-        let store = store(backend).await;
-        let locks =
-            Lock::new(store.store.clone(), Duration::from_secs(10)).wait(Duration::from_secs(120));
-        let key = store.key("counter");
-        let counter = Arc::new(AtomicU64::new(0));
-        let fences = Arc::new(Mutex::new(Vec::new()));
-        let tasks: Vec<_> = (0..50)
-            .map(|_| {
-                let (locks, key, counter, fences) =
-                    (locks.clone(), key.clone(), counter.clone(), fences.clone());
-                tokio::spawn(async move {
-                    let guard = locks.lock(key).await.unwrap();
-                    fences.lock().unwrap().push(guard.fence());
-                    let seen = counter.load(Ordering::SeqCst);
-                    tokio::task::yield_now().await;
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                    counter.store(seen + 1, Ordering::SeqCst);
-                    assert!(guard.unlock().await.unwrap(), "the lock was lost");
-                })
-            })
-            .collect();
-        for task in tasks {
-            task.await.unwrap();
-        }
-        assert_eq!(counter.load(Ordering::SeqCst), 50, "{backend:?}");
-        let fences = fences.lock().unwrap().clone();
-        assert_eq!(fences.len(), 50);
-        assert!(
-            fences.windows(2).all(|pair| pair[0] < pair[1]),
-            "{backend:?}: fences out of order: {fences:?}"
-        );
+        contenders_increment_a_counter_exactly_on(store(backend).await, &format!("{backend:?}"))
+            .await;
     }
+}
+
+async fn contenders_increment_a_counter_exactly_on(store: Store, backend: &str) {
+    let locks =
+        Lock::new(store.store.clone(), Duration::from_secs(10)).wait(Duration::from_secs(120));
+    let key = store.key("counter");
+    let counter = Arc::new(AtomicU64::new(0));
+    let fences = Arc::new(Mutex::new(Vec::new()));
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let (locks, key, counter, fences) =
+                (locks.clone(), key.clone(), counter.clone(), fences.clone());
+            tokio::spawn(async move {
+                let guard = locks.lock(key).await.unwrap();
+                fences.lock().unwrap().push(guard.fence());
+                let seen = counter.load(Ordering::SeqCst);
+                tokio::task::yield_now().await;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                counter.store(seen + 1, Ordering::SeqCst);
+                assert!(guard.unlock().await.unwrap(), "the lock was lost");
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(counter.load(Ordering::SeqCst), 50, "{backend:?}");
+    let fences = fences.lock().unwrap().clone();
+    assert_eq!(fences.len(), 50);
+    assert!(
+        fences.windows(2).all(|pair| pair[0] < pair[1]),
+        "{backend:?}: fences out of order: {fences:?}"
+    );
 }
 
 /// While held, `try_lock` is `None` and `lock` gives up at its bound with the holder's fence;
@@ -151,29 +155,36 @@ async fn contenders_increment_a_counter_exactly() {
 #[tokio::test]
 async fn a_held_lock_is_refused_and_unlock_frees_it() {
     for backend in BACKENDS {
-        let store = store(backend).await;
-        let locks =
-            Lock::new(store.store.clone(), Duration::from_secs(10)).wait(Duration::from_millis(50));
-        let key = store.key("account-1");
-        let first = locks.lock(key.clone()).await.unwrap();
-        assert_eq!(first.key(), &key);
-        assert!(
-            locks.try_lock(key.clone()).await.unwrap().is_none(),
-            "{backend:?}"
-        );
-        match locks.lock(key.clone()).await {
-            Err(Error::InProgress { fence, .. }) => assert_eq!(fence, first.fence()),
-            other => panic!("{backend:?}: expected the key held, got {other:?}"),
-        }
-        let fence = first.fence();
-        assert!(first.unlock().await.unwrap());
-        let second = locks
-            .try_lock(key)
-            .await
-            .unwrap()
-            .expect("free after unlock");
-        assert!(second.fence() > fence, "{backend:?}");
+        a_held_lock_is_refused_and_unlock_frees_it_on(
+            store(backend).await,
+            &format!("{backend:?}"),
+        )
+        .await;
     }
+}
+
+async fn a_held_lock_is_refused_and_unlock_frees_it_on(store: Store, backend: &str) {
+    let locks =
+        Lock::new(store.store.clone(), Duration::from_secs(10)).wait(Duration::from_millis(50));
+    let key = store.key("account-1");
+    let first = locks.lock(key.clone()).await.unwrap();
+    assert_eq!(first.key(), &key);
+    assert!(
+        locks.try_lock(key.clone()).await.unwrap().is_none(),
+        "{backend:?}"
+    );
+    match locks.lock(key.clone()).await {
+        Err(Error::InProgress { fence, .. }) => assert_eq!(fence, first.fence()),
+        other => panic!("{backend:?}: expected the key held, got {other:?}"),
+    }
+    let fence = first.fence();
+    assert!(first.unlock().await.unwrap());
+    let second = locks
+        .try_lock(key)
+        .await
+        .unwrap()
+        .expect("free after unlock");
+    assert!(second.fence() > fence, "{backend:?}");
 }
 
 /// A dropped guard gives the key back in the background: the next `lock` gets it long before
@@ -181,19 +192,22 @@ async fn a_held_lock_is_refused_and_unlock_frees_it() {
 #[tokio::test]
 async fn a_dropped_guard_releases_the_key() {
     for backend in BACKENDS {
-        let store = store(backend).await;
-        let locks =
-            Lock::new(store.store.clone(), Duration::from_secs(60)).wait(Duration::from_secs(10));
-        let key = store.key("dropped");
-        let fence = {
-            let guard = locks.lock(key.clone()).await.unwrap();
-            guard.fence()
-        };
-        let started = tokio::time::Instant::now();
-        let next = locks.lock(key).await.unwrap();
-        assert!(next.fence() > fence);
-        assert!(started.elapsed() < Duration::from_secs(10), "{backend:?}");
+        a_dropped_guard_releases_the_key_on(store(backend).await, &format!("{backend:?}")).await;
     }
+}
+
+async fn a_dropped_guard_releases_the_key_on(store: Store, backend: &str) {
+    let locks =
+        Lock::new(store.store.clone(), Duration::from_secs(60)).wait(Duration::from_secs(10));
+    let key = store.key("dropped");
+    let fence = {
+        let guard = locks.lock(key.clone()).await.unwrap();
+        guard.fence()
+    };
+    let started = tokio::time::Instant::now();
+    let next = locks.lock(key).await.unwrap();
+    assert!(next.fence() > fence);
+    assert!(started.elapsed() < Duration::from_secs(10), "{backend:?}");
 }
 
 /// A holder that stopped renewing (here a raw claim, as a crashed process leaves it) keeps
@@ -201,23 +215,33 @@ async fn a_dropped_guard_releases_the_key() {
 #[tokio::test]
 async fn a_holder_that_stopped_renewing_is_taken_over_after_its_lease() {
     for backend in BACKENDS {
-        let store = store(backend).await;
-        let key = store.key("crashed");
-        let lease = Duration::from_millis(400);
-        // What `Lock` claims: the lease, and a record that lives twice as long.
-        let crashed = ClaimRequest::new(key.clone(), Token::generate(), lease, lease * 2);
-        let Claim::Acquired { fence } = store.store.claim(&crashed).await.unwrap() else {
-            panic!("{backend:?}: the raw claim was refused");
-        };
-        let locks =
-            Lock::new(store.store.clone(), Duration::from_secs(10)).wait(Duration::from_secs(10));
-        assert!(
-            locks.try_lock(key.clone()).await.unwrap().is_none(),
-            "{backend:?}"
-        );
-        let next = locks.lock(key).await.unwrap();
-        assert_eq!(next.fence(), fence + 1, "{backend:?}");
+        a_holder_that_stopped_renewing_is_taken_over_after_its_lease_on(
+            store(backend).await,
+            &format!("{backend:?}"),
+        )
+        .await;
     }
+}
+
+async fn a_holder_that_stopped_renewing_is_taken_over_after_its_lease_on(
+    store: Store,
+    backend: &str,
+) {
+    let key = store.key("crashed");
+    let lease = Duration::from_millis(400);
+    // What `Lock` claims: the lease, and a record that lives twice as long.
+    let crashed = ClaimRequest::new(key.clone(), Token::generate(), lease, lease * 2);
+    let Claim::Acquired { fence } = store.store.claim(&crashed).await.unwrap() else {
+        panic!("{backend:?}: the raw claim was refused");
+    };
+    let locks =
+        Lock::new(store.store.clone(), Duration::from_secs(10)).wait(Duration::from_secs(10));
+    assert!(
+        locks.try_lock(key.clone()).await.unwrap().is_none(),
+        "{backend:?}"
+    );
+    let next = locks.lock(key).await.unwrap();
+    assert_eq!(next.fence(), fence + 1, "{backend:?}");
 }
 
 /// A critical section four times longer than the lease stays locked: the guard's watchdog
@@ -225,22 +249,61 @@ async fn a_holder_that_stopped_renewing_is_taken_over_after_its_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_watchdog_keeps_a_long_critical_section_locked() {
     for backend in BACKENDS {
-        let store = store(backend).await;
-        let lease = Duration::from_millis(600);
-        let locks = Lock::new(store.store.clone(), lease);
-        let key = store.key("long");
-        let guard = locks.lock(key.clone()).await.unwrap();
-        let until = tokio::time::Instant::now() + lease * 4;
-        while tokio::time::Instant::now() < until {
-            assert!(
-                locks.try_lock(key.clone()).await.unwrap().is_none(),
-                "{backend:?}"
-            );
-            tokio::time::sleep(lease / 4).await;
-        }
-        assert!(!guard.is_lost(), "{backend:?}");
-        assert!(guard.unlock().await.unwrap(), "{backend:?}");
+        the_watchdog_keeps_a_long_critical_section_locked_on(
+            store(backend).await,
+            &format!("{backend:?}"),
+        )
+        .await;
     }
+}
+
+async fn the_watchdog_keeps_a_long_critical_section_locked_on(store: Store, backend: &str) {
+    let lease = Duration::from_millis(600);
+    let locks = Lock::new(store.store.clone(), lease);
+    let key = store.key("long");
+    let guard = locks.lock(key.clone()).await.unwrap();
+    let until = tokio::time::Instant::now() + lease * 4;
+    while tokio::time::Instant::now() < until {
+        assert!(
+            locks.try_lock(key.clone()).await.unwrap().is_none(),
+            "{backend:?}"
+        );
+        tokio::time::sleep(lease / 4).await;
+    }
+    assert!(!guard.is_lost(), "{backend:?}");
+    assert!(guard.unlock().await.unwrap(), "{backend:?}");
+}
+
+/// Every scenario above on a 3-master Redis Cluster this test starts (on free loopback
+/// ports, removed at the end): each lock's record lives in its key's slot, on one node, and
+/// the scenarios' keys spread over the masters.
+#[test]
+fn every_scenario_on_a_three_master_cluster() {
+    let cluster = RedisCluster::start(3);
+    let url = cluster.url();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let on = || async {
+            let token = format!("{:?}", Token::generate());
+            Store {
+                store: Arc::new(connect(&url).await),
+                prefix: format!("lock-{}", &token[6..token.len() - 1]),
+                _table: None,
+                // The cluster goes away with the test.
+                redis: None,
+            }
+        };
+        contenders_increment_a_counter_exactly_on(on().await, "cluster").await;
+        a_held_lock_is_refused_and_unlock_frees_it_on(on().await, "cluster").await;
+        a_dropped_guard_releases_the_key_on(on().await, "cluster").await;
+        a_holder_that_stopped_renewing_is_taken_over_after_its_lease_on(on().await, "cluster")
+            .await;
+        the_watchdog_keeps_a_long_critical_section_locked_on(on().await, "cluster").await;
+    });
 }
 
 /// A lease outside the supported range is refused before the store is asked.
