@@ -67,6 +67,23 @@ async fn standalone() -> Standalone {
 
 conformance_suite!(standalone);
 
+/// The conformance suite again with every claim by script (no `SET ... NX GET` fast claim),
+/// so both claim paths meet every rule.
+mod script_claims {
+    use super::*;
+
+    async fn standalone_by_script() -> Standalone {
+        let url = redis_url();
+        Standalone {
+            store: Arc::new(redis_server::connect_with(&url, false).await),
+            url,
+            namespace: unique_namespace(),
+        }
+    }
+
+    conformance_suite!(standalone_by_script);
+}
+
 struct Cluster {
     store: Arc<RedisStore>,
     nodes: Vec<String>,
@@ -174,16 +191,25 @@ fn conformance_on_a_three_master_cluster() {
 // ---------------------------------------------------------------------------------------
 // Lost replies on a real connection.
 
+/// A claim whose reply is lost (the proxy drops it after the server applied the claim) is
+/// resolved by reading the record back by token: ours, so the handler runs once. For the
+/// fast claim (`SET ... NX GET`) and for the claim script.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_claim_reply_on_a_real_connection_is_resolved_as_ours() {
+    for (fast, marker) in [(true, &b"\r\nNX\r\n"[..]), (false, &b"\r\nclaim\r\n"[..])] {
+        lost_claim_reply(fast, marker).await;
+    }
+}
+
+async fn lost_claim_reply(fast: bool, marker: &[u8]) {
     let proxy = proxy::Proxy::start("127.0.0.1:6379".parse().unwrap()).await;
-    let store: SharedStore = Arc::new(connect(&proxy.url()).await);
+    let store: SharedStore = Arc::new(redis_server::connect_with(&proxy.url(), fast).await);
     let namespace = unique_namespace();
     let key = Key::new(&format!("{namespace}:lost-claim"), 1, &[&"order-1"]).unwrap();
     let executions = AtomicUsize::new(0);
     let before = server_micros(&redis_url());
 
-    proxy.lose_reply_to(b"\r\nclaim\r\n");
+    proxy.lose_reply_to(marker);
     let out: Result<(), Error> = Idempotency::new(Duration::from_secs(60))
         .store(store.clone())
         .run(key.clone(), async {
@@ -192,14 +218,16 @@ async fn lost_claim_reply_on_a_real_connection_is_resolved_as_ours() {
         })
         .await;
     out.unwrap();
-    assert_eq!(proxy.lost(), 1, "the proxy lost no reply");
+    assert_eq!(proxy.lost(), 1, "the proxy lost no reply (fast: {fast})");
     assert_eq!(executions.load(Ordering::SeqCst), 1);
     let record = store.read(&key).await.unwrap().unwrap();
     assert_eq!(record.state, RecordState::Completed);
-    // One acquisition of a new key: its fence is the server's clock at the claim.
+    // One acquisition of a new key: its fence is the server's clock at the claim (the fast
+    // claim's estimate of it is at most a millisecond above).
+    let slack = if fast { 1_000 } else { 0 };
     assert!(
-        (before..=server_micros(&redis_url())).contains(&record.fence),
-        "fence {} is not the time of the only claim",
+        (before..=server_micros(&redis_url()) + slack).contains(&record.fence),
+        "fence {} is not the time of the only claim (fast: {fast})",
         record.fence
     );
     delete_matching(&redis_url(), &format!("{namespace}:*"));
@@ -554,6 +582,163 @@ fn acquired(claim: Claim) -> u64 {
         Claim::Acquired { fence } => fence,
         other => panic!("expected an acquired claim, got {other:?}"),
     }
+}
+
+/// How many times the server ran each of `commands` so far (`INFO commandstats`).
+fn command_calls(url: &str, commands: &[&str]) -> Vec<u64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut raw(url))
+        .unwrap();
+    commands
+        .iter()
+        .map(|name| {
+            info.lines()
+                .find_map(|line| line.strip_prefix(&format!("cmdstat_{name}:calls=")))
+                .and_then(|rest| rest.split(',').next())
+                .map_or(0, |n| n.parse().unwrap())
+        })
+        .collect()
+}
+
+/// The fast claim on a server of the test's own, counted by the server: a fresh key, a
+/// duplicate of a completed record (with its result), a live claim and a payload mismatch
+/// each cost one `SET` and no script; a released record and a run-out lease are decided by
+/// the script, with the fence + 1; a fresh claim after the record expired gets a higher
+/// fence; a value that is no record is reported corrupt and left alone. With the fast claim
+/// off, every claim is a script run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fast_claim_is_one_set_and_leaves_the_rest_to_the_script() {
+    let server = RedisServer::start(&[]);
+    let url = server.url();
+    let store = connect(&url).await;
+    let key = |name: &str| Key::new("fast", 1, &[&name]).unwrap();
+    let (sec, hour) = (Duration::from_secs(1), Duration::from_secs(3600));
+    let counted = |before: &[u64]| -> (u64, u64) {
+        let now = command_calls(&url, &["set", "evalsha"]);
+        (now[0] - before[0], now[1] - before[1])
+    };
+
+    // A fresh key: one SET, no script; the fence is the server's clock (an estimate at most
+    // a millisecond above it).
+    let before = command_calls(&url, &["set", "evalsha"]);
+    let t0 = server_micros(&url);
+    let first = claim_request(&key("a"), hour, hour)
+        .with_fingerprint(idempotency::Fingerprint::of(&[&"payload-1"]));
+    let fence = acquired(store.claim(&first).await.unwrap());
+    assert!(
+        (t0..=server_micros(&url) + 1_000).contains(&fence),
+        "{fence}"
+    );
+    assert_eq!(counted(&before), (1, 0));
+
+    // A live claim, the same owner again, another payload: one SET each.
+    let before = command_calls(&url, &["set", "evalsha"]);
+    let other = claim_request(&key("a"), hour, hour);
+    assert_eq!(
+        store.claim(&other).await.unwrap(),
+        Claim::InProgress { fence }
+    );
+    assert_eq!(
+        store.claim(&first).await.unwrap(),
+        Claim::Acquired { fence },
+        "a retry of the owner's own claim"
+    );
+    let mismatched = claim_request(&key("a"), hour, hour)
+        .with_fingerprint(idempotency::Fingerprint::of(&[&"payload-2"]));
+    assert_eq!(
+        store.claim(&mismatched).await.unwrap(),
+        Claim::Mismatch { fence }
+    );
+    assert_eq!(counted(&before), (3, 0));
+
+    // Completed: the duplicate gets the result from its one SET.
+    let done = Completion::new(Some(b"receipt-1".to_vec()), hour);
+    assert!(store
+        .complete(&key("a"), &first.token, &done)
+        .await
+        .unwrap());
+    let before = command_calls(&url, &["set", "evalsha"]);
+    assert_eq!(
+        store.claim(&other).await.unwrap(),
+        Claim::Completed {
+            fence,
+            result: Some(b"receipt-1".to_vec())
+        }
+    );
+    assert_eq!(counted(&before), (1, 0));
+
+    // Released: the SET finds it, the script takes it with the next fence.
+    let b1 = claim_request(&key("b"), hour, hour);
+    let fb = acquired(store.claim(&b1).await.unwrap());
+    assert!(store.release(&key("b"), &b1.token).await.unwrap());
+    let before = command_calls(&url, &["set", "evalsha"]);
+    let b2 = claim_request(&key("b"), hour, hour);
+    assert_eq!(acquired(store.claim(&b2).await.unwrap()), fb + 1);
+    // (The server counts the script's own `SET` too.)
+    assert_eq!(counted(&before), (2, 1));
+
+    // A lease that ran out (an owner that crashed): taken over by the script with fence + 1.
+    let c1 = claim_request(&key("c"), sec, hour);
+    let fc = acquired(store.claim(&c1).await.unwrap());
+    tokio::time::sleep(sec + Duration::from_millis(50)).await;
+    let c2 = claim_request(&key("c"), hour, hour);
+    assert_eq!(acquired(store.claim(&c2).await.unwrap()), fc + 1);
+
+    // A record that expired: the next fresh claim's fence is higher still.
+    let d1 = claim_request(&key("d"), sec, sec);
+    let fd = acquired(store.claim(&d1).await.unwrap());
+    assert!(store
+        .complete(&key("d"), &d1.token, &Completion::new(None, sec))
+        .await
+        .unwrap());
+    tokio::time::sleep(sec + Duration::from_millis(50)).await;
+    let d2 = claim_request(&key("d"), hour, hour);
+    assert!(acquired(store.claim(&d2).await.unwrap()) > fd);
+
+    // Values that are no record: corrupt, and left as they are.
+    let mut conn = raw(&url);
+    let _: () = redis::cmd("SET")
+        .arg(key("e").as_bytes())
+        .arg("not a record")
+        .query(&mut conn)
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(key("f").as_bytes())
+        .arg("field")
+        .arg("value")
+        .query(&mut conn)
+        .unwrap();
+    for name in ["e", "f"] {
+        let err = store
+            .claim(&claim_request(&key(name), hour, hour))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), StoreErrorKind::Corrupt, "{name}");
+    }
+    let left: String = redis::cmd("GET")
+        .arg(key("e").as_bytes())
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(left, "not a record");
+
+    // Short durations, and a store with the fast claim off: the script.
+    let scripted = redis_server::connect_with(&url, false).await;
+    let before = command_calls(&url, &["set", "evalsha"]);
+    acquired(
+        store
+            .claim(&claim_request(&key("g"), Duration::from_millis(500), hour))
+            .await
+            .unwrap(),
+    );
+    acquired(
+        scripted
+            .claim(&claim_request(&key("h"), hour, hour))
+            .await
+            .unwrap(),
+    );
+    // Two script runs, each with its own `SET` inside.
+    assert_eq!(counted(&before), (2, 2));
 }
 
 #[tokio::test]

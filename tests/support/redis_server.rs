@@ -25,9 +25,15 @@ pub fn redis_url() -> String {
 /// A store on `url` (unsafe configurations only warned about), or a panic that says how to
 /// start Redis.
 pub async fn connect(url: &str) -> idempotency::redis::RedisStore {
+    connect_with(url, true).await
+}
+
+/// [`connect`], with the fast claim (`SET ... NX GET`) on or off (every claim by script).
+pub async fn connect_with(url: &str, fast_claims: bool) -> idempotency::redis::RedisStore {
     use idempotency::redis::{RedisStore, UnsafeConfig};
     match RedisStore::builder(url)
         .on_unsafe_config(UnsafeConfig::Warn)
+        .fast_claims(fast_claims)
         .build()
         .await
     {

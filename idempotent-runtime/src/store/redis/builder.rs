@@ -14,6 +14,7 @@ use crate::store::redact::redact;
 use crate::store::Store;
 use crate::store::DEFAULT_MAX_RESULT_SIZE;
 
+use crate::store::redis::clock::ServerClock;
 use crate::store::redis::conn::{command_error, connect_error, Conn};
 use crate::store::redis::store::{Inner, RedisStore, SCRIPT};
 use crate::store::redis::wire::text;
@@ -47,6 +48,8 @@ pub struct Health {
     pub unsafe_config: Vec<String>,
     /// Weaknesses worth knowing (no persistence) and checks that could not be made.
     pub warnings: Vec<String>,
+    /// The server's `redis_version` (the first node's, on a cluster).
+    pub version: Option<String>,
 }
 
 /// Builds a [`RedisStore`] with non-default settings.
@@ -74,6 +77,7 @@ pub struct RedisStoreBuilder {
     on_unsafe_config: UnsafeConfig,
     wait_for_replicas: Option<(u32, Duration)>,
     max_result_size: usize,
+    fast_claims: bool,
 }
 
 impl RedisStoreBuilder {
@@ -86,6 +90,7 @@ impl RedisStoreBuilder {
             on_unsafe_config: UnsafeConfig::default(),
             wait_for_replicas: None,
             max_result_size: DEFAULT_MAX_RESULT_SIZE,
+            fast_claims: true,
         }
     }
 
@@ -125,6 +130,25 @@ impl RedisStoreBuilder {
     /// [`Store::max_result_size`] for the limit in force.
     pub fn max_result_size(mut self, bytes: usize) -> Self {
         self.max_result_size = bytes;
+        self
+    }
+
+    /// Whether a key without a record may be claimed with one native command (default: on,
+    /// where it applies). The claim is then `SET key <record> NX PX <lifetime> GET`, whose
+    /// value already is the in-progress record, instead of the claim script: a first delivery
+    /// and a duplicate each cost the server one `SET` rather than a script run. The record's
+    /// fence and lease end come from the server's clock as the store last read it (`TIME`,
+    /// refreshed every half second), moved forward by the client's monotonic clock, with a
+    /// bound on the error; the fast claim is used only while that bound is at most a
+    /// millisecond and for leases and ttls of at least a second, so fences still grow across
+    /// expiry and the lease is off by at most a thousandth. A record the `SET` finds that
+    /// needs a decision on the server's clock (a released record, a lease at or near its end,
+    /// a value that is no record) is claimed by the script, as without the fast claim.
+    ///
+    /// It applies to standalone servers of version 7.0 or later (`SET ... NX GET`); a
+    /// cluster or an older server always uses the script.
+    pub fn fast_claims(mut self, enabled: bool) -> Self {
+        self.fast_claims = enabled;
         self
     }
 
@@ -175,6 +199,9 @@ impl RedisStoreBuilder {
                 max_result_size: self
                     .max_result_size
                     .min(capacity.saturating_sub(RECORD_OVERHEAD)),
+                // Decided below, once the server's version is known.
+                fast_claims: false,
+                clock: ServerClock::default(),
                 conn,
                 script: Script::new(SCRIPT),
                 wait_for_replicas: self.wait_for_replicas,
@@ -202,7 +229,24 @@ impl RedisStoreBuilder {
             }
         }
         if let Ok(mut run_id) = store.inner.run_id.lock() {
-            *run_id = health.run_id;
+            *run_id = health.run_id.clone();
+        }
+        let standalone = matches!(store.inner.conn, Conn::Single(_));
+        let set_nx_get = health
+            .version
+            .as_deref()
+            .and_then(|v| v.split('.').next()?.parse::<u32>().ok())
+            .is_some_and(|major| major >= 7);
+        if self.fast_claims && standalone && set_nx_get {
+            // The first reading of the server's clock, so the first claims can be fast.
+            store.read_clock().await?;
+            let mut inner = Arc::into_inner(store.inner).ok_or_else(|| {
+                StoreError::new(StoreErrorKind::Protocol, "the new store is shared")
+            })?;
+            inner.fast_claims = true;
+            return Ok(RedisStore {
+                inner: Arc::new(inner),
+            });
         }
         Ok(store)
     }
@@ -311,6 +355,7 @@ impl RedisStore {
             })
         };
         health.run_id = field("run_id").map(str::to_string);
+        health.version = field("redis_version").map(str::to_string);
         match field("maxmemory_policy") {
             Some("noeviction") => {}
             Some(policy) => health.unsafe_config.push(format!(

@@ -66,6 +66,7 @@ use crate::error::StoreErrorKind;
 use crate::store::clamped_millis;
 
 mod builder;
+mod clock;
 mod conn;
 mod store;
 mod wire;

@@ -9,10 +9,13 @@ use ::redis::{Script, Value};
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
+use crate::store::redis::clock::{fast_durations, Estimate, ServerClock};
 use crate::store::redis::conn::{command_error, script_error, Conn};
-use crate::store::redis::wire::{claim_invocation, decode_claim, decode_record, int, text};
+use crate::store::redis::wire::{
+    claim_invocation, decode_claim, decode_record, in_progress_record, int, parse_record, text,
+};
 use crate::store::{
-    clamped_millis, BoxFuture, Claim, ClaimRequest, Completion, Record, Store, Token,
+    clamped_millis, BoxFuture, Claim, ClaimRequest, Completion, Record, RecordState, Store, Token,
 };
 
 pub(super) const SCRIPT: &str = include_str!("record.lua");
@@ -25,6 +28,10 @@ pub(super) struct Inner {
     pub(super) history_resets: AtomicU64,
     pub(super) recheck: AtomicBool,
     pub(super) max_result_size: usize,
+    /// Whether a fresh key may be claimed with one `SET ... NX GET` (standalone Redis 7.0 or
+    /// later, not turned off).
+    pub(super) fast_claims: bool,
+    pub(super) clock: ServerClock,
 }
 
 /// The Redis [`Store`]. Cheap to clone: clones share one connection.
@@ -198,11 +205,135 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// Reads the server's clock (`TIME`) for the fast claim's estimate.
+    pub(super) async fn read_clock(&self) -> Result<(), StoreError> {
+        let sent = std::time::Instant::now();
+        let reply = self
+            .inner
+            .conn
+            .query(&::redis::cmd("TIME"))
+            .await
+            .map_err(command_error)?;
+        let received = std::time::Instant::now();
+        let field = |i: usize| match &reply {
+            Value::Array(items) => match items.get(i) {
+                Some(Value::BulkString(b)) => std::str::from_utf8(b).ok()?.parse::<u64>().ok(),
+                _ => None,
+            },
+            _ => None,
+        };
+        match (field(0), field(1)) {
+            (Some(seconds), Some(micros)) => {
+                self.inner.clock.record(seconds, micros, sent, received);
+                Ok(())
+            }
+            _ => Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                format!("unexpected TIME reply: {reply:?}"),
+            )),
+        }
+    }
+
+    /// Starts a background `TIME` reading when the estimate is getting old.
+    fn refresh_clock(&self, now: std::time::Instant) {
+        if !self.inner.clock.should_refresh(now) {
+            return;
+        }
+        let store = self.clone();
+        tokio::spawn(async move {
+            if let Err(err) = store.read_clock().await {
+                tracing::debug!(error = %err, "cannot read the Redis server's clock");
+            }
+            store.inner.clock.done();
+        });
+    }
+
+    /// The fast claim: one `SET key <in-progress record> NX PX <lifetime> GET`. `None` when
+    /// it does not apply (a cluster, an old server, short durations, no precise clock
+    /// estimate) or when the key's record needs the script to decide (a released record, a
+    /// run-out lease, a value that is no record): the caller then runs the script.
+    async fn fast_claim(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
+        if !self.inner.fast_claims || !fast_durations(req.lease, req.ttl) {
+            return Ok(None);
+        }
+        let now = std::time::Instant::now();
+        self.refresh_clock(now);
+        let Some(at) = self.inner.clock.estimate(now) else {
+            return Ok(None);
+        };
+        let (lease, ttl) = (clamped_millis(req.lease), clamped_millis(req.ttl));
+        let Some(value) = in_progress_record(req, at.upper_us, at.now_ms.saturating_add(lease))
+        else {
+            return Ok(None);
+        };
+        let mut cmd = ::redis::cmd("SET");
+        cmd.arg(req.key.as_bytes())
+            .arg(value)
+            .arg("NX")
+            .arg("PX")
+            .arg(lease.max(ttl))
+            .arg("GET");
+        let reply = match self.inner.conn.query(&cmd).await {
+            Ok(reply) => reply,
+            // WRONGTYPE and the like: the script reports what the key holds.
+            Err(err) if err.code() == Some("WRONGTYPE") => return Ok(None),
+            Err(err) => {
+                if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
+                    self.inner.recheck.store(true, Ordering::Release);
+                }
+                return Err(script_error(&req.key, err));
+            }
+        };
+        Ok(match reply {
+            Value::Nil => Some(Claim::Acquired { fence: at.upper_us }),
+            Value::BulkString(old) => decide_existing(req, &old, at),
+            _ => None,
+        })
+    }
+}
+
+/// What a claim answers for the record `old` that its `SET NX` found, as the script would
+/// answer it, where the estimate suffices; `None` where the script must decide (a released
+/// record, a lease that has run out or is within the estimate's error of it, a value that is
+/// no record).
+fn decide_existing(req: &ClaimRequest, old: &[u8], at: Estimate) -> Option<Claim> {
+    let record = parse_record(old, i64::try_from(at.now_ms).ok()?)?;
+    let fence = record.fence;
+    let mismatch = matches!(
+        (&req.fingerprint, &record.fingerprint),
+        (Some(ours), Some(theirs)) if ours != theirs
+    );
+    match record.state {
+        RecordState::InProgress { .. } if record.token == req.token => {
+            Some(Claim::Acquired { fence })
+        }
+        RecordState::InProgress { .. } | RecordState::Completed if mismatch => {
+            Some(Claim::Mismatch { fence })
+        }
+        RecordState::Completed => Some(Claim::Completed {
+            fence,
+            result: record.result,
+        }),
+        RecordState::InProgress { lease_left }
+            if lease_left.as_micros() > u128::from(at.error_us) + 1_000 =>
+        {
+            Some(Claim::InProgress { fence })
+        }
+        _ => None,
+    }
+}
+
 impl Store for RedisStore {
     fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
-            let invocation = claim_invocation(&self.inner.script, req);
-            let claim = decode_claim(self.call(&req.key, &invocation).await?)?;
+            let claim = match self.fast_claim(req).await? {
+                Some(claim) => claim,
+                None => {
+                    let invocation = claim_invocation(&self.inner.script, req);
+                    decode_claim(self.call(&req.key, &invocation).await?)?
+                }
+            };
             if let Claim::Acquired { .. } = claim {
                 self.wait_for_replicas().await?;
             }

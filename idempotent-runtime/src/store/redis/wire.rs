@@ -111,8 +111,33 @@ pub(super) fn decode_record(key: &Key, value: Value) -> Result<Option<Record>, S
     })
 }
 
+/// An in-progress record for `req` in the script's format (as its `encode` writes it), with
+/// `fence` and the lease ending at `lease_end_ms`; `None` when a number is out of the
+/// script's exact range.
+pub(super) fn in_progress_record(
+    req: &ClaimRequest,
+    fence: u64,
+    lease_end_ms: u64,
+) -> Option<Vec<u8>> {
+    if fence > MAX_EXACT || lease_end_ms > MAX_EXACT {
+        return None;
+    }
+    let mut value = Vec::with_capacity(72);
+    value.push(b'P');
+    value.extend_from_slice(req.token.as_bytes());
+    match &req.fingerprint {
+        Some(fingerprint) => {
+            value.push(b'F');
+            value.extend_from_slice(fingerprint.as_bytes());
+        }
+        None => value.push(b'-'),
+    }
+    value.extend_from_slice(format!("{fence}:{lease_end_ms}:").as_bytes());
+    Some(value)
+}
+
 /// A record in the script's format, read as strictly as the script reads it.
-fn parse_record(bytes: &[u8], now_ms: i64) -> Option<Record> {
+pub(super) fn parse_record(bytes: &[u8], now_ms: i64) -> Option<Record> {
     let state = *bytes.first()?;
     let token: [u8; 16] = bytes.get(1..17)?.try_into().ok()?;
     let (fingerprint, rest) = match bytes.get(17)? {

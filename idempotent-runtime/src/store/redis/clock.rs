@@ -1,0 +1,197 @@
+//! The server's clock as the client can know it between two `TIME` calls: the last reading,
+//! moved forward by the local monotonic time since, with a bound on how far off it may be.
+//!
+//! The fast claim ([`RedisStore`](super::RedisStore)'s `SET ... NX GET`) writes a record
+//! whose fence and lease end come from this estimate instead of a `TIME` call inside a
+//! script. It is used only while the bound is small against the claim's durations (see
+//! [`FastClaim`]); otherwise claims go through the script, on the server's own clock.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+// The real monotonic clock, also in tests that pause tokio's time: the server's clock does
+// not pause.
+use std::time::{Duration, Instant};
+
+/// How old a reading may be before it is refreshed (in the background; claims meanwhile use
+/// the script once the reading is past [`MAX_AGE`]).
+const REFRESH_AFTER: Duration = Duration::from_millis(500);
+/// How old a reading may be and still be used.
+const MAX_AGE: Duration = Duration::from_secs(2);
+/// The largest uncertainty the fast claim accepts, in microseconds.
+const MAX_ERROR_US: u64 = 1_000;
+/// How fast the client's monotonic clock and the server's clock may drift apart: 500 parts
+/// per million, far above what NTP-disciplined clocks show.
+const DRIFT_PER_US: u64 = 2_000; // one microsecond of error per 2,000 elapsed
+/// The shortest lease and ttl a fast claim is used for: a record written by one lives at
+/// least this long, a thousand times the largest uncertainty, so a later acquisition of the
+/// same key after the record expired always reads a higher clock.
+pub(super) const MIN_FAST_DURATION: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Clone, Copy)]
+struct Reading {
+    /// The server's clock in microseconds since the Unix epoch, at `at`.
+    server_us: u64,
+    at: Instant,
+    /// Half the round trip of the `TIME` call that read it, in microseconds.
+    half_rtt_us: u64,
+}
+
+/// The server's clock, estimated from the last `TIME` reading.
+#[derive(Debug, Default)]
+pub(super) struct ServerClock {
+    reading: Mutex<Option<Reading>>,
+    refreshing: AtomicBool,
+}
+
+/// What the fast claim writes: the estimated server time (the fence of a key without a
+/// record) and how far off it may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Estimate {
+    /// Microseconds since the Unix epoch: at least the server's clock now.
+    pub(super) upper_us: u64,
+    /// Milliseconds since the Unix epoch: the best estimate of the server's clock now.
+    pub(super) now_ms: u64,
+    /// How far off `now_ms` may be, in microseconds.
+    pub(super) error_us: u64,
+}
+
+impl ServerClock {
+    /// Records a `TIME` reply (`seconds`, `microseconds`) for a call sent at `sent` and
+    /// answered at `received`.
+    pub(super) fn record(&self, seconds: u64, micros: u64, sent: Instant, received: Instant) {
+        let rtt = received.saturating_duration_since(sent);
+        let half_rtt_us = u64::try_from(rtt.as_micros() / 2).unwrap_or(u64::MAX);
+        let reading = Reading {
+            // The server read its clock somewhere within the round trip: take the middle.
+            server_us: seconds
+                .saturating_mul(1_000_000)
+                .saturating_add(micros)
+                .saturating_add(half_rtt_us),
+            at: received,
+            half_rtt_us,
+        };
+        if let Ok(mut slot) = self.reading.lock() {
+            // Keep the more precise of two fresh readings.
+            let keep_old = slot.is_some_and(|old| {
+                received.saturating_duration_since(old.at) < REFRESH_AFTER
+                    && old.half_rtt_us < half_rtt_us
+            });
+            if !keep_old {
+                *slot = Some(reading);
+            }
+        }
+    }
+
+    /// The estimate at `now`, when a reading is fresh enough and precise enough for a fast
+    /// claim; `None` otherwise.
+    pub(super) fn estimate(&self, now: Instant) -> Option<Estimate> {
+        let reading = (*self.reading.lock().ok()?)?;
+        let age = now.checked_duration_since(reading.at)?;
+        if age > MAX_AGE {
+            return None;
+        }
+        let age_us = u64::try_from(age.as_micros()).ok()?;
+        let error_us = reading.half_rtt_us + age_us / DRIFT_PER_US + 1;
+        if error_us > MAX_ERROR_US {
+            return None;
+        }
+        let mid_us = reading.server_us.checked_add(age_us)?;
+        Some(Estimate {
+            upper_us: mid_us.checked_add(error_us)?,
+            now_ms: mid_us / 1_000,
+            error_us,
+        })
+    }
+
+    /// Whether a refresh should start now: the reading is missing or getting old, and no
+    /// refresh is running. The caller that gets `true` must call [`done`](Self::done).
+    pub(super) fn should_refresh(&self, now: Instant) -> bool {
+        let stale = match self.reading.lock() {
+            Ok(slot) => slot.is_none_or(|r| now.saturating_duration_since(r.at) >= REFRESH_AFTER),
+            Err(_) => false,
+        };
+        stale
+            && self
+                .refreshing
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+    }
+
+    /// Ends a refresh that [`should_refresh`](Self::should_refresh) started.
+    pub(super) fn done(&self) {
+        self.refreshing.store(false, Ordering::Release);
+    }
+}
+
+/// Whether a claim with `lease` and `ttl` may take the fast path at all.
+pub(super) fn fast_durations(lease: Duration, ttl: Duration) -> bool {
+    lease >= MIN_FAST_DURATION && ttl >= MIN_FAST_DURATION
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_estimate_moves_with_local_time_and_widens_with_age() {
+        let clock = ServerClock::default();
+        let sent = Instant::now();
+        assert_eq!(clock.estimate(sent), None, "no reading yet");
+        assert!(clock.should_refresh(sent));
+        assert!(!clock.should_refresh(sent), "one refresh at a time");
+        let received = sent + Duration::from_micros(200);
+        clock.record(1_700_000_000, 500, sent, received);
+        clock.done();
+
+        let at = clock.estimate(received).unwrap();
+        assert_eq!(at.error_us, 101);
+        assert_eq!(at.upper_us, 1_700_000_000_000_000 + 500 + 100 + 101);
+        assert_eq!(at.now_ms, 1_700_000_000_000);
+
+        let later = received + Duration::from_millis(400);
+        let moved = clock.estimate(later).unwrap();
+        assert_eq!(moved.error_us, 101 + 200);
+        assert_eq!(moved.upper_us, at.upper_us + 400_000 + 200);
+        assert!(!clock.should_refresh(later));
+        assert!(
+            clock.should_refresh(received + Duration::from_millis(500)),
+            "refreshed at 500 ms"
+        );
+        clock.done();
+        assert_eq!(
+            clock.estimate(received + Duration::from_millis(2_100)),
+            None,
+            "too old"
+        );
+        assert_eq!(clock.estimate(sent), None, "before the reading");
+    }
+
+    #[test]
+    fn an_imprecise_reading_is_not_used_and_a_precise_one_is_kept() {
+        let clock = ServerClock::default();
+        let sent = Instant::now();
+        let slow = sent + Duration::from_millis(3);
+        clock.record(1_700_000_000, 0, sent, slow);
+        assert_eq!(clock.estimate(slow), None);
+        // A precise reading replaces it; a less precise one right after does not.
+        let fast = slow + Duration::from_micros(100);
+        clock.record(1_700_000_000, 3_000, slow, fast);
+        let precise = clock.estimate(fast).unwrap();
+        assert_eq!(precise.error_us, 51);
+        clock.record(
+            1_700_000_000,
+            3_100,
+            fast,
+            fast + Duration::from_micros(900),
+        );
+        assert_eq!(clock.estimate(fast).unwrap().error_us, 51);
+    }
+
+    #[test]
+    fn only_long_durations_take_the_fast_path() {
+        let s = Duration::from_secs(1);
+        assert!(fast_durations(s, s));
+        assert!(!fast_durations(s - Duration::from_millis(1), s));
+        assert!(!fast_durations(s, Duration::from_millis(10)));
+    }
+}
