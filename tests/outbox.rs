@@ -310,7 +310,8 @@ async fn relays_in_parallel_publish_each_row_once<DB: OutboxDialect>(fixture: Fi
 }
 
 /// A message no queue takes fails (mandatory publish, returned), is retried after its
-/// backoff, and goes dead at its last attempt; an operator retries it once the queue exists,
+/// backoff, and goes dead at its last attempt, with a copy to the broker's dead-letter
+/// queue; an operator retries it once the queue exists,
 /// and the next round publishes it. Discard removes a dead message.
 async fn failures_retry_then_go_dead_and_an_operator_retries<DB: OutboxDialect>(
     fixture: Fixture<DB>,
@@ -319,14 +320,39 @@ async fn failures_retry_then_go_dead_and_an_operator_retries<DB: OutboxDialect>(
     let conn = rabbitmq().await;
     let missing = unique("outbox_missing");
     let ids = enqueue(outbox, &[order(1, &missing), order(2, &missing)]).await;
+    let dead_letters = Queue::new(&conn).await;
     let relay = Relay::new(outbox.clone(), publisher(&conn).await)
         .max_attempts(3)
-        .backoff(Duration::ZERO, Duration::ZERO);
+        .backoff(Duration::ZERO, Duration::ZERO)
+        .dead_letter_to(dead_letters.name.clone());
     for attempt in 1..=3 {
         let stats = relay.run_once().await.unwrap();
         assert_eq!((stats.claimed, stats.failed), (2, 2), "attempt {attempt}");
         assert_eq!(stats.dead, if attempt == 3 { 2 } else { 0 });
+        assert_eq!(stats.dead_lettered, stats.dead);
     }
+    // The broker's dead-letter queue got a copy of each, with where it was going and why
+    // it failed.
+    let copies = dead_letters.drain().await;
+    assert_eq!(copies.len(), 2);
+    let copied: HashSet<_> = copies
+        .iter()
+        .map(|m| {
+            let properties = &m.delivery.properties;
+            let headers = properties.headers().as_ref().unwrap().inner();
+            assert!(matches!(
+                headers.get("outbox-destination"),
+                Some(AMQPValue::LongString(value)) if value.to_string() == missing
+            ));
+            assert!(matches!(
+                headers.get("outbox-last-error"),
+                Some(AMQPValue::LongString(value)) if value.to_string().contains(&missing)
+            ));
+            MessageId::from_string(properties.message_id().as_ref().unwrap().to_string())
+        })
+        .collect();
+    assert_eq!(copied, ids.iter().cloned().collect());
+    dead_letters.delete().await;
     assert_eq!(relay.run_once().await.unwrap().claimed, 0);
     let dead = outbox.dead(10).await.unwrap();
     assert_eq!(dead.len(), 2);

@@ -26,6 +26,9 @@ pub struct RelayStats {
     /// Messages confirmed whose row could not be marked (the claim ran out, or the database
     /// failed): they are published again later, and consumers filter the duplicate.
     pub unmarked: u64,
+    /// Dead rows whose copy the broker confirmed at the dead-letter destination
+    /// ([`Relay::dead_letter_to`]).
+    pub dead_lettered: u64,
 }
 
 impl RelayStats {
@@ -35,6 +38,7 @@ impl RelayStats {
         self.failed += other.failed;
         self.dead += other.dead;
         self.unmarked += other.unmarked;
+        self.dead_lettered += other.dead_lettered;
     }
 }
 
@@ -70,6 +74,7 @@ pub struct Relay<DB: OutboxDialect, P> {
     first_backoff: Duration,
     max_backoff: Duration,
     poll: Duration,
+    dead_letter: Option<String>,
 }
 
 impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
@@ -85,6 +90,7 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
             first_backoff: Duration::from_secs(1),
             max_backoff: Duration::from_secs(300),
             poll: Duration::from_secs(1),
+            dead_letter: None,
         }
     }
 
@@ -117,6 +123,16 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
     /// became due, a missed notification).
     pub fn poll(mut self, every: Duration) -> Self {
         self.poll = every.max(Duration::from_millis(10));
+        self
+    }
+
+    /// Also publishes a copy of each message that goes `dead` to `destination` (a RabbitMQ
+    /// routing key of a dead-letter queue, a NATS subject), with its original destination in
+    /// the header `outbox-destination` and the last error in `outbox-last-error`. The row
+    /// stays `dead` for an operator either way; a copy the broker does not confirm is only
+    /// logged.
+    pub fn dead_letter_to(mut self, destination: impl Into<String>) -> Self {
+        self.dead_letter = Some(destination.into());
         self
     }
 
@@ -185,6 +201,12 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
             if dead {
                 stats.dead += 1;
                 tracing::error!(id = %row.id, attempts = row.attempts, error, "publication failed for the last time; the message is dead");
+                if let Some(destination) = &self.dead_letter {
+                    let left = publish_until.saturating_duration_since(Instant::now());
+                    if self.dead_letter(row, destination, &error, left).await {
+                        stats.dead_lettered += 1;
+                    }
+                }
             } else {
                 tracing::warn!(id = %row.id, attempts = row.attempts, error, "publication failed; retrying later");
             }
@@ -206,6 +228,34 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
             }
         }
         Ok(stats)
+    }
+
+    /// Publishes a copy of the dead `row` to `destination` within `left`: whether the broker
+    /// confirmed it.
+    async fn dead_letter(
+        &self,
+        row: &OutboxMessage,
+        destination: &str,
+        error: &str,
+        left: Duration,
+    ) -> bool {
+        let mut copy = row.clone();
+        copy.destination = destination.to_owned();
+        copy.headers
+            .insert("outbox-destination".into(), row.destination.clone());
+        copy.headers
+            .insert("outbox-last-error".into(), error.to_owned());
+        match tokio::time::timeout(left, self.publisher.publish(&copy)).await {
+            Ok(Ok(())) => true,
+            Ok(Err(err)) => {
+                tracing::error!(id = %row.id, error = %err, "the dead message's copy was not dead-lettered");
+                false
+            }
+            Err(_) => {
+                tracing::error!(id = %row.id, "the dead message's copy was not confirmed before the claim ran out");
+                false
+            }
+        }
     }
 
     /// Claims at most a batch of due rows for `token`, counting an attempt on each, oldest
