@@ -39,7 +39,7 @@ pub struct OutboxTemplates {
     pub(crate) claim: &'static str,
     /// Reads the rows a claim took, oldest first: `token`; empty when the claim returns them.
     pub(crate) claimed: &'static str,
-    /// Marks a row published: `id, token`.
+    /// Marks rows published: `token`, then the ids at the `{ids}` marker.
     pub(crate) published: &'static str,
     /// Records a failed attempt: `error, max_attempts, retry_in (ticks), id, token`.
     pub(crate) failed: &'static str,
@@ -81,6 +81,24 @@ pub(crate) struct OutboxStatements {
 }
 
 impl OutboxStatements {
+    /// The marking statement for `n` ids: `{ids}` replaced by `n` placeholders after the
+    /// token's (`$2, $3, ...` where placeholders are numbered, `?, ?, ...` elsewhere).
+    pub(crate) fn published_many(&self, n: usize, numbered: bool) -> String {
+        let mut ids = String::with_capacity(n * 5);
+        for i in 0..n {
+            if i > 0 {
+                ids.push_str(", ");
+            }
+            if numbered {
+                ids.push('$');
+                ids.push_str(&(i + 2).to_string());
+            } else {
+                ids.push('?');
+            }
+        }
+        self.published.replace("{ids}", &ids)
+    }
+
     pub(crate) fn render(templates: &OutboxTemplates, table: &TableName) -> OutboxStatements {
         let render = |sql: &str| {
             table.render_for(sql, crate::outbox::DEFAULT_TABLE, &["_due", "_published"])
@@ -119,6 +137,8 @@ pub trait OutboxDriver: Dialect {
     /// Whether the enqueue statement notifies relays at commit itself (it then takes the
     /// channel as its last parameter).
     const NOTIFIES: bool;
+    /// Whether placeholders are numbered (`$1`) rather than positional (`?`).
+    const NUMBERED: bool;
 
     /// Runs the creation script.
     fn create<'c>(

@@ -34,7 +34,7 @@ const TEMPLATES: OutboxTemplates = OutboxTemplates {
     published: "UPDATE idempotent_outbox SET state = 'published', \
                 published_at = UTC_TIMESTAMP(6), claim_token = NULL, \
                 claimed_until = NULL, last_error = NULL \
-                WHERE id = ? AND claim_token = ?",
+                WHERE claim_token = ? AND id IN ({ids})",
     failed: "UPDATE idempotent_outbox SET last_error = ?, \
              state = CASE WHEN attempts >= ? THEN 'dead' ELSE 'pending' END, \
              next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
@@ -65,6 +65,7 @@ const TEMPLATES: OutboxTemplates = OutboxTemplates {
 impl OutboxDriver for MySql {
     const OUTBOX: OutboxTemplates = TEMPLATES;
     const NOTIFIES: bool = false;
+    const NUMBERED: bool = false;
 
     outbox_fns!(MySql);
 }

@@ -35,7 +35,7 @@ const TEMPLATES: OutboxTemplates = OutboxTemplates {
     published: "UPDATE idempotent_outbox SET state = 'published', \
                 published_at = statement_timestamp(), claim_token = NULL, \
                 claimed_until = NULL, last_error = NULL \
-                WHERE id = $1 AND claim_token = $2",
+                WHERE claim_token = $1 AND id IN ({ids})",
     failed: "UPDATE idempotent_outbox SET last_error = $1, \
              state = CASE WHEN attempts >= $2 THEN 'dead' ELSE 'pending' END, \
              next_attempt_at = statement_timestamp() + $3 * interval '1 microsecond', \
@@ -74,6 +74,7 @@ impl Listener for PgWake {
 impl OutboxDriver for Postgres {
     const OUTBOX: OutboxTemplates = TEMPLATES;
     const NOTIFIES: bool = true;
+    const NUMBERED: bool = true;
 
     outbox_fns!(Postgres);
 

@@ -11,6 +11,9 @@ use crate::outbox::publish::Publisher;
 use crate::outbox::{db_error, Outbox, OutboxDialect, OutboxMessage};
 use crate::store::Token;
 
+/// The most rows one marking statement names.
+const MARK_CHUNK: usize = 500;
+
 /// What a relay did ([`Relay::run_once`], [`Relay::run`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -48,8 +51,8 @@ impl RelayStats {
 /// [`lease`](Relay::lease) (PostgreSQL: `FOR UPDATE SKIP LOCKED`; MySQL and SQLite: an
 /// `UPDATE` that writes the token on the rows it takes; either way other relays take other
 /// rows), publishes
-/// them in order and marks each published once the broker confirmed it, only while its claim
-/// holds. It stops publishing a batch before the lease runs out, so no two relays ever
+/// them in order, and marks the ones the broker confirmed published in one statement at the
+/// end of the batch, only while its claim holds. It stops publishing a batch before the lease runs out, so no two relays ever
 /// publish a row at the same time. A failed publication is retried after a backoff (1 s,
 /// doubling, at most 5 minutes by default); after [`max_attempts`](Relay::max_attempts) the
 /// row goes `dead` for an operator ([`Outbox::dead`], [`Outbox::retry`], [`Outbox::discard`]).
@@ -164,6 +167,9 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
             claimed: rows.len() as u64,
             ..RelayStats::default()
         };
+        // Confirmed rows are marked together once the batch is through: one statement per
+        // batch, not per row. A relay that dies before marking publishes them again.
+        let mut confirmed: Vec<&str> = Vec::with_capacity(rows.len());
         for row in &rows {
             let left = publish_until.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -173,24 +179,7 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
             let published = tokio::time::timeout(left, self.publisher.publish(row)).await;
             let error = match published {
                 Ok(Ok(())) => {
-                    let marked = self
-                        .outbox
-                        .exec(
-                            &self.outbox.statements().published,
-                            &[Arg::Text(row.id.as_str()), Arg::Bytes(token.as_bytes())],
-                        )
-                        .await;
-                    match marked {
-                        Ok(1) => stats.published += 1,
-                        Ok(_) => {
-                            tracing::warn!(id = %row.id, "published, but the claim had run out; it will be published again");
-                            stats.unmarked += 1;
-                        }
-                        Err(err) => {
-                            tracing::warn!(id = %row.id, error = %err, "published, but not marked; it will be published again");
-                            stats.unmarked += 1;
-                        }
-                    }
+                    confirmed.push(row.id.as_str());
                     continue;
                 }
                 Ok(Err(err)) => err.to_string(),
@@ -227,7 +216,39 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
                 tracing::warn!(id = %row.id, error = %err, "failed attempt not recorded; the claim will run out");
             }
         }
+        self.mark(&token, &confirmed, &mut stats).await;
         Ok(stats)
+    }
+
+    /// Marks the `confirmed` rows published, where `token` still holds them.
+    async fn mark(&self, token: &Token, confirmed: &[&str], stats: &mut RelayStats) {
+        for chunk in confirmed.chunks(MARK_CHUNK) {
+            let sql = self
+                .outbox
+                .statements()
+                .published_many(chunk.len(), DB::NUMBERED);
+            let mut args = Vec::with_capacity(chunk.len() + 1);
+            args.push(Arg::Bytes(token.as_bytes()));
+            args.extend(chunk.iter().map(|id| Arg::Text(id)));
+            let chunk_len = chunk.len() as u64;
+            match self.outbox.exec(&sql, &args).await {
+                Ok(marked) => {
+                    let marked = marked.min(chunk_len);
+                    stats.published += marked;
+                    if marked < chunk_len {
+                        tracing::warn!(
+                            unmarked = chunk_len - marked,
+                            "published, but the claim had run out; they will be published again"
+                        );
+                        stats.unmarked += chunk_len - marked;
+                    }
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, rows = chunk_len, "published, but not marked; they will be published again");
+                    stats.unmarked += chunk_len;
+                }
+            }
+        }
     }
 
     /// Publishes a copy of the dead `row` to `destination` within `left`: whether the broker

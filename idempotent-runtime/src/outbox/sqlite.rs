@@ -50,7 +50,7 @@ const TEMPLATES: OutboxTemplates = OutboxTemplates {
         "UPDATE idempotent_outbox SET state = 'published', published_at = ",
         now!(),
         ", claim_token = NULL, claimed_until = NULL, last_error = NULL \
-         WHERE id = ? AND claim_token = ?"
+         WHERE claim_token = ? AND id IN ({ids})"
     ),
     failed: concat!(
         "UPDATE idempotent_outbox SET last_error = ?, \
@@ -91,6 +91,7 @@ const TEMPLATES: OutboxTemplates = OutboxTemplates {
 impl OutboxDriver for Sqlite {
     const OUTBOX: OutboxTemplates = TEMPLATES;
     const NOTIFIES: bool = false;
+    const NUMBERED: bool = false;
 
     outbox_fns!(Sqlite);
 }
