@@ -225,6 +225,26 @@ pub enum StoreErrorKind {
     Unsafe,
 }
 
+impl StoreErrorKind {
+    /// The kind as a short lowercase name (`unavailable`, `outcome_unknown`, `protocol`,
+    /// `corrupt`, `rejected`, `unsafe`), as metrics label it.
+    ///
+    /// ```
+    /// use idempotent_runtime::StoreErrorKind;
+    /// assert_eq!(StoreErrorKind::OutcomeUnknown.as_str(), "outcome_unknown");
+    /// ```
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreErrorKind::Unavailable => "unavailable",
+            StoreErrorKind::OutcomeUnknown => "outcome_unknown",
+            StoreErrorKind::Protocol => "protocol",
+            StoreErrorKind::Corrupt => "corrupt",
+            StoreErrorKind::Rejected => "rejected",
+            StoreErrorKind::Unsafe => "unsafe",
+        }
+    }
+}
+
 /// An error from a [`Store`](crate::Store). The backend's own error is kept as the source,
 /// never turned into a string.
 #[derive(Debug)]

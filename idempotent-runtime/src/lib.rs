@@ -32,6 +32,7 @@ mod default_store;
 mod engine;
 mod error;
 pub mod key;
+pub mod metrics;
 mod policy;
 pub mod store;
 

@@ -70,6 +70,17 @@ pub trait Delivery: Clone + Send + Sync + 'static {
 
     /// Dead-letters the message: it is not delivered again.
     fn dead_letter(&self) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// The broker, as metrics label it (`messaging.system`: `rabbitmq`, `nats`).
+    fn system(&self) -> &'static str {
+        "unknown"
+    }
+
+    /// Where the message was consumed from, as metrics label it
+    /// (`messaging.destination.name`: a queue, a subject).
+    fn destination(&self) -> &str {
+        ""
+    }
 }
 
 /// Carries out `decision` on `delivery`.
@@ -175,6 +186,7 @@ where
     HE: Settle + Send + 'static,
 {
     let count = message.deliveries();
+    let started = tokio::time::Instant::now();
     let decision = match contained(handler(message.clone())).await {
         Ok(result) => redelivery.decide(&result, count),
         Err(err) => {
@@ -183,6 +195,7 @@ where
         }
     };
     let settled = apply(&message, decision).await;
+    crate::metrics::messaging_process(message.system(), message.destination(), started.elapsed());
     match &settled {
         Ok(()) => tracing::debug!(deliveries = ?count, %decision, "settled"),
         Err(err) => {

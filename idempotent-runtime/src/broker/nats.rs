@@ -160,6 +160,14 @@ impl super::Delivery for Message {
         deliveries(self)
     }
 
+    fn system(&self) -> &'static str {
+        "nats"
+    }
+
+    fn destination(&self) -> &str {
+        self.subject.as_str()
+    }
+
     /// `+ACK`.
     async fn ack(&self) -> Result<(), Error> {
         ack_with(self, AckKind::Ack).await

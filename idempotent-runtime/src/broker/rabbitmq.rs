@@ -414,6 +414,14 @@ impl super::Delivery for Message {
         deliveries(&self.delivery, &self.queue)
     }
 
+    fn system(&self) -> &'static str {
+        "rabbitmq"
+    }
+
+    fn destination(&self) -> &str {
+        &self.queue.name
+    }
+
     /// `basic.ack`.
     async fn ack(&self) -> Result<(), Error> {
         ack(&self.delivery).await

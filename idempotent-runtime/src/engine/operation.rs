@@ -17,6 +17,7 @@ use crate::engine::owner::{Claimed, Owner, PendingClaim, Settled};
 use crate::engine::watch::{watch, Watched};
 use crate::error::Error;
 use crate::key::{Key, KeyError, KeyPart};
+use crate::metrics;
 use crate::policy::{OnError, OnLostLease, OnStoreError};
 use crate::store::{ClaimRequest, Fingerprint, Token};
 
@@ -329,15 +330,21 @@ where
             fingerprint,
         });
         let mut waiting = Waiting::new(guard.in_progress);
+        let name = store.name();
+        let mut first_wait: Option<tokio::time::Instant> = None;
         loop {
             let sent_at = tokio::time::Instant::now();
-            let claim = match PendingClaim::new(&store, &req).await {
+            let claimed = PendingClaim::new(&store, &req).await;
+            metrics::claim_duration(&req.key, name, sent_at.elapsed());
+            let claim = match claimed {
                 Ok(claim) => claim,
                 Err(err) => {
+                    metrics::store_error(name, err.kind());
                     return match guard.on_store_error {
                         OnStoreError::FailOpen => {
                             tracing::warn!(error = %err, "store failed; running unguarded (fail open)");
                             span.record("outcome", "fail_open");
+                            metrics::outcome(&req.key, name, "fail_open");
                             let unguarded = Claimed::new(store, unwrap_req(req), 0, sent_at);
                             let current = Current::new(Arc::new(unguarded));
                             current.clone().scope(body(current)).await.into_result()
@@ -345,12 +352,25 @@ where
                         _ => {
                             tracing::warn!(error = %err, "store failed; not running (fail closed)");
                             span.record("outcome", "store_error");
+                            metrics::outcome(&req.key, name, "store_error");
                             Err(Error::Store(err).into())
                         }
                     };
                 }
             };
-            match decide(claim, guard.in_progress, &mut waiting) {
+            let next = decide(claim, guard.in_progress, &mut waiting);
+            if let Some(since) = first_wait {
+                if !matches!(
+                    next,
+                    Next::Busy {
+                        then: Busy::Retry(_),
+                        ..
+                    }
+                ) {
+                    metrics::wait_duration(&req.key, name, since.elapsed());
+                }
+            }
+            match next {
                 Next::Run { fence } => {
                     span.record("fence", fence);
                     let claimed = Claimed::new(store, unwrap_req(req), fence, sent_at);
@@ -360,11 +380,13 @@ where
                 Next::Completed { fence, result } => {
                     span.record("fence", fence);
                     span.record("outcome", "completed");
+                    metrics::outcome(&req.key, name, completed_label(&result, &outcomes));
                     return completed(unwrap_req(req).key, result, &outcomes);
                 }
                 Next::Mismatch { fence } => {
                     span.record("fence", fence);
                     span.record("outcome", "mismatch");
+                    metrics::outcome(&req.key, name, "mismatch");
                     return Err(Error::PayloadMismatch {
                         key: unwrap_req(req).key,
                     }
@@ -375,6 +397,7 @@ where
                     if let Some(check) = done.start() {
                         if check.await? {
                             span.record("outcome", "done");
+                            metrics::outcome(&req.key, name, "done_fallback");
                             return Err(Error::Duplicate {
                                 key: unwrap_req(req).key,
                             }
@@ -382,9 +405,13 @@ where
                         }
                     }
                     match then {
-                        Busy::Retry(pause) => tokio::time::sleep(pause).await,
+                        Busy::Retry(pause) => {
+                            first_wait.get_or_insert_with(tokio::time::Instant::now);
+                            tokio::time::sleep(pause).await;
+                        }
                         Busy::Skip => {
                             span.record("outcome", "skipped");
+                            metrics::outcome(&req.key, name, "skipped");
                             return Err(Error::Skipped {
                                 key: unwrap_req(req).key,
                             }
@@ -392,6 +419,7 @@ where
                         }
                         Busy::Reject => {
                             span.record("outcome", "in_progress");
+                            metrics::outcome(&req.key, name, "in_progress");
                             return Err(Error::InProgress {
                                 key: unwrap_req(req).key,
                                 fence,
@@ -428,10 +456,14 @@ where
 {
     let span = tracing::Span::current();
     let claim = owner.claim().clone();
+    let name = claim.store.name();
+    let _active = metrics::Active::new(&claim.key, name);
+    let report = |label: &'static str| metrics::outcome(&claim.key, name, label);
     if let Some(check) = done.start() {
         match watch(check, &claim, OnLostLease::Continue).await {
             Watched::Done(Ok(true)) => {
                 span.record("outcome", "done");
+                report("done_fallback");
                 // The effect is applied: record it, never give the claim back.
                 owner.settle(None).await;
                 return Err(Error::Duplicate {
@@ -442,6 +474,7 @@ where
             Watched::Done(Ok(false)) => {}
             Watched::Done(Err(err)) => {
                 span.record("outcome", "done_check_failed");
+                report("failed");
                 owner.release().await;
                 return Err(err.into());
             }
@@ -450,10 +483,14 @@ where
     }
 
     let current = Current::new(claim.clone());
-    let out = match watch(current.clone().scope(body(current)), &claim, on_lost).await {
+    let started = tokio::time::Instant::now();
+    let watched = watch(current.clone().scope(body(current)), &claim, on_lost).await;
+    metrics::handler_duration(&claim.key, name, started.elapsed());
+    let out = match watched {
         Watched::Done(out) => out.into_result(),
         Watched::Cancelled => {
             span.record("outcome", "lost_ownership");
+            report("lost_ownership");
             owner.release().await;
             return Err(Error::LostOwnership {
                 key: claim.key.clone(),
@@ -472,10 +509,12 @@ where
             match owner.settle(result).await {
                 Settled::Recorded => {
                     span.record("outcome", "executed");
+                    report("executed");
                     Ok(value)
                 }
                 Settled::Lost => {
                     span.record("outcome", "lost_ownership");
+                    report("lost_ownership");
                     tracing::warn!("lost ownership before completing");
                     Err(Error::LostOwnership {
                         key: claim.key.clone(),
@@ -487,6 +526,7 @@ where
                     // The effect is applied: reporting failure would make the broker redeliver
                     // and run it again. The completion is retried in the background.
                     span.record("outcome", "executed_unrecorded");
+                    report("executed");
                     Ok(value)
                 }
             }
@@ -504,10 +544,12 @@ where
             match stored {
                 None => {
                     span.record("outcome", "released");
+                    report("failed");
                     owner.release().await;
                 }
                 Some(result) => {
                     span.record("outcome", "failed_stored");
+                    report("failed");
                     if owner.settle(Some(result)).await == Settled::Lost {
                         tracing::warn!("lost ownership before the failure could be stored");
                     }
@@ -519,6 +561,20 @@ where
 }
 
 /// The answer for a key whose record is completed.
+/// The metrics outcome of a claim that met a completed record with `result`: what
+/// [`completed`] makes of it.
+pub(crate) fn completed_label<R: HandlerResult>(
+    result: &Option<Vec<u8>>,
+    outcomes: &Outcomes<R>,
+) -> &'static str {
+    match result.as_deref().and_then(<[u8]>::split_first) {
+        Some((&codec::OK, _)) if outcomes.replay.is_some() => "replayed",
+        Some((&codec::ERR, _)) if outcomes.errors.is_some() => "replayed",
+        Some((&codec::HELD, _)) => "held",
+        _ => "duplicate",
+    }
+}
+
 pub(crate) fn completed<R: HandlerResult>(
     key: Key,
     result: Option<Vec<u8>>,

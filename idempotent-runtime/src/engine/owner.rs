@@ -483,6 +483,7 @@ async fn complete_in_background(claim: Arc<Claimed>, completion: Completion) {
                 return;
             }
             Err(err) => {
+                crate::metrics::store_error(claim.store.name(), err.kind());
                 if tokio::time::Instant::now() >= give_up_at {
                     tracing::error!(key = %claim.key, error = %err, attempts, "completion could not be recorded before the record's ttl; giving up");
                     return;
@@ -490,6 +491,7 @@ async fn complete_in_background(claim: Arc<Claimed>, completion: Completion) {
                 tracing::warn!(key = %claim.key, error = %err, attempts, "completion failed; retrying");
             }
         }
+        crate::metrics::completion_retry(&claim.key, claim.store.name());
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF).min(claim.lease / 3);
         if let Err(err) = claim

@@ -54,14 +54,20 @@ pub(crate) async fn watch<F: Future>(
                 let sent_at = *sent_at;
                 renewal = None;
                 match renewed {
-                    Ok(true) => claim.renewed(sent_at),
+                    Ok(true) => {
+                        crate::metrics::lease_renewal(&claim.key, claim.store.name());
+                        claim.renewed(sent_at);
+                    }
                     Ok(false) => {
                         tracing::warn!(
                             "lease lost while the handler runs: another owner holds the key"
                         );
                         claim.set_lost();
                     }
-                    Err(err) => tracing::warn!(error = %err, "lease renewal failed; retrying"),
+                    Err(err) => {
+                        crate::metrics::store_error(claim.store.name(), err.kind());
+                        tracing::warn!(error = %err, "lease renewal failed; retrying");
+                    }
                 }
             }
         }

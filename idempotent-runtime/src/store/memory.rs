@@ -551,4 +551,8 @@ impl Store for MemoryStore {
     fn max_result_size(&self) -> usize {
         self.max_result_size
     }
+
+    fn name(&self) -> &'static str {
+        "memory"
+    }
 }

@@ -197,6 +197,12 @@ pub trait Store: Send + Sync + 'static {
     fn max_result_size(&self) -> usize {
         DEFAULT_MAX_RESULT_SIZE
     }
+
+    /// A short name for the store's kind, as metrics and logs label it: `memory`, `redis`,
+    /// `redis_cluster`, `postgresql`, `mysql`, `sqlite`, `tiered`; `custom` by default.
+    fn name(&self) -> &'static str {
+        "custom"
+    }
 }
 
 /// Forwards every method of [`Store`] through a pointer to a store.
@@ -241,6 +247,9 @@ macro_rules! forward_store {
             }
             fn max_result_size(&self) -> usize {
                 (**self).max_result_size()
+            }
+            fn name(&self) -> &'static str {
+                (**self).name()
             }
         }
     };

@@ -165,4 +165,8 @@ impl Store for TieredStore {
             .max_result_size()
             .min(self.back.max_result_size())
     }
+
+    fn name(&self) -> &'static str {
+        "tiered"
+    }
 }

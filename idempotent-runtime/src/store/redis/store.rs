@@ -116,6 +116,7 @@ impl RedisStore {
         };
         if known.as_deref().is_some_and(|old| old != now) {
             self.inner.history_resets.fetch_add(1, Ordering::Relaxed);
+            crate::metrics::history_reset(self.name());
             tracing::error!(
                 old = known.as_deref().unwrap_or_default(),
                 new = %now,
@@ -432,5 +433,12 @@ impl Store for RedisStore {
 
     fn max_result_size(&self) -> usize {
         self.inner.max_result_size
+    }
+
+    fn name(&self) -> &'static str {
+        match self.inner.conn {
+            Conn::Single(_) => "redis",
+            Conn::Cluster(_) => "redis_cluster",
+        }
     }
 }

@@ -34,6 +34,7 @@ impl<DB: Dialect> SqlStore<DB> {
             let deleted = write::<DB>(&mut conn, &self.sql.purge, &args, "purge", true).await?;
             drop(conn);
             total += deleted;
+            crate::metrics::purged(crate::store::Store::name(self), deleted);
             if deleted < u64::from(batch) {
                 return Ok(total);
             }

@@ -182,4 +182,13 @@ impl<DB: Dialect> Store for SqlStore<DB> {
     fn max_result_size(&self) -> usize {
         self.max_result_size
     }
+
+    fn name(&self) -> &'static str {
+        match <DB as sqlx::Database>::NAME {
+            "PostgreSQL" => "postgresql",
+            "MySQL" => "mysql",
+            "SQLite" => "sqlite",
+            _ => "sql",
+        }
+    }
 }

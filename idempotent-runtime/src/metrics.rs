@@ -1,0 +1,221 @@
+//! What the engine and the stores count, through the [`metrics`](https://docs.rs/metrics)
+//! facade (feature `metrics`): the application installs the recorder (Prometheus,
+//! OpenTelemetry, StatsD exporters); without one nothing is recorded, and without the
+//! feature these functions are empty and compiled away.
+//!
+//! Names follow the OpenTelemetry conventions (dot-separated, lowercase, durations in
+//! seconds); no label ever carries a key or a payload.
+//!
+//! | name | kind | labels |
+//! |---|---|---|
+//! | `idempotency.operations` | counter | `prefix`, `store`, `outcome` |
+//! | `idempotency.claim.duration` | histogram (s) | `prefix`, `store` |
+//! | `idempotency.handler.duration` | histogram (s) | `prefix`, `store` |
+//! | `idempotency.wait.duration` | histogram (s) | `prefix`, `store` |
+//! | `idempotency.lease.renewals` | counter | `prefix`, `store` |
+//! | `idempotency.store.errors` | counter | `store`, `error.type` |
+//! | `idempotency.completion.retries` | counter | `prefix`, `store` |
+//! | `idempotency.claims.active` | gauge (up-down) | `prefix`, `store` |
+//! | `idempotency.history.resets` | counter | `store` |
+//! | `idempotency.purged.records` | counter | `store` |
+//! | `messaging.process.duration` | histogram (s) | `messaging.system`, `messaging.destination.name` |
+//!
+//! `outcome` is one of `executed` (the handler ran and its outcome was recorded, or is being
+//! recorded in the background), `duplicate`, `replayed`, `held`, `in_progress`, `skipped`,
+//! `mismatch`, `lost_ownership`, `store_error`, `fail_open`, `done_fallback` (the business
+//! check said the effect was already applied) and `failed` (the handler returned an error:
+//! released for a retry, or stored).
+//!
+//! `store` is the store's [`name`](crate::Store::name): `memory`, `redis`, `redis_cluster`,
+//! `postgresql`, `mysql`, `sqlite`, `tiered`, or what a third-party store reports.
+
+use std::time::Duration;
+
+use crate::error::StoreErrorKind;
+use crate::key::Key;
+
+/// One operation's outcome (see the module docs for the values).
+#[inline]
+pub(crate) fn outcome(key: &Key, store: &'static str, outcome: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "idempotency.operations",
+        "prefix" => key.prefix().to_owned(),
+        "store" => store,
+        "outcome" => outcome
+    )
+    .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (key, store, outcome);
+}
+
+/// How long a claim round trip took.
+#[inline]
+pub(crate) fn claim_duration(key: &Key, store: &'static str, took: Duration) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!(
+        "idempotency.claim.duration",
+        "prefix" => key.prefix().to_owned(),
+        "store" => store
+    )
+    .record(took.as_secs_f64());
+    #[cfg(not(feature = "metrics"))]
+    let _ = (key, store, took);
+}
+
+/// How long a handler's body ran.
+#[inline]
+pub(crate) fn handler_duration(key: &Key, store: &'static str, took: Duration) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!(
+        "idempotency.handler.duration",
+        "prefix" => key.prefix().to_owned(),
+        "store" => store
+    )
+    .record(took.as_secs_f64());
+    #[cfg(not(feature = "metrics"))]
+    let _ = (key, store, took);
+}
+
+/// How long a call waited for another owner (`InProgress::Wait`) before its outcome.
+#[inline]
+pub(crate) fn wait_duration(key: &Key, store: &'static str, took: Duration) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!(
+        "idempotency.wait.duration",
+        "prefix" => key.prefix().to_owned(),
+        "store" => store
+    )
+    .record(took.as_secs_f64());
+    #[cfg(not(feature = "metrics"))]
+    let _ = (key, store, took);
+}
+
+/// A lease renewed by the watchdog.
+#[inline]
+pub(crate) fn lease_renewal(key: &Key, store: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "idempotency.lease.renewals",
+        "prefix" => key.prefix().to_owned(),
+        "store" => store
+    )
+    .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (key, store);
+}
+
+/// A store call that failed.
+#[inline]
+pub(crate) fn store_error(store: &'static str, kind: StoreErrorKind) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "idempotency.store.errors",
+        "store" => store,
+        "error.type" => kind.as_str()
+    )
+    .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (store, kind);
+}
+
+/// A completion sent again after it failed.
+#[inline]
+pub(crate) fn completion_retry(key: &Key, store: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "idempotency.completion.retries",
+        "prefix" => key.prefix().to_owned(),
+        "store" => store
+    )
+    .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (key, store);
+}
+
+/// A claim acquired (`+1`) or settled (`-1`).
+#[inline]
+pub(crate) fn claims_active(key: &Key, store: &'static str, delta: i8) {
+    #[cfg(feature = "metrics")]
+    {
+        let gauge = metrics::gauge!(
+            "idempotency.claims.active",
+            "prefix" => key.prefix().to_owned(),
+            "store" => store
+        );
+        if delta >= 0 {
+            gauge.increment(f64::from(delta));
+        } else {
+            gauge.decrement(f64::from(-delta));
+        }
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = (key, store, delta);
+}
+
+/// A store that found its server changed (restarted, failed over): earlier records may be
+/// gone.
+#[inline]
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) fn history_reset(store: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency.history.resets", "store" => store).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = store;
+}
+
+/// Expired records a purge deleted.
+#[inline]
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(dead_code)
+)]
+pub(crate) fn purged(store: &'static str, records: u64) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency.purged.records", "store" => store).increment(records);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (store, records);
+}
+
+/// How long a broker consumer took to process a message (handler and settlement).
+#[inline]
+#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
+pub(crate) fn messaging_process(system: &'static str, destination: &str, took: Duration) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!(
+        "messaging.process.duration",
+        "messaging.system" => system,
+        "messaging.destination.name" => destination.to_owned()
+    )
+    .record(took.as_secs_f64());
+    #[cfg(not(feature = "metrics"))]
+    let _ = (system, destination, took);
+}
+
+/// Counts an acquired claim as active until dropped.
+pub(crate) struct Active {
+    #[cfg(feature = "metrics")]
+    key: Key,
+    #[cfg(feature = "metrics")]
+    store: &'static str,
+}
+
+impl Active {
+    pub(crate) fn new(key: &Key, store: &'static str) -> Active {
+        claims_active(key, store, 1);
+        #[cfg(feature = "metrics")]
+        return Active {
+            key: key.clone(),
+            store,
+        };
+        #[cfg(not(feature = "metrics"))]
+        Active {}
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        #[cfg(feature = "metrics")]
+        claims_active(&self.key, self.store, -1);
+    }
+}
