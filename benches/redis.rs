@@ -1,32 +1,53 @@
-//! The Redis backend against plain redis-rs doing the same round trips.
+//! The Redis backend against the seed design written by hand and against plain redis-rs
+//! doing the backend's own round trips.
+//!
+//! Three sides run the same claim + complete cycle on the same shape of key (a 9-byte prefix,
+//! `:v1:`, the run's tag and the id, as the framework encodes keys), with the same 16-byte owner
+//! token, the framework's lease for a one-hour `ttl` and that `ttl`, over one shared
+//! `ConnectionManager` (one multiplexed connection, as the store uses):
+//!
+//! - **seed**: the design of the articles this project grew from, what a user writes by hand
+//!   without the library. Claim with one native command, `SET key token NX PX lease` (`OK`:
+//!   acquired; nil: a duplicate or a call in flight); complete with a short Lua
+//!   compare-and-set run by `EVALSHA` (`redis::Script`): if the key still holds the token, it
+//!   becomes `done` with the `ttl`.
+//! - **raw**: redis-rs calling the backend's own script (`record.lua`) by `EVALSHA`, first
+//!   `claim`, then `complete`, with the arguments the store sends (empty fingerprint, the
+//!   5-byte result `replay` stores for `Ok(())`). It writes the very record the framework
+//!   writes, so it is the framework without the framework's client-side work.
+//! - **framework**: an `#[idempotent(..., replay)]` handler that only returns `Ok(())`, on a
+//!   `RedisStore`. Its completed record carries the token, a fence and the result.
 //!
 //! What it measures, in one process against one Redis server:
 //!
-//! 1. **Throughput** of a claim + complete cycle at 50 concurrent tasks on a multi-thread
-//!    runtime. "raw" is redis-rs alone: one shared `ConnectionManager` (one multiplexed
-//!    connection, as the store uses) calling the backend's own script (`record.lua`) by
-//!    `EVALSHA`, first `claim`, then `complete`, with the arguments the store sends (16-byte
-//!    token, lease and ttl in ms, empty fingerprint, the 5-byte result `replay` stores for
-//!    `Ok(())`). "framework" is an `#[idempotent(..., replay)]` handler that only returns
-//!    `Ok(())`, on a `RedisStore`. After a warm-up pass of each, raw and framework passes
-//!    alternate (5 rounds) and the median of each side is kept; every pass uses fresh keys.
-//!    Each pass also reports the CPU time per cycle of this process (all its threads) and of
-//!    the server, which machine noise disturbs much less than the throughput.
-//! 2. **Round trips per duplicate**: every key arrives three times at a handler without
-//!    `replay` (each duplicate must come back as `Error::Duplicate`); the `EVALSHA` calls the
-//!    server counted (`INFO commandstats`) during the second and third arrivals, divided by
-//!    their number.
-//! 3. **Latency** of one task doing the cycle sequentially, raw and framework taking turns
-//!    cycle by cycle: p50 and p99 of each.
+//! 1. **Throughput** of the cycle at 50 concurrent tasks on a multi-thread runtime. After a
+//!    warm-up pass of each side, every round runs one pass of each side, the order rotating
+//!    round by round so that each side goes first, second and third equally often; the median
+//!    of each side is kept, and every pass uses fresh keys. Each pass also reports the commands
+//!    per cycle the server executed (`INFO commandstats`, scripts' own calls included) and the
+//!    CPU time per cycle of this process (all its threads) and of the server, which machine
+//!    noise disturbs much less than the throughput.
+//! 2. **Round trips per duplicate**: every key arrives three times at a framework handler
+//!    without `replay` (each duplicate must come back as `Error::Duplicate`). During the
+//!    second arrivals, the commands the server executed (the `calls=` of all the `cmdstat_*`
+//!    lines of `INFO commandstats` but the bench's own `INFO`) per duplicate; Redis counts
+//!    there the commands a script runs itself (`redis.call`) too, so this is server work, not
+//!    round trips. During the third arrivals, the commands clients sent, seen through
+//!    `MONITOR`: every line but those of scripts' own calls (`[0 lua]`) and the bench's end
+//!    marker, per duplicate: the round trips. Native commands and scripts count alike (a
+//!    pipelined command counts as one; `MONITOR` does not show admin commands).
+//! 3. **Latency** of one task doing the cycle sequentially, the three sides taking turns cycle
+//!    by cycle (the order rotating too): p50 and p99 of each.
 //! 4. **Redis memory per completed record**: `used_memory` (`INFO memory`) before and after
 //!    completing 100,000 records with a realistic key (`order:consume` + order id + activity
-//!    id), without a stored result and with a replayed result of about 50 bytes.
+//!    id), without a stored result and with a replayed result of about 50 bytes; and, as a
+//!    reference, the seed design's `done` records under the same keys.
 //!
 //! It needs a Redis server it may write to, at `IDEMPOTENT_REDIS_URL` (default
-//! `redis://127.0.0.1:6379`). `INFO` figures are server-wide: other clients of the same
-//! server during the run skew the round-trip and memory figures. Every key the run writes
-//! carries a tag unique to the run and is deleted before it exits (and expires after an hour
-//! if the run is killed).
+//! `redis://127.0.0.1:6379`). `INFO` and `MONITOR` figures are server-wide: other clients of
+//! the same server during the run skew the command, round-trip, CPU and memory figures. Every
+//! key the run writes carries a tag unique to the run and is deleted before it exits (and
+//! expires after an hour if the run is killed).
 //!
 //! Run it with:
 //!
@@ -34,8 +55,22 @@
 //! cargo bench --bench redis --features redis
 //! ```
 //!
-//! The last lines are the figures, one `name=value` per line: `raw_ops_per_s`,
-//! `framework_ops_per_s`, `ratio`, `duplicate_round_trips`, `bytes_per_completed_record`.
+//! The last lines are the figures, one `name=value` per line:
+//!
+//! - `seed_design_cycles_per_s`, `framework_cycles_per_s`: median cycles per second at 50
+//!   tasks; `ratio_vs_seed_design`, framework over seed. Target: at least 0.9.
+//! - `server_us_per_cycle_seed_design`, `server_us_per_cycle_framework`: median Redis CPU
+//!   time per cycle at 50 tasks, in microseconds. Target: the framework's at most 1.2 times
+//!   the seed's.
+//! - `raw_ops_per_s`: median cycles per second of the raw side (the same script);
+//!   `ratio`, framework over raw: what the framework's client side costs.
+//! - `seed_latency_p99_us`, `framework_latency_p99_us`: p99 of one cycle at 1 task, in
+//!   microseconds; `latency_p99_ratio_vs_seed_design`, framework over seed. Target: the
+//!   framework at 1 task at least 0.9 times as fast as the seed, so this ratio at most
+//!   1 / 0.9, about 1.11.
+//! - `duplicate_round_trips`: commands a client sends per duplicate arrival (`MONITOR`).
+//! - `bytes_per_completed_record`: Redis memory per completed framework record without a
+//!   stored result.
 
 // A measurement program: failing loudly on a broken setup is the right behaviour.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -51,6 +86,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt;
 use idempotency::{idempotent, Idempotency, Key, RedisStore};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Script, Value};
@@ -62,6 +98,11 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The backend's script, byte for byte.
 const SCRIPT: &str = include_str!("../idempotent-runtime/src/store/redis/record.lua");
+/// The seed design's completion: a compare-and-set from the owner's token to `done`.
+const SEED_COMPLETE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
+     return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) and 1 else return 0 end";
+/// What a completed seed-design key holds.
+const SEED_DONE: &str = "done";
 const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
 const START_REDIS: &str =
     "redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save \"\" --appendonly no";
@@ -70,11 +111,13 @@ const START_REDIS: &str =
 const TASKS: usize = 50;
 /// Distinct keys per throughput pass (and per warm-up pass).
 const OPS: usize = 50_000;
-/// Measured rounds; each round is one raw and one framework pass.
-const ROUNDS: usize = 5;
+/// Measured rounds; each round is one pass of each side. A multiple of the number of sides,
+/// so that each side takes each place in the order equally often, and odd, so that the
+/// median is one pass.
+const ROUNDS: usize = 9;
 /// Keys in the duplicates pass; each arrives three times.
 const DUPLICATE_KEYS: usize = 20_000;
-/// Sequential cycles per side in the latency pass (raw and framework take turns).
+/// Sequential cycles per side in the latency pass (the sides take turns).
 const LATENCY_OPS: usize = 5_000;
 /// Records completed per memory pass.
 const MEMORY_RECORDS: usize = 100_000;
@@ -82,8 +125,12 @@ const MEMORY_RECORDS: usize = 100_000;
 const TTL_SECS: u64 = 3600;
 /// What `replay` stores for `Ok(())`: the `o` tag and the JSON `null`.
 const UNIT_RESULT: &[u8] = b"onull";
-/// Same length as the framework's prefix `bench:fwk`, so both sides send the same bytes.
+/// Same length as the framework's prefix `bench:fwk`, so all sides send the same key bytes.
 const RAW_PREFIX: &str = "bench:raw";
+const SEED_PREFIX: &str = "bench:sed";
+const FRAMEWORK_PREFIX: &str = "bench:fwk";
+/// `INFO commandstats` entries the bench sends itself to measure: not counted as commands.
+const MEASURING: &[&str] = &["info"];
 const ACTIVITY_ID: &str = "free-meal-2026";
 
 // ---------------------------------------------------------------------------------------
@@ -150,17 +197,22 @@ async fn on_order_receipt(
 }
 
 // ---------------------------------------------------------------------------------------
-// The raw side.
+// The hand-written sides: the seed design and the raw same-script cycle.
 
-/// What both sides share: the store, a plain connection, the script and the run's tag.
+/// What all sides share: the store, a plain connection, the scripts and the run's tag.
 #[derive(Clone)]
 struct Bench {
     store: Arc<RedisStore>,
+    /// For the `MONITOR` connection of the round-trip count.
+    client: Client,
     conn: ConnectionManager,
+    /// The backend's `record.lua`, for the raw side.
     script: Arc<Script>,
+    /// The seed design's compare-and-set completion.
+    seed_complete: Arc<Script>,
     /// 8 hex digits, unique to this run; the start of the first key part of every key.
     run: String,
-    /// The framework's lease for `TTL_SECS`, which the raw side sends too.
+    /// The framework's lease for `TTL_SECS`, which the hand-written sides send too.
     lease_ms: u64,
     ttl_ms: u64,
 }
@@ -175,10 +227,10 @@ fn raw_token(salt: u64) -> [u8; 16] {
     token
 }
 
-/// The key the framework would build for `bench:raw` with parts `[tag, id]`.
-fn raw_key(tag: &str, id: u64) -> Vec<u8> {
+/// The key the framework would build for `prefix` with parts `[tag, id]`.
+fn record_key(prefix: &str, tag: &str, id: u64) -> Vec<u8> {
     let id = id.to_string();
-    format!("{RAW_PREFIX}:v1:{{{}:{tag},{}:{id}}}", tag.len(), id.len()).into_bytes()
+    format!("{prefix}:v1:{{{}:{tag},{}:{id}}}", tag.len(), id.len()).into_bytes()
 }
 
 /// One claim + complete cycle in plain redis-rs: two `EVALSHA` round trips.
@@ -216,6 +268,41 @@ async fn raw_cycle(
     Ok(())
 }
 
+/// One cycle of the seed design: `SET key token NX PX lease` to claim (nil: a duplicate or
+/// in flight), then the compare-and-set to `done` by `EVALSHA`.
+async fn seed_cycle(
+    conn: &mut ConnectionManager,
+    complete: &Script,
+    key: &[u8],
+    token: &[u8; 16],
+    lease_ms: u64,
+    ttl_ms: u64,
+) -> Result<(), BoxError> {
+    let claimed: Value = redis::cmd("SET")
+        .arg(key)
+        .arg(&token[..])
+        .arg("NX")
+        .arg("PX")
+        .arg(lease_ms)
+        .query_async(conn)
+        .await?;
+    match claimed {
+        Value::Okay => {}
+        other => return Err(format!("seed claim not acquired: {other:?}").into()),
+    }
+    let completed: i64 = complete
+        .key(key)
+        .arg(&token[..])
+        .arg(SEED_DONE)
+        .arg(ttl_ms)
+        .invoke_async(conn)
+        .await?;
+    if completed != 1 {
+        return Err("seed completion refused".into());
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------
 // Passes.
 
@@ -229,15 +316,20 @@ struct PassFigures {
     server_us: f64,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Side {
+    Seed,
     Raw,
     Framework,
 }
 
+/// Every side, in the order of the first round; later rounds rotate it.
+const SIDES: [Side; 3] = [Side::Seed, Side::Raw, Side::Framework];
+
 impl Side {
     fn name(self) -> &'static str {
         match self {
+            Side::Seed => "seed",
             Side::Raw => "raw",
             Side::Framework => "framework",
         }
@@ -245,10 +337,32 @@ impl Side {
 
     fn prefix(self) -> &'static str {
         match self {
+            Side::Seed => SEED_PREFIX,
             Side::Raw => RAW_PREFIX,
-            Side::Framework => "bench:fwk",
+            Side::Framework => FRAMEWORK_PREFIX,
         }
     }
+
+    /// The side's place in `SIDES`, to index per-side figures.
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    /// `SIDES` rotated left by `turn`: turn by turn, each side goes first, second and third.
+    fn rotation(turn: usize) -> [Side; 3] {
+        std::array::from_fn(|i| SIDES[(i + turn) % SIDES.len()])
+    }
+}
+
+/// The records a memory pass completes.
+#[derive(Clone, Copy)]
+enum Record {
+    /// `on_order`: no stored result.
+    NoResult,
+    /// `on_order_receipt`: a replayed result of about 50 bytes.
+    Replayed,
+    /// The seed design by hand under the same keys: `done`.
+    Seed,
 }
 
 impl Bench {
@@ -262,6 +376,43 @@ impl Bench {
         format!("{}:v1:{{{}:{tag},*", side.prefix(), tag.len())
     }
 
+    /// The salt of the hand-written sides' tokens.
+    fn salt(&self) -> Result<u64, BoxError> {
+        Ok(u64::from_str_radix(&self.run, 16)?)
+    }
+
+    /// One claim + complete cycle of `side` on key `[tag, id]`.
+    async fn cycle(
+        &self,
+        conn: &mut ConnectionManager,
+        side: Side,
+        tag: &str,
+        id: u64,
+        salt: u64,
+    ) -> Result<(), BoxError> {
+        match side {
+            Side::Seed => {
+                let key = record_key(SEED_PREFIX, tag, id);
+                let token = raw_token(salt);
+                seed_cycle(
+                    conn,
+                    &self.seed_complete,
+                    &key,
+                    &token,
+                    self.lease_ms,
+                    self.ttl_ms,
+                )
+                .await
+            }
+            Side::Raw => {
+                let key = record_key(RAW_PREFIX, tag, id);
+                let token = raw_token(salt);
+                raw_cycle(conn, &self.script, &key, &token, self.lease_ms, self.ttl_ms).await
+            }
+            Side::Framework => Ok(framework_cycle(&self.store, tag, id).await?),
+        }
+    }
+
     /// `ops` cycles on distinct keys, split over `tasks` tasks; returns the elapsed time.
     async fn throughput(
         &self,
@@ -270,7 +421,7 @@ impl Bench {
         ops: usize,
         tasks: usize,
     ) -> Result<Duration, BoxError> {
-        let salt = u64::from_str_radix(&self.run, 16)?;
+        let salt = self.salt()?;
         let start = Instant::now();
         let mut set = tokio::task::JoinSet::new();
         for first in 0..tasks {
@@ -279,23 +430,7 @@ impl Bench {
             set.spawn(async move {
                 let mut conn = bench.conn.clone();
                 for id in (first..ops).step_by(tasks) {
-                    let id = id as u64;
-                    match side {
-                        Side::Raw => {
-                            let key = raw_key(&tag, id);
-                            let token = raw_token(salt);
-                            raw_cycle(
-                                &mut conn,
-                                &bench.script,
-                                &key,
-                                &token,
-                                bench.lease_ms,
-                                bench.ttl_ms,
-                            )
-                            .await?;
-                        }
-                        Side::Framework => framework_cycle(&bench.store, &tag, id).await?,
-                    }
+                    bench.cycle(&mut conn, side, &tag, id as u64, salt).await?;
                 }
                 Ok::<(), BoxError>(())
             });
@@ -315,13 +450,13 @@ impl Bench {
         ops: usize,
     ) -> Result<PassFigures, BoxError> {
         let mut conn = self.conn.clone();
-        let calls_before = evalsha_calls(&mut conn).await?;
+        let commands_before = commands_executed(&mut conn).await?;
         let server_before = server_cpu(&mut conn).await?;
         let client_before = client_cpu();
         let elapsed = self.throughput(side, tag, ops, TASKS).await?;
         let client_after = client_cpu();
         let server = server_cpu(&mut conn).await? - server_before;
-        let calls = evalsha_calls(&mut conn).await? - calls_before;
+        let commands = commands_executed(&mut conn).await? - commands_before;
         let figures = PassFigures {
             ops_per_s: per_s(ops, elapsed),
             client_us: client_before
@@ -330,12 +465,12 @@ impl Bench {
             server_us: server * 1e6 / ops as f64,
         };
         println!(
-            "{label:<9} {:<9} {ops} cycles, {TASKS} tasks: {:>6.3} s, {:>6.0} ops/s, \
-             {:.2} EVALSHA/cycle, CPU/cycle: client {:.1} us, server {:.1} us",
+            "{label:<9} {:<9} {ops} cycles, {TASKS} tasks: {:>6.3} s, {:>6.0} cycles/s, \
+             {:.2} server commands/cycle, CPU/cycle: client {:.1} us, server {:.1} us",
             side.name(),
             elapsed.as_secs_f64(),
             figures.ops_per_s,
-            calls as f64 / ops as f64,
+            commands as f64 / ops as f64,
             figures.client_us,
             figures.server_us,
         );
@@ -382,40 +517,79 @@ impl Bench {
         Ok(calls)
     }
 
-    /// Sequential cycles on one task, raw and framework taking turns so that machine noise
-    /// hits both; returns each side's cycle times in microseconds, sorted.
-    async fn latency(&self, tag: &str) -> Result<(Vec<f64>, Vec<f64>), BoxError> {
+    /// Sequential cycles on one task, the sides taking turns (in an order rotating cycle by
+    /// cycle) so that machine noise hits all of them; returns each side's cycle times in
+    /// microseconds, sorted, indexed by `Side::index`.
+    async fn latency(&self, tag: &str) -> Result<[Vec<f64>; 3], BoxError> {
         let bench = self.clone();
         let tag = tag.to_string();
-        let salt = u64::from_str_radix(&self.run, 16)?;
+        let salt = self.salt()?;
         tokio::spawn(async move {
             let mut conn = bench.conn.clone();
-            let mut raw = Vec::with_capacity(LATENCY_OPS);
-            let mut framework = Vec::with_capacity(LATENCY_OPS);
+            let mut micros: [Vec<f64>; 3] =
+                std::array::from_fn(|_| Vec::with_capacity(LATENCY_OPS));
             for id in 0..LATENCY_OPS as u64 {
-                let key = raw_key(&tag, id);
-                let token = raw_token(salt);
-                let start = Instant::now();
-                raw_cycle(
-                    &mut conn,
-                    &bench.script,
-                    &key,
-                    &token,
-                    bench.lease_ms,
-                    bench.ttl_ms,
-                )
-                .await?;
-                raw.push(start.elapsed().as_secs_f64() * 1e6);
-
-                let start = Instant::now();
-                framework_cycle(&bench.store, &tag, id).await?;
-                framework.push(start.elapsed().as_secs_f64() * 1e6);
+                for side in Side::rotation(id as usize) {
+                    let start = Instant::now();
+                    bench.cycle(&mut conn, side, &tag, id, salt).await?;
+                    micros[side.index()].push(start.elapsed().as_secs_f64() * 1e6);
+                }
             }
-            raw.sort_by(f64::total_cmp);
-            framework.sort_by(f64::total_cmp);
-            Ok::<_, BoxError>((raw, framework))
+            for side in &mut micros {
+                side.sort_by(f64::total_cmp);
+            }
+            Ok::<_, BoxError>(micros)
         })
         .await?
+    }
+
+    /// Runs `work` while a `MONITOR` connection watches the server; returns its outcome and
+    /// the commands clients sent meanwhile: every line but those of scripts' own calls
+    /// (`[0 lua]`) and of the marker that ends the count, and of them, those naming `tag`.
+    async fn client_commands<T>(
+        &self,
+        tag: &str,
+        work: impl std::future::Future<Output = Result<T, BoxError>>,
+    ) -> Result<(T, u64, u64), BoxError> {
+        let marker = format!("round-trip-count-end-{}", self.run);
+        // Once this returns, the server has answered `MONITOR`: it shows every later command.
+        let monitor = self.client.get_async_monitor().await?;
+        let counting = {
+            let marker = marker.clone();
+            let tag = format!("{{{}:{tag},", tag.len());
+            tokio::spawn(async move {
+                let mut lines = monitor.into_on_message::<String>();
+                let (mut commands, mut naming) = (0u64, 0u64);
+                while let Some(line) = lines.next().await {
+                    if line.contains(&marker) {
+                        return Ok((commands, naming));
+                    }
+                    // `<time> [<db> <client address, or lua>] "<command>" "<argument>" ...`
+                    let source = line
+                        .split_once('[')
+                        .and_then(|(_, rest)| rest.split_once(']'))
+                        .map(|(source, _)| source);
+                    match source {
+                        Some(source) if source.split_whitespace().nth(1) == Some("lua") => {}
+                        Some(_) => {
+                            commands += 1;
+                            naming += u64::from(line.contains(&tag));
+                        }
+                        None => return Err(format!("unexpected MONITOR line {line:?}").into()),
+                    }
+                }
+                Err::<(u64, u64), BoxError>("the MONITOR connection closed".into())
+            })
+        };
+        let outcome = work.await;
+        let _: String = redis::cmd("ECHO")
+            .arg(&marker)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        let (commands, naming) = tokio::time::timeout(Duration::from_secs(60), counting)
+            .await
+            .map_err(|_| "MONITOR: no end marker within 60 s")???;
+        Ok((outcome?, commands, naming))
     }
 
     /// Deletes every key matching `pattern` (`SCAN` + `UNLINK` in batches); returns how many.
@@ -465,24 +639,40 @@ impl Bench {
         Ok(last)
     }
 
-    /// Completes `MEMORY_RECORDS` records through `on_order` (or `on_order_receipt`) and
-    /// returns the growth of `used_memory` per record; deletes them afterwards.
-    async fn memory(&self, variant: char, with_result: bool) -> Result<f64, BoxError> {
+    /// Completes `MEMORY_RECORDS` records of kind `record` and returns the growth of
+    /// `used_memory` per record; deletes them afterwards.
+    async fn memory(&self, variant: char, record: Record) -> Result<f64, BoxError> {
         let mut conn = self.conn.clone();
+        let salt = self.salt()?;
         let before = self.settled_memory().await?;
         let mut set = tokio::task::JoinSet::new();
         for first in 0..TASKS {
             let bench = self.clone();
             set.spawn(async move {
+                let mut conn = bench.conn.clone();
                 for i in (first..MEMORY_RECORDS).step_by(TASKS) {
                     let msg = OrderMessage {
                         order_id: format!("{}{variant}{i:07}", bench.run),
                         activity_id: ACTIVITY_ID,
                     };
-                    if with_result {
-                        on_order_receipt(&bench.store, &msg).await?;
-                    } else {
-                        on_order(&bench.store, &msg).await?;
+                    match record {
+                        Record::NoResult => on_order(&bench.store, &msg).await?,
+                        Record::Replayed => {
+                            on_order_receipt(&bench.store, &msg).await?;
+                        }
+                        Record::Seed => {
+                            let key =
+                                Key::new("order:consume", 1, &[&msg.order_id, &msg.activity_id])?;
+                            seed_cycle(
+                                &mut conn,
+                                &bench.seed_complete,
+                                key.as_bytes(),
+                                &raw_token(salt),
+                                bench.lease_ms,
+                                bench.ttl_ms,
+                            )
+                            .await?;
+                        }
                     }
                 }
                 Ok::<(), BoxError>(())
@@ -517,10 +707,10 @@ impl Bench {
         println!(
             "memory    {MEMORY_RECORDS} completed records ({}): key {} bytes ({}), value {} bytes; \
              used_memory {before} -> {after}: {per_record:.1} bytes/record",
-            if with_result {
-                "replayed result"
-            } else {
-                "no result"
+            match record {
+                Record::NoResult => "no result",
+                Record::Replayed => "replayed result",
+                Record::Seed => "seed design, `done`, for reference",
             },
             key.as_bytes().len(),
             key,
@@ -530,9 +720,32 @@ impl Bench {
     }
 }
 
-/// How many `EVALSHA` calls the server has counted since its start or `CONFIG RESETSTAT`.
-async fn evalsha_calls(conn: &mut ConnectionManager) -> Result<u64, BoxError> {
-    info_field(conn, "commandstats", "cmdstat_evalsha:calls=").await
+/// Commands the server has executed since its start or `CONFIG RESETSTAT`: the `calls=` of
+/// every `cmdstat_*` line of `INFO commandstats`, native commands and scripts alike, but the
+/// ones the bench sends itself to measure (`MEASURING`).
+async fn commands_executed(conn: &mut ConnectionManager) -> Result<u64, BoxError> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await?;
+    let mut total = 0;
+    for line in info.lines() {
+        let Some((command, stats)) = line
+            .strip_prefix("cmdstat_")
+            .and_then(|rest| rest.split_once(':'))
+        else {
+            continue;
+        };
+        if MEASURING.contains(&command) {
+            continue;
+        }
+        let calls = stats
+            .split(',')
+            .find_map(|field| field.strip_prefix("calls="))
+            .ok_or_else(|| format!("no calls= in {line:?}"))?;
+        total += calls.trim().parse::<u64>()?;
+    }
+    Ok(total)
 }
 
 async fn used_memory(conn: &mut ConnectionManager) -> Result<u64, BoxError> {
@@ -566,7 +779,7 @@ async fn connect(url: &str) -> Result<Bench, BoxError> {
         .set_response_timeout(Some(Duration::from_secs(1)))
         .set_connection_timeout(Some(Duration::from_secs(1)))
         .set_number_of_retries(2);
-    let mut conn = ConnectionManager::new_with_config(client, config)
+    let mut conn = ConnectionManager::new_with_config(client.clone(), config)
         .await
         .map_err(|e| unreachable(url, e))?;
     let _: String = redis::cmd("PING")
@@ -586,30 +799,36 @@ async fn connect(url: &str) -> Result<Bench, BoxError> {
     let ttl = Duration::from_secs(TTL_SECS);
     Ok(Bench {
         store: Arc::new(store),
+        client,
         conn,
         script: Arc::new(Script::new(SCRIPT)),
+        seed_complete: Arc::new(Script::new(SEED_COMPLETE)),
         run,
         lease_ms: Idempotency::new(ttl).lease_duration().as_millis() as u64,
         ttl_ms: ttl.as_millis() as u64,
     })
 }
 
-/// Checks that both sides write the same record for the same shape of key.
-async fn compare_records(
-    bench: &Bench,
-    raw_tag: &str,
-    framework_tag: &str,
-) -> Result<(), BoxError> {
+/// Checks that the raw side writes the framework's record for the same shape of key, and
+/// that the seed side leaves `done` with the `ttl` under a key of the same length.
+async fn compare_records(bench: &Bench, tags: &[String; 3]) -> Result<(), BoxError> {
     let mut conn = bench.conn.clone();
-    let raw = raw_key(raw_tag, 0);
-    let framework = Key::new("bench:fwk", 1, &[&framework_tag, &0u64])?;
-    let expected = Key::new(RAW_PREFIX, 1, &[&raw_tag, &0u64])?;
-    if raw != expected.as_bytes() {
-        return Err(format!(
-            "raw key {} differs from the framework's encoding {expected}",
-            String::from_utf8_lossy(&raw)
-        )
-        .into());
+    let [seed_tag, raw_tag, framework_tag] = tags;
+    let seed = record_key(SEED_PREFIX, seed_tag, 0);
+    let raw = record_key(RAW_PREFIX, raw_tag, 0);
+    let framework = Key::new(FRAMEWORK_PREFIX, 1, &[&framework_tag, &0u64])?;
+    for (key, prefix, tag) in [(&seed, SEED_PREFIX, seed_tag), (&raw, RAW_PREFIX, raw_tag)] {
+        let expected = Key::new(prefix, 1, &[&tag, &0u64])?;
+        if *key != expected.as_bytes() {
+            return Err(format!(
+                "key {} differs from the framework's encoding {expected}",
+                String::from_utf8_lossy(key)
+            )
+            .into());
+        }
+    }
+    if seed.len() != framework.as_bytes().len() || raw.len() != framework.as_bytes().len() {
+        return Err("the sides' keys differ in length".into());
     }
     let raw_value: Vec<u8> = redis::cmd("GET").arg(&raw).query_async(&mut conn).await?;
     let framework_value: Vec<u8> = redis::cmd("GET")
@@ -629,13 +848,28 @@ async fn compare_records(
         )
         .into());
     }
+    let seed_value: Vec<u8> = redis::cmd("GET").arg(&seed).query_async(&mut conn).await?;
+    let seed_pttl: i64 = redis::cmd("PTTL").arg(&seed).query_async(&mut conn).await?;
+    if seed_value != SEED_DONE.as_bytes() || seed_pttl <= bench.lease_ms as i64 {
+        return Err(format!(
+            "seed record {:?} with PTTL {seed_pttl} ms, expected {SEED_DONE:?} with the ttl",
+            seed_value.escape_ascii().to_string()
+        )
+        .into());
+    }
     println!(
-        "records   same shape on both sides: key {} bytes, value {} bytes",
+        "records   raw and framework the same shape: key {} bytes, value {} bytes; \
+         seed: key {} bytes, value {} bytes ({SEED_DONE:?})",
         raw.len(),
-        raw_value.len()
+        raw_value.len(),
+        seed.len(),
+        seed_value.len(),
     );
     Ok(())
 }
+
+/// Per-side figures, indexed by `Side::index`.
+type PerSide<T> = [T; 3];
 
 async fn run(bench: &Bench) -> Result<(), BoxError> {
     let mut conn = bench.conn.clone();
@@ -645,105 +879,128 @@ async fn run(bench: &Bench) -> Result<(), BoxError> {
         bench.tag(pass)
     };
 
-    // Warm-up: connections, the script cache on the server, allocators, the runtime.
-    let raw_tag = next_tag();
-    bench.pass(Side::Raw, "warm-up", &raw_tag, OPS).await?;
-    let framework_tag = next_tag();
-    bench
-        .pass(Side::Framework, "warm-up", &framework_tag, OPS)
-        .await?;
-    compare_records(bench, &raw_tag, &framework_tag).await?;
-    bench
-        .delete_matching(&bench.pattern(Side::Raw, &raw_tag))
-        .await?;
-    bench
-        .delete_matching(&bench.pattern(Side::Framework, &framework_tag))
-        .await?;
+    // Warm-up: connections, the scripts in the server's cache, allocators, the runtime.
+    let warm_tags: PerSide<String> = std::array::from_fn(|_| next_tag());
+    for side in SIDES {
+        bench
+            .pass(side, "warm-up", &warm_tags[side.index()], OPS)
+            .await?;
+    }
+    compare_records(bench, &warm_tags).await?;
+    for side in SIDES {
+        bench
+            .delete_matching(&bench.pattern(side, &warm_tags[side.index()]))
+            .await?;
+    }
 
-    // Measured rounds, alternating which side goes first.
-    let mut raw = Vec::new();
-    let mut framework = Vec::new();
-    let mut paired = Vec::new();
-    let (mut raw_client, mut framework_client) = (Vec::new(), Vec::new());
-    let (mut raw_server, mut framework_server) = (Vec::new(), Vec::new());
+    // Measured rounds, the order rotating round by round.
+    let mut ops: PerSide<Vec<f64>> = Default::default();
+    let mut client: PerSide<Vec<f64>> = Default::default();
+    let mut server: PerSide<Vec<f64>> = Default::default();
+    let (mut vs_seed, mut vs_raw) = (Vec::new(), Vec::new());
     for round in 1..=ROUNDS {
-        let order = if round % 2 == 1 {
-            [Side::Raw, Side::Framework]
-        } else {
-            [Side::Framework, Side::Raw]
-        };
-        for side in order {
+        let mut rates = [0.0; 3];
+        for side in Side::rotation(round - 1) {
             let tag = next_tag();
             let figures = bench
                 .pass(side, &format!("round {round}"), &tag, OPS)
                 .await?;
-            let (ops, client, server) = match side {
-                Side::Raw => (&mut raw, &mut raw_client, &mut raw_server),
-                Side::Framework => (&mut framework, &mut framework_client, &mut framework_server),
-            };
-            ops.push(figures.ops_per_s);
-            client.push(figures.client_us);
-            server.push(figures.server_us);
+            let i = side.index();
+            rates[i] = figures.ops_per_s;
+            ops[i].push(figures.ops_per_s);
+            client[i].push(figures.client_us);
+            server[i].push(figures.server_us);
             bench.delete_matching(&bench.pattern(side, &tag)).await?;
         }
-        paired.push(framework[round - 1] / raw[round - 1]);
+        let [seed, raw, framework] = rates;
+        vs_seed.push(framework / seed);
+        vs_raw.push(framework / raw);
+        println!(
+            "round {round:<3} framework/seed {:.3}, framework/raw {:.3}",
+            framework / seed,
+            framework / raw
+        );
     }
-    let raw_ops = median(&raw);
-    let framework_ops = median(&framework);
+    let [seed_ops, raw_ops, framework_ops] = ops.each_ref().map(|v| median(v));
+    let [seed_server, raw_server, framework_server] = server.each_ref().map(|v| median(v));
+    let [seed_client, raw_client, framework_client] = client.each_ref().map(|v| median(v));
     println!(
-        "median    raw {raw_ops:.0} ops/s, framework {framework_ops:.0} ops/s over {ROUNDS} rounds; \
-         median of per-round ratios {:.3}",
-        median(&paired)
+        "median    seed {seed_ops:.0}, raw {raw_ops:.0}, framework {framework_ops:.0} cycles/s \
+         over {ROUNDS} rounds; median of per-round ratios: framework/seed {:.3}, \
+         framework/raw {:.3}",
+        median(&vs_seed),
+        median(&vs_raw),
     );
     println!(
-        "median    CPU/cycle: client raw {:.1} us, framework {:.1} us; server raw {:.1} us, framework {:.1} us",
-        median(&raw_client),
-        median(&framework_client),
-        median(&raw_server),
-        median(&framework_server),
+        "median    CPU/cycle: client seed {seed_client:.1} us, raw {raw_client:.1} us, \
+         framework {framework_client:.1} us; server seed {seed_server:.1} us, \
+         raw {raw_server:.1} us, framework {framework_server:.1} us",
     );
 
-    // Duplicates: each key arrives three times; the second and third are duplicates.
+    // Duplicates: each key arrives three times; the second and third are duplicates. The
+    // second arrivals count the server's commands, the third ones the clients' (`MONITOR`,
+    // which slows the server, so they are not timed).
     let tag = next_tag();
     let started = Instant::now();
     let firsts = bench.arrivals(&tag, false).await?;
     let first_elapsed = started.elapsed();
-    let calls_before = evalsha_calls(&mut conn).await?;
+    let commands_before = commands_executed(&mut conn).await?;
     let started = Instant::now();
-    let duplicates = bench.arrivals(&tag, true).await? + bench.arrivals(&tag, true).await?;
+    let duplicates = bench.arrivals(&tag, true).await?;
     let elapsed = started.elapsed();
-    let calls = evalsha_calls(&mut conn).await? - calls_before;
-    let round_trips = calls as f64 / duplicates as f64;
+    let commands = commands_executed(&mut conn).await? - commands_before;
+    let (monitored, sent, naming) = bench
+        .client_commands(&tag, bench.arrivals(&tag, true))
+        .await?;
+    let round_trips = sent as f64 / monitored as f64;
     println!(
         "dupes     {DUPLICATE_KEYS} keys x 3 arrivals, {TASKS} tasks: {firsts} first arrivals {:.0} ops/s; \
-         {duplicates} duplicates {:.0} ops/s, {calls} EVALSHA = {round_trips:.3} round trips/duplicate",
+         {duplicates} duplicates {:.0} ops/s, {commands} server commands (scripts' own calls \
+         included) = {:.3}/duplicate; {monitored} duplicates under MONITOR: {sent} client \
+         commands ({naming} naming this pass's keys) = {round_trips:.3} round trips/duplicate",
         per_s(firsts as usize, first_elapsed),
         per_s(duplicates as usize, elapsed),
+        commands as f64 / duplicates as f64,
     );
     bench
         .delete_matching(&bench.pattern(Side::Framework, &tag))
         .await?;
 
-    // Latency: one task, sequential cycles, the two sides taking turns.
+    // Latency: one task, sequential cycles, the sides taking turns.
     let tag = next_tag();
-    let (raw_micros, framework_micros) = bench.latency(&tag).await?;
-    for (side, micros) in [(Side::Raw, raw_micros), (Side::Framework, framework_micros)] {
+    let micros = bench.latency(&tag).await?;
+    for side in SIDES {
+        let micros = &micros[side.index()];
         println!(
             "latency   {:<9} 1 task, {LATENCY_OPS} cycles: p50 {:.0} us, p99 {:.0} us",
             side.name(),
-            percentile(&micros, 0.50),
-            percentile(&micros, 0.99),
+            percentile(micros, 0.50),
+            percentile(micros, 0.99),
         );
         bench.delete_matching(&bench.pattern(side, &tag)).await?;
     }
+    let seed_p99 = percentile(&micros[Side::Seed.index()], 0.99);
+    let framework_p99 = percentile(&micros[Side::Framework.index()], 0.99);
 
     // Memory per completed record.
-    let bytes_per_record = bench.memory('a', false).await?;
-    bench.memory('b', true).await?;
+    let bytes_per_record = bench.memory('a', Record::NoResult).await?;
+    bench.memory('b', Record::Replayed).await?;
+    bench.memory('c', Record::Seed).await?;
 
+    figure("seed_design_cycles_per_s", seed_ops, 0);
+    figure("framework_cycles_per_s", framework_ops, 0);
+    figure("ratio_vs_seed_design", framework_ops / seed_ops, 3);
+    figure("server_us_per_cycle_seed_design", seed_server, 1);
+    figure("server_us_per_cycle_framework", framework_server, 1);
     figure("raw_ops_per_s", raw_ops, 0);
-    figure("framework_ops_per_s", framework_ops, 0);
     figure("ratio", framework_ops / raw_ops, 3);
+    figure("seed_latency_p99_us", seed_p99, 0);
+    figure("framework_latency_p99_us", framework_p99, 0);
+    figure(
+        "latency_p99_ratio_vs_seed_design",
+        framework_p99 / seed_p99,
+        3,
+    );
     // A whole number of round trips prints as one.
     let whole = (round_trips - round_trips.round()).abs() < 0.0005;
     figure(
@@ -777,11 +1034,16 @@ async fn main() -> ExitCode {
     // Whatever happened, remove every key of this run.
     let mut removed = 0;
     let tag_len = bench.tag(0).len();
-    for pattern in [
-        format!("{RAW_PREFIX}:v1:{{{tag_len}:{}*", bench.run),
-        format!("bench:fwk:v1:{{{tag_len}:{}*", bench.run),
-        format!("order:consume:v1:{{{}:{}*", bench.run.len() + 8, bench.run),
-    ] {
+    let mut patterns: Vec<String> = SIDES
+        .iter()
+        .map(|side| format!("{}:v1:{{{tag_len}:{}*", side.prefix(), bench.run))
+        .collect();
+    patterns.push(format!(
+        "order:consume:v1:{{{}:{}*",
+        bench.run.len() + 8,
+        bench.run
+    ));
+    for pattern in patterns {
         match bench.delete_matching(&pattern).await {
             Ok(n) => removed += n,
             Err(err) => eprintln!("cleanup of {pattern} failed: {err}"),
