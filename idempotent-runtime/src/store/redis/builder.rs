@@ -16,7 +16,7 @@ use crate::store::DEFAULT_MAX_RESULT_SIZE;
 
 use crate::store::redis::clock::ServerClock;
 use crate::store::redis::conn::{command_error, connect_error, Conn};
-use crate::store::redis::store::{Inner, RedisStore, SCRIPT};
+use crate::store::redis::store::{Inner, RedisStore, SCRIPT, SETTLE};
 use crate::store::redis::wire::text;
 
 /// Redis' default `proto-max-bulk-len` (512 MiB): the largest argument a server takes, assumed
@@ -204,6 +204,7 @@ impl RedisStoreBuilder {
                 clock: ServerClock::default(),
                 conn,
                 script: Script::new(SCRIPT),
+                settle: Script::new(SETTLE),
                 wait_for_replicas: self.wait_for_replicas,
                 run_id: Mutex::new(None),
                 history_resets: AtomicU64::new(0),

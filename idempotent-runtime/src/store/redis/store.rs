@@ -19,10 +19,13 @@ use crate::store::{
 };
 
 pub(super) const SCRIPT: &str = include_str!("record.lua");
+/// Completion and release: the hot path's writes, in a script of their own.
+pub(super) const SETTLE: &str = include_str!("settle.lua");
 
 pub(super) struct Inner {
     pub(super) conn: Conn,
     pub(super) script: Script,
+    pub(super) settle: Script,
     pub(super) wait_for_replicas: Option<(u32, Duration)>,
     pub(super) run_id: Mutex<Option<String>>,
     pub(super) history_resets: AtomicU64,
@@ -380,7 +383,7 @@ impl Store for RedisStore {
                     ),
                 ));
             }
-            let mut invocation = self.inner.script.prepare_invoke();
+            let mut invocation = self.inner.settle.prepare_invoke();
             invocation
                 .key(key.as_bytes())
                 .arg("complete")
@@ -397,7 +400,7 @@ impl Store for RedisStore {
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let mut invocation = self.inner.script.prepare_invoke();
+            let mut invocation = self.inner.settle.prepare_invoke();
             invocation
                 .key(key.as_bytes())
                 .arg("release")
