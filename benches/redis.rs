@@ -11,10 +11,11 @@
 //!   acquired; nil: a duplicate or a call in flight); complete with a short Lua
 //!   compare-and-set run by `EVALSHA` (`redis::Script`): if the key still holds the token, it
 //!   becomes `done` with the `ttl`.
-//! - **raw**: redis-rs calling the backend's own script (`record.lua`) by `EVALSHA`, first
-//!   `claim`, then `complete`, with the arguments the store sends (empty fingerprint, the
-//!   5-byte result `replay` stores for `Ok(())`). It writes the very record the framework
-//!   writes, so it is the framework without the framework's client-side work.
+//! - **raw**: redis-rs sending the backend's own commands: the fast claim, `SET key <in-progress
+//!   record> NX PX <ttl> GET`, then the completion script (`settle.lua`) by `EVALSHA`, with
+//!   the arguments the store sends (no fingerprint, the 5-byte result `replay` stores for
+//!   `Ok(())`). It writes the very record the framework writes, so it is the framework
+//!   without the framework's client-side work.
 //! - **framework**: an `#[idempotent(..., replay)]` handler that only returns `Ok(())`, on a
 //!   `RedisStore`. Its completed record carries the token, a fence and the result.
 //!
@@ -97,7 +98,7 @@ use stats::{figure, median, per_s, percentile};
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The backend's script, byte for byte.
-const SCRIPT: &str = include_str!("../idempotent-runtime/src/store/redis/record.lua");
+const SCRIPT: &str = include_str!("../idempotent-runtime/src/store/redis/settle.lua");
 /// The seed design's completion: a compare-and-set from the owner's token to `done`.
 const SEED_COMPLETE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
      return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) and 1 else return 0 end";
@@ -206,7 +207,7 @@ struct Bench {
     /// For the `MONITOR` connection of the round-trip count.
     client: Client,
     conn: ConnectionManager,
-    /// The backend's `record.lua`, for the raw side.
+    /// The backend's `settle.lua` (its completion script), for the raw side.
     script: Arc<Script>,
     /// The seed design's compare-and-set completion.
     seed_complete: Arc<Script>,
@@ -233,7 +234,9 @@ fn record_key(prefix: &str, tag: &str, id: u64) -> Vec<u8> {
     format!("{prefix}:v1:{{{}:{tag},{}:{id}}}", tag.len(), id.len()).into_bytes()
 }
 
-/// One claim + complete cycle in plain redis-rs: two `EVALSHA` round trips.
+/// One claim + complete cycle in plain redis-rs, the commands the store sends: the fast
+/// claim (`SET key <in-progress record> NX PX <ttl> GET`, nil: acquired), then the completion
+/// script by `EVALSHA`.
 async fn raw_cycle(
     conn: &mut ConnectionManager,
     script: &Script,
@@ -242,17 +245,30 @@ async fn raw_cycle(
     lease_ms: u64,
     ttl_ms: u64,
 ) -> Result<(), BoxError> {
-    let mut claim = script.prepare_invoke();
-    claim
-        .key(key)
-        .arg("claim")
-        .arg(&token[..])
-        .arg(lease_ms)
-        .arg(ttl_ms)
-        .arg(&b""[..]);
-    match claim.invoke_async::<Value>(conn).await? {
-        Value::Array(items) if items.first() == Some(&Value::Int(1)) => {}
-        other => return Err(format!("raw claim not acquired: {other:?}").into()),
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
+    let mut record = Vec::with_capacity(64);
+    record.push(b'P');
+    record.extend_from_slice(token);
+    record.push(b'-');
+    record.extend_from_slice(
+        format!(
+            "{}:{}:",
+            now.as_micros(),
+            now.as_millis() + u128::from(lease_ms)
+        )
+        .as_bytes(),
+    );
+    let claimed: Value = redis::cmd("SET")
+        .arg(key)
+        .arg(record)
+        .arg("NX")
+        .arg("PX")
+        .arg(lease_ms.max(ttl_ms))
+        .arg("GET")
+        .query_async(conn)
+        .await?;
+    if claimed != Value::Nil {
+        return Err(format!("raw claim not acquired: {claimed:?}").into());
     }
     let mut complete = script.prepare_invoke();
     complete

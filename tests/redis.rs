@@ -623,7 +623,11 @@ async fn the_fast_claim_is_one_set_and_leaves_the_rest_to_the_script() {
     // includes the `EVALSHA` that finds it missing.
     acquired(
         store
-            .claim(&claim_request(&key("warm"), Duration::from_millis(500), hour))
+            .claim(&claim_request(
+                &key("warm"),
+                Duration::from_millis(500),
+                hour,
+            ))
             .await
             .unwrap(),
     );
