@@ -1,9 +1,14 @@
 //! The Redis backend: standalone Redis or Redis Cluster, through redis-rs.
 //!
-//! Every primitive is one server-side script (`record.lua`), loaded once and called by its
-//! SHA-1 (`EVALSHA`); after a `SCRIPT FLUSH` or a server restart the `NOSCRIPT` reply makes
-//! the client load it again and retry, transparently. Leases and expiry use the server's
-//! clock (`TIME`, `PX`), never the client's.
+//! A key without a record is claimed with one native command on a standalone Redis 7.0 or
+//! later, `SET key <in-progress record> NX PX <lifetime> GET`, whose reply also decides most
+//! duplicates ([`RedisStoreBuilder::fast_claims`] says when it applies and how its fence and
+//! lease end are taken from the server's clock). Everything else is a server-side script:
+//! `record.lua` for claims that need the server's clock to decide, renewals and reads,
+//! `settle.lua` for completion and release; both are loaded once and called by SHA-1
+//! (`EVALSHA`); after a `SCRIPT FLUSH` or a server restart the `NOSCRIPT` reply makes the
+//! client load them again and retry, transparently. Leases and expiry use the server's clock
+//! (`TIME`, `PX`), never the client's wall clock.
 //!
 //! A record is one Redis string holding state, token, fingerprint, fence, lease end and
 //! result, so one key per record and one Redis Cluster slot (the key's `{...}` hash tag
