@@ -25,7 +25,10 @@
 //! Executions above 1,000 are re-runs that a kill or a restart forced; the program says how
 //! many. Handler executions are counted in PostgreSQL, so those of killed processes count.
 //! The last line is `effects=<n> filtered=<n> wrong=<n> lost=<n> executions=<n>
-//! claim_p99_ms=<x>`; the exit status is non-zero unless effects = 1,000, wrong = 0 and
+//! claim_p99_ms=<x>` (on Redis, in-process, followed by `raw_set_nx_p99_ms=<x>
+//! claim_p99_over_raw=<x>`: the p99 of a raw `SET key token NX PX lease` the same consumers
+//! send next to each claim, and the ratio; the target is at most 1.2); the exit status is
+//! non-zero unless effects = 1,000, wrong = 0 and
 //! lost = 0. The queue, the schema and the run's store keys are removed at the end.
 //!
 //! Needs: RabbitMQ on 127.0.0.1:5672 (`AMQP_URL`), PostgreSQL at
@@ -201,26 +204,63 @@ async fn on_order(cx: Arc<Context>, delivery: rabbitmq::Message) -> Result<Effec
     result
 }
 
-/// A store that times successful claims.
+/// A store that times successful claims and, where the store is Redis, times next to each
+/// claim the raw `SET key token NX PX lease` a hand-written consumer would send (on a
+/// connection of its own to the same server, to a probe key under the run's prefix).
 struct Timed {
     inner: SharedStore,
     samples: Mutex<Vec<u32>>,
+    raw: Option<(redis::aio::ConnectionManager, String)>,
+    raw_samples: Mutex<Vec<u32>>,
 }
 
 impl Timed {
     fn take(&self) -> Vec<u32> {
         std::mem::take(&mut *self.samples.lock().unwrap())
     }
+
+    fn take_raw(&self) -> Vec<u32> {
+        std::mem::take(&mut *self.raw_samples.lock().unwrap())
+    }
+
+    async fn raw_set_nx(&self, token: &Token) {
+        let Some((conn, prefix)) = &self.raw else {
+            return;
+        };
+        let key = format!("{prefix}:raw-probe:{token:?}");
+        let start = Instant::now();
+        let set: redis::RedisResult<Option<String>> = redis::cmd("SET")
+            .arg(&key)
+            .arg(&token.as_bytes()[..])
+            .arg("NX")
+            .arg("PX")
+            .arg(LEASE.as_millis() as u64)
+            .query_async(&mut conn.clone())
+            .await;
+        if set.is_ok() {
+            let micros = u32::try_from(start.elapsed().as_micros()).unwrap_or(u32::MAX);
+            self.raw_samples.lock().unwrap().push(micros);
+        }
+    }
 }
 
 impl Store for Timed {
     fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
+            // Half the claims send the raw command first, half after, so neither side is
+            // always timed on the busier moment.
+            let raw_first = req.token.as_bytes()[8] & 1 == 0;
+            if raw_first {
+                self.raw_set_nx(&req.token).await;
+            }
             let start = Instant::now();
             let claim = self.inner.claim(req).await;
             if claim.is_ok() {
                 let micros = u32::try_from(start.elapsed().as_micros()).unwrap_or(u32::MAX);
                 self.samples.lock().unwrap().push(micros);
+            }
+            if !raw_first {
+                self.raw_set_nx(&req.token).await;
             }
             claim
         })
@@ -263,13 +303,26 @@ struct Consumer {
 }
 
 impl Consumer {
+    /// A consumer; `time_raw`: also time a raw `SET NX PX` next to each claim (on Redis).
     async fn start(
         setup: &Setup,
         concurrency: usize,
+        time_raw: bool,
     ) -> Result<Consumer, Box<dyn std::error::Error + Send + Sync>> {
+        let raw = if time_raw && setup.store_url.starts_with("redis://") {
+            let client = redis::Client::open(setup.store_url.as_str())?;
+            Some((
+                redis::aio::ConnectionManager::new(client).await?,
+                setup.prefix.clone(),
+            ))
+        } else {
+            None
+        };
         let timed = Arc::new(Timed {
             inner: idempotency::connect(&setup.store_url).await?,
             samples: Mutex::new(Vec::new()),
+            raw,
+            raw_samples: Mutex::new(Vec::new()),
         });
         let business = Business::connect(
             &setup.business_url,
@@ -341,7 +394,7 @@ impl Consumer {
 async fn consumer_process() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let setup = Setup::from_env()?;
     let concurrency: usize = std::env::var("SEED_CONCURRENCY")?.parse()?;
-    let consumer = Consumer::start(&setup, concurrency).await?;
+    let consumer = Consumer::start(&setup, concurrency, false).await?;
     let (closed_tx, mut closed) = tokio::sync::oneshot::channel();
     std::thread::spawn(move || {
         let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
@@ -685,7 +738,7 @@ async fn exercise(
             )?);
         }
     } else {
-        local = Some(Consumer::start(setup, CONSUMERS).await?);
+        local = Some(Consumer::start(setup, CONSUMERS, true).await?);
     }
 
     let mut kills = KILL_AT.iter().peekable();
@@ -755,6 +808,7 @@ async fn exercise(
     // Stop the consumers: in-flight handlers finish and their messages are settled.
     let mut summary = [0u64; 7];
     let mut samples = Vec::new();
+    let mut raw_samples = Vec::new();
     if let Some(consumer) = local {
         let timed = consumer.timed.clone();
         let context = consumer.context.clone();
@@ -769,6 +823,7 @@ async fn exercise(
             context.counters.done.load(Ordering::Relaxed),
         ];
         samples = timed.take();
+        raw_samples = timed.take_raw();
     }
     for child in children {
         let pid = child.pid();
@@ -803,9 +858,9 @@ async fn exercise(
     } else {
         samples.iter().map(|&s| f64::from(s)).sum::<f64>() / samples.len() as f64
     };
-    let p99 = samples
-        .get((samples.len() * 99).div_ceil(100).saturating_sub(1))
-        .map_or(0.0, |&s| f64::from(s));
+    let p99 = p99_of(&samples);
+    raw_samples.sort_unstable();
+    let raw_p99 = p99_of(&raw_samples);
 
     println!("consumed in {:.1} s", consumed_in.as_secs_f64());
     println!(
@@ -844,12 +899,28 @@ async fn exercise(
         millis(p99),
         samples.len()
     );
+    // The raw command is timed by in-process consumers on Redis (not by child processes).
+    let raw_line = if raw_samples.is_empty() {
+        String::new()
+    } else {
+        println!(
+            "raw SET NX PX sent by the same consumers: p99 {:.2} ms ({} commands); claim p99 / raw p99 = {:.2} (target <= 1.2)",
+            millis(raw_p99),
+            raw_samples.len(),
+            p99 / raw_p99.max(1.0)
+        );
+        format!(
+            " raw_set_nx_p99_ms={:.2} claim_p99_over_raw={:.2}",
+            millis(raw_p99),
+            p99 / raw_p99.max(1.0)
+        )
+    };
     println!(
         "processed={} filtered={} wrongly_filtered={} lost={} orders_applied_twice={}",
         tally.effects, tally.filtered, tally.wrong, tally.lost, tally.doubled
     );
     println!(
-        "effects={} filtered={} wrong={} lost={} executions={} claim_p99_ms={:.2}",
+        "effects={} filtered={} wrong={} lost={} executions={} claim_p99_ms={:.2}{raw_line}",
         tally.effects,
         tally.filtered,
         tally.wrong,
@@ -858,6 +929,13 @@ async fn exercise(
         millis(p99)
     );
     Ok(tally.effects == i64::from(ORDERS) && tally.wrong == 0 && tally.lost == 0)
+}
+
+/// The nearest-rank 99th percentile of sorted `samples`, in microseconds (0 for none).
+fn p99_of(samples: &[u32]) -> f64 {
+    samples
+        .get((samples.len() * 99).div_ceil(100).saturating_sub(1))
+        .map_or(0.0, |&s| f64::from(s))
 }
 
 /// Removes the run's keys from the shared Redis.
