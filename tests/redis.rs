@@ -907,6 +907,7 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
         ("complete", store.complete(key, token, &done).await.err()),
         ("release", store.release(key, token).await.err()),
         ("renew", store.renew(key, token, long).await.err()),
+        ("reopen", store.reopen(key, token).await.err()),
         ("read", store.read(key).await.err()),
     ];
     for (op, err) in outcomes {

@@ -27,6 +27,7 @@
 //! [`connect`] builds any of them from a URL.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod admin;
 mod codec;
 mod default_store;
 mod engine;

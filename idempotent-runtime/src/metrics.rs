@@ -19,6 +19,7 @@
 //! | `idempotency.history.resets` | counter | `store` |
 //! | `idempotency.purged.records` | counter | `store` |
 //! | `messaging.process.duration` | histogram (s) | `messaging.system`, `messaging.destination.name` |
+//! | `idempotency.admin.actions` | counter | `action`, `store`, `outcome` |
 //!
 //! `outcome` is one of `executed` (the handler ran and its outcome was recorded, or is being
 //! recorded in the background), `duplicate`, `replayed`, `held`, `in_progress`, `skipped`,
@@ -190,6 +191,21 @@ pub(crate) fn messaging_process(system: &'static str, destination: &str, took: D
     .record(took.as_secs_f64());
     #[cfg(not(feature = "metrics"))]
     let _ = (system, destination, took);
+}
+
+/// An operator's action ([`Admin`](crate::admin::Admin)) and what it did.
+#[inline]
+pub(crate) fn admin_action(action: &'static str, store: &'static str, outcome: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "idempotency.admin.actions",
+        "action" => action,
+        "store" => store,
+        "outcome" => outcome
+    )
+    .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (action, store, outcome);
 }
 
 /// Counts an acquired claim as active until dropped.

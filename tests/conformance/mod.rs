@@ -13,7 +13,8 @@
 //!
 //! The cases live in one file per rule (`claim`, `lease`, `complete`, `release`,
 //! `store_errors`, `done`, `fingerprint`, `cancellation`, `unknown_outcomes`), plus
-//! `policies`, `batch`, `settle` and the fault wrappers in `faults`; this file holds the
+//! `policies`, `batch`, `settle`, `admin` (the operator's API) and the fault wrappers in
+//! `faults`; this file holds the
 //! [`Backend`] trait, the helpers they share and the one list of cases
 //! ([`conformance_cases!`]).
 
@@ -33,6 +34,7 @@ use idempotency::{
 };
 use serde::{Deserialize, Serialize};
 
+mod admin;
 mod batch;
 mod cancellation;
 mod claim;
@@ -47,6 +49,7 @@ mod settle;
 mod store_errors;
 mod unknown_outcomes;
 
+pub use admin::*;
 pub use batch::*;
 pub use cancellation::*;
 pub use claim::*;
@@ -141,11 +144,11 @@ pub fn key(prefix: &str, parts: &[&dyn idempotency::KeyPart]) -> Key {
     Key::new(prefix, 1, parts).unwrap()
 }
 
-fn guard(store: &SharedStore) -> Idempotency {
+pub fn guard(store: &SharedStore) -> Idempotency {
     Idempotency::new(Duration::from_secs(60)).store(store.clone())
 }
 
-fn req(key: &Key, lease: Duration) -> ClaimRequest {
+pub fn req(key: &Key, lease: Duration) -> ClaimRequest {
     ClaimRequest::new(
         key.clone(),
         Token::generate(),
@@ -216,7 +219,9 @@ macro_rules! conformance_cases {
             result_the_store_cannot_take_completes_without_it,
             out_of_range_durations_are_refused_before_the_store,
             body_reads_its_key_and_fence,
-            lost_lease_is_signalled_to_the_body
+            lost_lease_is_signalled_to_the_body,
+            an_operator_frees_a_stuck_key_with_its_fence,
+            an_operator_unholds_a_held_key
         );
     };
 }

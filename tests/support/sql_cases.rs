@@ -633,6 +633,7 @@ pub async fn corrupt_records_are_reported_as_corrupt<H: Harness>(store: &SqlStor
             );
             assert_corrupt(store.renew(&live, &owner.token, hour).await, &what("renew"));
             assert_corrupt(store.release(&live, &owner.token).await, &what("release"));
+            assert_corrupt(store.reopen(&live, &owner.token).await, &what("reopen"));
             assert_corrupt(store.read(&released).await, &what("read of released"));
             assert_corrupt(
                 store.claim(&req(&released, hour, hour)).await,

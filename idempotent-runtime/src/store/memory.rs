@@ -450,6 +450,18 @@ impl MemoryStore {
         }
     }
 
+    fn reopen_now(&self, key: &Key, token: &Token) -> bool {
+        let now = self.clock.now();
+        let mut shard = self.shard(key);
+        match shard.live(key, now) {
+            Some(entry) if entry.token == *token => {
+                entry.state = State::Released;
+                true
+            }
+            _ => false,
+        }
+    }
+
     fn renew_now(&self, key: &Key, token: &Token, lease: Duration) -> bool {
         let now = self.clock.now();
         let mut shard = self.shard(key);
@@ -554,5 +566,14 @@ impl Store for MemoryStore {
 
     fn name(&self) -> &'static str {
         "memory"
+    }
+
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let reopened = self.reopen_now(key, token);
+        Box::pin(async move { Ok(reopened) })
     }
 }

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
-use crate::error::StoreError;
+use crate::error::{StoreError, StoreErrorKind};
 use crate::key::{Key, KeyPart};
 
 #[cfg(feature = "memory")]
@@ -190,6 +190,28 @@ pub trait Store: Send + Sync + 'static {
     /// it to decide whether to write: claims are atomic on their own.
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
 
+    /// For an operator ([`Admin`](crate::admin::Admin)): makes the record `Released` (keeping
+    /// its fence, dropping a stored result) if `token` is still the record's, whatever its
+    /// state, so the next claim acquires the key with the next fence. Returns `false`,
+    /// changing nothing, when the record is gone or has another token. The engine never calls
+    /// it.
+    ///
+    /// The default refuses with [`StoreErrorKind::Protocol`]: a third-party store supports
+    /// the operator's `unhold` only once it implements this.
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let _ = (key, token);
+        Box::pin(async {
+            Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                "this store cannot reopen records",
+            ))
+        })
+    }
+
     /// The largest stored result, in bytes, this store takes. The engine completes a record
     /// whose result is larger without the result (duplicates then get
     /// [`Error::Duplicate`](crate::Error::Duplicate), never a re-run). Backends never report
@@ -244,6 +266,13 @@ macro_rules! forward_store {
             }
             fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
                 (**self).read(key)
+            }
+            fn reopen<'a>(
+                &'a self,
+                key: &'a Key,
+                token: &'a Token,
+            ) -> BoxFuture<'a, Result<bool, StoreError>> {
+                (**self).reopen(key, token)
             }
             fn max_result_size(&self) -> usize {
                 (**self).max_result_size()

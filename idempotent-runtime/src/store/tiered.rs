@@ -169,4 +169,17 @@ impl Store for TieredStore {
     fn name(&self) -> &'static str {
         "tiered"
     }
+
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let reopened = self.back.reopen(key, token).await?;
+            self.best_effort("reopen", self.front.reopen(key, token))
+                .await;
+            Ok(reopened)
+        })
+    }
 }

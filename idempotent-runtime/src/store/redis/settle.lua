@@ -3,7 +3,7 @@
 -- every helper it defines is built again each time).
 --
 -- KEYS[1]  the record's key
--- ARGV[1]  the operation: complete | release
+-- ARGV[1]  the operation: complete | release | reopen (an operator's: any state)
 -- ARGV[2]  the owner's token
 -- complete: ARGV[3] ttl ms, ARGV[4] result ('' for none)
 --
@@ -44,6 +44,9 @@ if ARGV[1] == 'complete' then
   return 1
 elseif ARGV[1] == 'release' then
   if state ~= 'P' then return 0 end
+  redis.call('SET', KEYS[1], 'R' .. ARGV[2] .. '-' .. fence .. ':0:', 'KEEPTTL')
+  return 1
+elseif ARGV[1] == 'reopen' then
   redis.call('SET', KEYS[1], 'R' .. ARGV[2] .. '-' .. fence .. ':0:', 'KEEPTTL')
   return 1
 end

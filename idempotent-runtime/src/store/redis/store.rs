@@ -438,6 +438,21 @@ impl Store for RedisStore {
         self.inner.max_result_size
     }
 
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let mut invocation = self.inner.settle.prepare_invoke();
+            invocation
+                .key(key.as_bytes())
+                .arg("reopen")
+                .arg(token.as_bytes());
+            Ok(int(&self.call(key, &invocation).await?)? == 1)
+        })
+    }
+
     fn name(&self) -> &'static str {
         match self.inner.conn {
             Conn::Single(_) => "redis",

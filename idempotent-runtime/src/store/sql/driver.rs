@@ -41,6 +41,8 @@ pub struct Templates {
     pub release: &'static str,
     /// Renews: parameters `lease, lease, key, token`.
     pub renew: &'static str,
+    /// Makes a record of any state released, dropping its result: parameters `key, token`.
+    pub reopen: &'static str,
     /// Reads a live record: parameter `key`.
     pub read: &'static str,
     /// Deletes at most a batch of expired records: parameter `batch`.
@@ -65,6 +67,7 @@ pub struct Statements {
     pub(crate) complete: Arc<str>,
     pub(crate) release: Arc<str>,
     pub(crate) renew: Arc<str>,
+    pub(crate) reopen: Arc<str>,
     pub(crate) read: Arc<str>,
     pub(crate) purge: Arc<str>,
     #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
@@ -82,6 +85,7 @@ impl Statements {
             complete: render(templates.complete),
             release: render(templates.release),
             renew: render(templates.renew),
+            reopen: render(templates.reopen),
             read: render(templates.read),
             purge: render(templates.purge),
             claim_many: render(templates.claim_many),

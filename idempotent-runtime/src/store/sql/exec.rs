@@ -205,6 +205,17 @@ pub(super) async fn release_on<DB: Dialect>(
     owned::<DB>(conn, sql, key, released).await
 }
 
+pub(super) async fn reopen_on<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    key: &Key,
+    token: &Token,
+) -> Result<bool, StoreError> {
+    let args = [Arg::Bytes(key.as_bytes()), Arg::Bytes(token.as_bytes())];
+    let reopened = write::<DB>(conn, &sql.reopen, &args, "reopen", true).await?;
+    owned::<DB>(conn, sql, key, reopened).await
+}
+
 /// The answer of an owner-checked write that matched `rows` rows: `true` when it matched the
 /// record. When it matched none, the key is someone else's or has no live record, or its
 /// record cannot be read (those writes leave such a record alone): the record is read to

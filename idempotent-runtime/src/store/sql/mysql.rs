@@ -116,6 +116,11 @@ UPDATE idempotent_records SET
 WHERE record_key = ? AND token = ? AND state IN ('in_progress', 'completed') AND fence >= 0
   AND expires_at > UTC_TIMESTAMP(6)";
 
+const REOPEN: &str = "\
+UPDATE idempotent_records SET state = 'released', result = NULL, updated_at = UTC_TIMESTAMP(6)
+WHERE record_key = ? AND token = ? AND state IN ('in_progress', 'completed', 'released')
+  AND fence >= 0 AND expires_at > UTC_TIMESTAMP(6)";
+
 const RELEASE: &str = "\
 UPDATE idempotent_records SET state = 'released', updated_at = UTC_TIMESTAMP(6)
 WHERE record_key = ? AND token = ? AND state = 'in_progress' AND fence >= 0
@@ -150,6 +155,7 @@ impl Driver for MySql {
         seen: SEEN,
         complete: COMPLETE,
         release: RELEASE,
+        reopen: REOPEN,
         renew: RENEW,
         read: READ,
         purge: PURGE,

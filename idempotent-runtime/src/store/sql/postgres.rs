@@ -167,6 +167,16 @@ WHERE record_key = $3 AND token = $4 AND state IN ('in_progress', 'completed')
     " AND expires_at > statement_timestamp()"
 );
 
+const REOPEN: &str = concat!(
+    "\
+UPDATE idempotent_records SET state = 'released', result = NULL,
+    updated_at = statement_timestamp()
+WHERE record_key = $1 AND token = $2 AND state IN ('in_progress', 'completed', 'released')
+  AND ",
+    readable!(""),
+    " AND expires_at > statement_timestamp()"
+);
+
 const RELEASE: &str = concat!(
     "\
 UPDATE idempotent_records SET state = 'released', updated_at = statement_timestamp()
@@ -206,6 +216,7 @@ impl Driver for Postgres {
         seen: READ,
         complete: COMPLETE,
         release: RELEASE,
+        reopen: REOPEN,
         renew: RENEW,
         read: READ,
         purge: PURGE,

@@ -189,6 +189,17 @@ WHERE record_key = ? AND token = ? AND state IN ('in_progress', 'completed')
     now!()
 );
 
+const REOPEN: &str = concat!(
+    "UPDATE idempotent_records SET state = 'released', result = NULL, updated_at = ",
+    now!(),
+    "
+WHERE record_key = ? AND token = ? AND state IN ('in_progress', 'completed', 'released')
+  AND ",
+    readable!(""),
+    " AND expires_at > ",
+    now!()
+);
+
 const RELEASE: &str = concat!(
     "UPDATE idempotent_records SET state = 'released', updated_at = ",
     now!(),
@@ -243,6 +254,7 @@ impl Driver for Sqlite {
         seen: READ,
         complete: COMPLETE,
         release: RELEASE,
+        reopen: REOPEN,
         renew: RENEW,
         read: READ,
         purge: PURGE,

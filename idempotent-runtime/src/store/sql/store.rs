@@ -12,7 +12,8 @@ use crate::key::Key;
 use crate::store::sql::driver::{ticks, Arg, Dialect, Statements};
 use crate::store::sql::error::{store_error, Phase};
 use crate::store::sql::exec::{
-    claim_many_on, claim_on, complete_on, owned, refuse_oversized, release_on, spread, write,
+    claim_many_on, claim_on, complete_on, owned, refuse_oversized, release_on, reopen_on, spread,
+    write,
 };
 use crate::store::sql::record::Stored;
 use crate::store::sql::table::TableName;
@@ -181,6 +182,17 @@ impl<DB: Dialect> Store for SqlStore<DB> {
 
     fn max_result_size(&self) -> usize {
         self.max_result_size
+    }
+
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.acquire().await?;
+            reopen_on::<DB>(&mut conn, &self.sql, key, token).await
+        })
     }
 
     fn name(&self) -> &'static str {
