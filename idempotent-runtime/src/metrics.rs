@@ -35,17 +35,112 @@ use std::time::Duration;
 use crate::error::StoreErrorKind;
 use crate::key::Key;
 
+/// The handles of the series labelled by a key's prefix, kept per thread once registered, so
+/// a call costs a lookup, not the label allocations and registration of the `metrics`
+/// macros. The cache is dropped when the recorder in force changes (one installed after the
+/// first calls, a local one in a test) and when it holds more than [`MAX_PREFIXES`]
+/// prefixes.
+#[cfg(feature = "metrics")]
+mod cache {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+
+    /// The most prefixes a thread keeps handles for before it starts again.
+    pub(super) const MAX_PREFIXES: usize = 1024;
+
+    #[derive(Clone)]
+    pub(super) enum Handle {
+        Counter(metrics::Counter),
+        Histogram(metrics::Histogram),
+        Gauge(metrics::Gauge),
+    }
+
+    /// A series by name, store and one more label value (an outcome, or "").
+    type Series = HashMap<(&'static str, &'static str, &'static str), Handle>;
+
+    #[derive(Default)]
+    struct Cache {
+        recorder: usize,
+        by_prefix: HashMap<String, Series>,
+    }
+
+    thread_local! {
+        static CACHE: RefCell<Cache> = RefCell::new(Cache::default());
+    }
+
+    /// Which recorder is in force (its address; the no-op one when none is installed).
+    fn recorder() -> usize {
+        metrics::with_recorder(|r| std::ptr::from_ref(r).cast::<()>() as usize)
+    }
+
+    /// The handle of series `(name, store, extra)` for `prefix`, made by `make` the first time.
+    pub(super) fn handle(
+        prefix: &str,
+        name: &'static str,
+        store: &'static str,
+        extra: &'static str,
+        make: impl FnOnce() -> Handle,
+    ) -> Handle {
+        let recorder = recorder();
+        CACHE.with(|cache| {
+            let mut cache = cache.borrow_mut();
+            if cache.recorder != recorder || cache.by_prefix.len() > MAX_PREFIXES {
+                cache.by_prefix.clear();
+                cache.recorder = recorder;
+            }
+            if let Some(handle) = cache
+                .by_prefix
+                .get(prefix)
+                .and_then(|series| series.get(&(name, store, extra)))
+            {
+                return handle.clone();
+            }
+            let handle = make();
+            cache
+                .by_prefix
+                .entry(prefix.to_owned())
+                .or_default()
+                .insert((name, store, extra), handle.clone());
+            handle
+        })
+    }
+}
+
+/// Adds `by` to the counter `name` of `key`'s prefix and `store`, labelled `outcome` when not
+/// empty.
+#[cfg(feature = "metrics")]
+fn count(name: &'static str, key: &Key, store: &'static str, outcome: &'static str, by: u64) {
+    let handle = cache::handle(key.prefix(), name, store, outcome, || {
+        let prefix = key.prefix().to_owned();
+        cache::Handle::Counter(if outcome.is_empty() {
+            metrics::counter!(name, "prefix" => prefix, "store" => store)
+        } else {
+            metrics::counter!(name, "prefix" => prefix, "store" => store, "outcome" => outcome)
+        })
+    });
+    if let cache::Handle::Counter(counter) = handle {
+        counter.increment(by);
+    }
+}
+
+/// Records `took` in the histogram `name` of `key`'s prefix and `store`.
+#[cfg(feature = "metrics")]
+fn time(name: &'static str, key: &Key, store: &'static str, took: Duration) {
+    let handle = cache::handle(key.prefix(), name, store, "", || {
+        cache::Handle::Histogram(
+            metrics::histogram!(name, "prefix" => key.prefix().to_owned(), "store" => store),
+        )
+    });
+    if let cache::Handle::Histogram(histogram) = handle {
+        histogram.record(took.as_secs_f64());
+    }
+}
+
 /// One operation's outcome (see the module docs for the values).
 #[inline]
 pub(crate) fn outcome(key: &Key, store: &'static str, outcome: &'static str) {
     #[cfg(feature = "metrics")]
-    metrics::counter!(
-        "idempotency.operations",
-        "prefix" => key.prefix().to_owned(),
-        "store" => store,
-        "outcome" => outcome
-    )
-    .increment(1);
+    count("idempotency.operations", key, store, outcome, 1);
     #[cfg(not(feature = "metrics"))]
     let _ = (key, store, outcome);
 }
@@ -54,12 +149,7 @@ pub(crate) fn outcome(key: &Key, store: &'static str, outcome: &'static str) {
 #[inline]
 pub(crate) fn claim_duration(key: &Key, store: &'static str, took: Duration) {
     #[cfg(feature = "metrics")]
-    metrics::histogram!(
-        "idempotency.claim.duration",
-        "prefix" => key.prefix().to_owned(),
-        "store" => store
-    )
-    .record(took.as_secs_f64());
+    time("idempotency.claim.duration", key, store, took);
     #[cfg(not(feature = "metrics"))]
     let _ = (key, store, took);
 }
@@ -68,12 +158,7 @@ pub(crate) fn claim_duration(key: &Key, store: &'static str, took: Duration) {
 #[inline]
 pub(crate) fn handler_duration(key: &Key, store: &'static str, took: Duration) {
     #[cfg(feature = "metrics")]
-    metrics::histogram!(
-        "idempotency.handler.duration",
-        "prefix" => key.prefix().to_owned(),
-        "store" => store
-    )
-    .record(took.as_secs_f64());
+    time("idempotency.handler.duration", key, store, took);
     #[cfg(not(feature = "metrics"))]
     let _ = (key, store, took);
 }
@@ -82,12 +167,7 @@ pub(crate) fn handler_duration(key: &Key, store: &'static str, took: Duration) {
 #[inline]
 pub(crate) fn wait_duration(key: &Key, store: &'static str, took: Duration) {
     #[cfg(feature = "metrics")]
-    metrics::histogram!(
-        "idempotency.wait.duration",
-        "prefix" => key.prefix().to_owned(),
-        "store" => store
-    )
-    .record(took.as_secs_f64());
+    time("idempotency.wait.duration", key, store, took);
     #[cfg(not(feature = "metrics"))]
     let _ = (key, store, took);
 }
@@ -96,12 +176,7 @@ pub(crate) fn wait_duration(key: &Key, store: &'static str, took: Duration) {
 #[inline]
 pub(crate) fn lease_renewal(key: &Key, store: &'static str) {
     #[cfg(feature = "metrics")]
-    metrics::counter!(
-        "idempotency.lease.renewals",
-        "prefix" => key.prefix().to_owned(),
-        "store" => store
-    )
-    .increment(1);
+    count("idempotency.lease.renewals", key, store, "", 1);
     #[cfg(not(feature = "metrics"))]
     let _ = (key, store);
 }
@@ -124,12 +199,7 @@ pub(crate) fn store_error(store: &'static str, kind: StoreErrorKind) {
 #[inline]
 pub(crate) fn completion_retry(key: &Key, store: &'static str) {
     #[cfg(feature = "metrics")]
-    metrics::counter!(
-        "idempotency.completion.retries",
-        "prefix" => key.prefix().to_owned(),
-        "store" => store
-    )
-    .increment(1);
+    count("idempotency.completion.retries", key, store, "", 1);
     #[cfg(not(feature = "metrics"))]
     let _ = (key, store);
 }
@@ -139,15 +209,19 @@ pub(crate) fn completion_retry(key: &Key, store: &'static str) {
 pub(crate) fn claims_active(key: &Key, store: &'static str, delta: i8) {
     #[cfg(feature = "metrics")]
     {
-        let gauge = metrics::gauge!(
-            "idempotency.claims.active",
-            "prefix" => key.prefix().to_owned(),
-            "store" => store
-        );
-        if delta >= 0 {
-            gauge.increment(f64::from(delta));
-        } else {
-            gauge.decrement(f64::from(-delta));
+        let handle = cache::handle(key.prefix(), "idempotency.claims.active", store, "", || {
+            cache::Handle::Gauge(metrics::gauge!(
+                "idempotency.claims.active",
+                "prefix" => key.prefix().to_owned(),
+                "store" => store
+            ))
+        });
+        if let cache::Handle::Gauge(gauge) = handle {
+            if delta >= 0 {
+                gauge.increment(f64::from(delta));
+            } else {
+                gauge.decrement(f64::from(-delta));
+            }
         }
     }
     #[cfg(not(feature = "metrics"))]
