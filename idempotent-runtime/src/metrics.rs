@@ -309,3 +309,46 @@ impl Drop for Active {
         claims_active(&self.key, self.store, -1);
     }
 }
+
+#[cfg(all(test, feature = "metrics"))]
+mod tests {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    use super::*;
+
+    /// Handles kept while no recorder was in force are not reused once one is: the series is
+    /// registered with the new recorder and counts there.
+    #[test]
+    fn a_recorder_installed_after_the_first_calls_gets_every_series() {
+        let key = Key::new("metrics:cache", 1, &[&"k"]).unwrap_or_else(|_| unreachable!());
+        // No recorder in force on this thread: a no-op handle is kept.
+        outcome(&key, "memory", "executed");
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            outcome(&key, "memory", "executed");
+            outcome(&key, "memory", "executed");
+            claim_duration(&key, "memory", Duration::from_millis(2));
+        });
+        let mut counted = 0;
+        let mut timed = Vec::new();
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            match (key.key().name(), value) {
+                ("idempotency.operations", DebugValue::Counter(n)) => counted += n,
+                ("idempotency.claim.duration", DebugValue::Histogram(samples)) => {
+                    timed.extend(samples.into_iter().map(|s| s.into_inner()));
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(counted, 2);
+        assert_eq!(timed, vec![0.002]);
+        // Back without a recorder: nothing reaches the debugging one.
+        outcome(&key, "memory", "executed");
+        assert!(snapshotter
+            .snapshot()
+            .into_vec()
+            .iter()
+            .all(|(_, _, _, v)| !matches!(v, DebugValue::Counter(n) if *n > 0)));
+    }
+}
