@@ -1,18 +1,65 @@
-//! The SQL stores against raw sqlx sending the very same statements.
+//! The SQL stores against the seed's idempotency-table design written by hand, and against
+//! raw sqlx sending the store's very own statements.
 //!
-//! For PostgreSQL and MariaDB, side by side in one process: 50 concurrent tasks on a pool of
-//! 8 connections run claim + complete cycles on fresh keys, once as raw sqlx (the store's own
-//! claim and completion SQL text, bound and checked by hand) and once through the framework
-//! (`Idempotency::run` on the store). A warm-up pass of each comes first; then five measured passes
-//! of each, alternating, with the table emptied before every pass; the median pass counts.
-//! The last lines are `<db>_raw_ops_per_s`, `<db>_framework_ops_per_s` and `<db>_ratio`
-//! (framework / raw) for `postgres` and `mysql`.
+//! For PostgreSQL and MariaDB, in one process, 50 concurrent tasks share one pool of 8
+//! connections and run claim + complete cycles on fresh keys. Every side uses the same key
+//! bytes (`Key::new("bench:sql", 1, &[&pass, &i])`, encoded as the framework encodes keys),
+//! the same 16-byte tokens (`Token::generate()`), the same pool and the same task count:
+//!
+//! - **seed**: the seed's idempotency-table design, what a user writes by hand without the
+//!   library. A table of its own, created with plain SQL: PostgreSQL `(key BYTEA PRIMARY KEY,
+//!   token BYTEA NOT NULL, state TEXT NOT NULL, result BYTEA, created_at TIMESTAMPTZ NOT NULL
+//!   DEFAULT now())`, MariaDB the same with `VARBINARY(512)`, `BINARY(16)`, `VARCHAR(16)`,
+//!   `BLOB`, `DATETIME(6)` on InnoDB (the column is written `` `key` `` there: `KEY` is a
+//!   reserved word). Claim: `INSERT INTO t (key, token, state) VALUES ($1, $2,
+//!   'in_progress') ON CONFLICT DO NOTHING` (MariaDB: `INSERT IGNORE INTO ...`), one row
+//!   affected meaning acquired. Complete: `UPDATE t SET state = 'completed', result = $1 WHERE
+//!   key = $2 AND token = $3`, which must affect one row. No lease, expiry, fence, takeover
+//!   of a crashed owner or payload check: the baseline the framework is held to.
+//! - **raw**: raw sqlx sending the store's own claim and completion SQL text to the store's
+//!   table, bound and checked by hand: the framework without its client-side work.
+//! - **framework**: `Idempotency::run` on the `SqlStore`, with a body that returns `Ok(())`.
+//!
+//! A warm-up pass of each side (1,500 cycles) comes first; then 6 rounds of one pass of each
+//! side (6,000 cycles each), the order rotating round by round (seed, raw, framework; raw,
+//! framework, seed; framework, seed, raw; ...) so that each side goes first, second and third
+//! equally often. The tables a pass writes are emptied (`TRUNCATE`) before it; the median pass
+//! of each side counts (the upper middle of 6). A summary line before the figures also gives
+//! the median of the per-round ratios, which the machine's noise moves less than the ratio of
+//! medians.
+//!
+//! On PostgreSQL alone, a second pair of passes shows that inside the caller's transaction the
+//! claim, the business write and the completion cost one commit, by hand as through
+//! `SqlStore::run_in_tx`. Each operation inserts one row into a business table
+//! (`INSERT INTO <business> (id) VALUES ($1)`):
+//!
+//! - **seed_tx**: by hand, one transaction per operation: `BEGIN`, the seed claim, the
+//!   business insert, the seed completion, `COMMIT`.
+//! - **framework_tx**: `store.run_in_tx(&mut tx, key, ttl, async |conn| { <business insert on
+//!   conn> })` on a transaction from the store's pool, then `tx.commit()`: the same five
+//!   round trips (`BEGIN`, the store's claim, the insert, the store's completion, `COMMIT`).
+//!
+//! A warm-up pass of each, then 6 rounds, the two taking turns going first; medians as above.
+//!
+//! The last lines are the figures, one `name=value` per line, for `postgres` and `mysql`:
+//!
+//! - `<db>_seed_design_ops_per_s`, `<db>_framework_ops_per_s`: median cycles per second;
+//!   `<db>_ratio_vs_seed_design`, framework over seed. Target: at least 0.9 on both databases
+//!   at 50 tasks on a pool of 8.
+//! - `<db>_raw_ops_per_s`: median cycles per second of the raw side; `<db>_ratio`, framework
+//!   over raw: what the framework's client side costs.
+//! - `postgres_tx_seed_ops_per_s`, `postgres_tx_framework_ops_per_s`: median transactions per
+//!   second; `postgres_tx_ratio`, framework over seed. Both commit once per operation, so the
+//!   ratio shows the cost of the store's statements inside one transaction.
 //!
 //! Needs PostgreSQL at `IDEMPOTENT_POSTGRES_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/test`) and MariaDB at `IDEMPOTENT_MYSQL_URL` (default
-//! `mysql://root@127.0.0.1:3306/test`).
+//! `mysql://root@127.0.0.1:3306/test`). Every table the run creates has a unique scratch name
+//! and is dropped at the end (a killed run's tables are dropped by a later run once they are
+//! an hour old).
 //!
-//! Run: `cargo bench --bench sql --features postgres,mysql`
+//! Run: `cargo bench --bench sql --features postgres,mysql` (2 to 3 minutes on a shared
+//! 2-core machine).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -34,41 +81,82 @@ use stats::{figure, median, per_s};
 
 const TASKS: usize = 50;
 const POOL: u32 = 8;
-const OPS: usize = 20_000;
-const WARMUP_OPS: usize = 4_000;
-const ROUNDS: usize = 5;
+/// Cycles per measured pass.
+const OPS: usize = 6_000;
+const WARMUP_OPS: usize = 1_500;
+/// Measured rounds: a multiple of 3 and of 2, so that each side takes each place in the
+/// order equally often, in the three-side rounds as in the two-side transaction rounds.
+const ROUNDS: usize = 6;
 const LEASE: Duration = Duration::from_secs(30);
 const TTL: Duration = Duration::from_secs(3600);
 
-/// The store's claim and completion SQL, held as the store holds it.
-#[derive(Clone)]
+/// The SQL text every side sends, held as the store holds its own.
 struct Statements {
+    /// The store's claim.
     claim: Arc<str>,
+    /// The store's completion.
     complete: Arc<str>,
+    /// The seed design's claim.
+    seed_claim: Arc<str>,
+    /// The seed design's completion.
+    seed_complete: Arc<str>,
 }
 
-/// One claim + complete cycle on a fresh key, as raw sqlx.
-trait Raw: Dialect {
-    fn cycle(store: &SqlStore<Self>, sql: &Statements, key: Key)
-        -> impl Future<Output = ()> + Send;
-    /// Deletes every record, so every pass starts from the same table.
-    fn empty(store: &SqlStore<Self>) -> impl Future<Output = ()> + Send;
+/// What a database's sides send, by hand.
+trait Db: Dialect {
+    /// The seed design's table.
+    fn seed_schema(table: &str) -> String;
+    /// The seed design's claim: one row affected when it acquired the key.
+    fn seed_claim(table: &str) -> String;
+    /// The seed design's completion: one row affected when the token still owns the key.
+    fn seed_complete(table: &str) -> String;
+    /// Runs one statement on the store's pool.
+    fn run_sql(store: &SqlStore<Self>, sql: String) -> impl Future<Output = ()> + Send;
+    /// One claim + complete cycle on a fresh key with the store's own statements.
+    fn raw_cycle(
+        store: &SqlStore<Self>,
+        sql: &Statements,
+        key: Key,
+    ) -> impl Future<Output = ()> + Send;
+    /// One claim + complete cycle on a fresh key with the seed design's statements.
+    fn seed_cycle(
+        store: &SqlStore<Self>,
+        sql: &Statements,
+        key: Key,
+    ) -> impl Future<Output = ()> + Send;
 }
 
 fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap()
 }
 
-impl Raw for sqlx::Postgres {
-    async fn empty(store: &SqlStore<Self>) {
-        let sql = format!("DELETE FROM {}", store.table());
+impl Db for sqlx::Postgres {
+    fn seed_schema(table: &str) -> String {
+        format!(
+            "CREATE TABLE {table} (key BYTEA PRIMARY KEY, token BYTEA NOT NULL, \
+             state TEXT NOT NULL, result BYTEA, created_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
+    }
+
+    fn seed_claim(table: &str) -> String {
+        format!(
+            "INSERT INTO {table} (key, token, state) VALUES ($1, $2, 'in_progress') \
+             ON CONFLICT DO NOTHING"
+        )
+    }
+
+    fn seed_complete(table: &str) -> String {
+        format!("UPDATE {table} SET state = 'completed', result = $1 WHERE key = $2 AND token = $3")
+    }
+
+    async fn run_sql(store: &SqlStore<Self>, sql: String) {
         sqlx::query(AssertSqlSafe(sql))
             .execute(store.pool())
             .await
             .unwrap();
     }
 
-    async fn cycle(store: &SqlStore<Self>, sql: &Statements, key: Key) {
+    async fn raw_cycle(store: &SqlStore<Self>, sql: &Statements, key: Key) {
         let token = Token::generate();
         let row = sqlx::query(AssertSqlSafe(sql.claim.clone()))
             .bind(key.as_bytes())
@@ -93,18 +181,52 @@ impl Raw for sqlx::Postgres {
             .unwrap();
         assert_eq!(done.rows_affected(), 1, "not completed");
     }
+
+    async fn seed_cycle(store: &SqlStore<Self>, sql: &Statements, key: Key) {
+        let token = Token::generate();
+        let claimed = sqlx::query(AssertSqlSafe(sql.seed_claim.clone()))
+            .bind(key.as_bytes())
+            .bind(&token.as_bytes()[..])
+            .execute(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(claimed.rows_affected(), 1, "seed claim not acquired");
+        let done = sqlx::query(AssertSqlSafe(sql.seed_complete.clone()))
+            .bind(None::<&[u8]>)
+            .bind(key.as_bytes())
+            .bind(&token.as_bytes()[..])
+            .execute(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(done.rows_affected(), 1, "seed completion refused");
+    }
 }
 
-impl Raw for sqlx::MySql {
-    async fn empty(store: &SqlStore<Self>) {
-        let sql = format!("DELETE FROM {}", store.table());
+impl Db for sqlx::MySql {
+    fn seed_schema(table: &str) -> String {
+        format!(
+            "CREATE TABLE {table} (`key` VARBINARY(512) PRIMARY KEY, token BINARY(16) NOT NULL, \
+             state VARCHAR(16) NOT NULL, result BLOB, \
+             created_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE = InnoDB"
+        )
+    }
+
+    fn seed_claim(table: &str) -> String {
+        format!("INSERT IGNORE INTO {table} (`key`, token, state) VALUES (?, ?, 'in_progress')")
+    }
+
+    fn seed_complete(table: &str) -> String {
+        format!("UPDATE {table} SET state = 'completed', result = ? WHERE `key` = ? AND token = ?")
+    }
+
+    async fn run_sql(store: &SqlStore<Self>, sql: String) {
         sqlx::query(AssertSqlSafe(sql))
             .execute(store.pool())
             .await
             .unwrap();
     }
 
-    async fn cycle(store: &SqlStore<Self>, sql: &Statements, key: Key) {
+    async fn raw_cycle(store: &SqlStore<Self>, sql: &Statements, key: Key) {
         let token = Token::generate();
         let claimed = sqlx::query(AssertSqlSafe(sql.claim.clone()))
             .bind(key.as_bytes())
@@ -128,30 +250,350 @@ impl Raw for sqlx::MySql {
             .unwrap();
         assert_eq!(done.rows_affected(), 1, "not completed");
     }
+
+    async fn seed_cycle(store: &SqlStore<Self>, sql: &Statements, key: Key) {
+        let token = Token::generate();
+        let claimed = sqlx::query(AssertSqlSafe(sql.seed_claim.clone()))
+            .bind(key.as_bytes())
+            .bind(&token.as_bytes()[..])
+            .execute(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(claimed.rows_affected(), 1, "seed claim not acquired");
+        let done = sqlx::query(AssertSqlSafe(sql.seed_complete.clone()))
+            .bind(None::<&[u8]>)
+            .bind(key.as_bytes())
+            .bind(&token.as_bytes()[..])
+            .execute(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(done.rows_affected(), 1, "seed completion refused");
+    }
 }
 
+/// The error of the `run_in_tx` body: the framework's or the business write's.
+#[derive(Debug, thiserror::Error)]
+enum TxError {
+    #[error(transparent)]
+    Idempotency(#[from] Error),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+/// The business table of the PostgreSQL transaction passes.
+struct Business {
+    table: String,
+    /// `INSERT INTO <table> (id) VALUES ($1)`.
+    insert: Arc<str>,
+}
+
+/// One seed_tx operation: the seed claim, the business insert and the seed completion in one
+/// transaction of their own.
+async fn seed_tx_cycle(bench: &Bench<sqlx::Postgres>, key: Key, id: i64) {
+    let (store, sql) = (&bench.store, &bench.sql);
+    let token = Token::generate();
+    let mut tx = store.pool().begin().await.unwrap();
+    let claimed = sqlx::query(AssertSqlSafe(sql.seed_claim.clone()))
+        .bind(key.as_bytes())
+        .bind(&token.as_bytes()[..])
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(claimed.rows_affected(), 1, "seed claim not acquired");
+    sqlx::query(AssertSqlSafe(bench.business().insert.clone()))
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let done = sqlx::query(AssertSqlSafe(sql.seed_complete.clone()))
+        .bind(None::<&[u8]>)
+        .bind(key.as_bytes())
+        .bind(&token.as_bytes()[..])
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(done.rows_affected(), 1, "seed completion refused");
+    tx.commit().await.unwrap();
+}
+
+/// One framework_tx operation: `run_in_tx` with the business insert as its body, then the
+/// commit.
+async fn framework_tx_cycle(bench: &Bench<sqlx::Postgres>, key: Key, id: i64) {
+    let (store, insert) = (&bench.store, &bench.business().insert);
+    let mut tx = store.pool().begin().await.unwrap();
+    store
+        .run_in_tx(&mut tx, key, TTL, async |conn| {
+            sqlx::query(AssertSqlSafe(insert.clone()))
+                .bind(id)
+                .execute(&mut *conn)
+                .await?;
+            Ok::<_, TxError>(())
+        })
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
+
+/// The sides of the claim + complete rounds.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Mode {
+enum Side {
+    Seed,
     Raw,
     Framework,
 }
 
-/// Runs `ops` cycles with `TASKS` tasks; returns operations per second.
-async fn pass<DB: Raw>(store: &SqlStore<DB>, mode: Mode, ops: usize, run: usize) -> f64 {
-    DB::empty(store).await;
-    let guard = Idempotency::new(TTL)
-        .lease(LEASE)
-        .store(Arc::new(store.clone()));
-    let sql = Statements {
-        claim: store.statements().claim().into(),
-        complete: store.statements().complete().into(),
-    };
+/// The order of the first round; later rounds rotate it.
+const SIDES: [Side; 3] = [Side::Seed, Side::Raw, Side::Framework];
+
+/// The sides of the PostgreSQL transaction rounds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TxSide {
+    Seed,
+    Framework,
+}
+
+const TX_SIDES: [TxSide; 2] = [TxSide::Seed, TxSide::Framework];
+
+impl Side {
+    fn name(self) -> &'static str {
+        match self {
+            Side::Seed => "seed",
+            Side::Raw => "raw",
+            Side::Framework => "framework",
+        }
+    }
+}
+
+impl TxSide {
+    fn name(self) -> &'static str {
+        match self {
+            TxSide::Seed => "seed_tx",
+            TxSide::Framework => "framework_tx",
+        }
+    }
+}
+
+/// `sides` rotated left by `turn`: turn by turn, each side takes each place.
+fn rotation<S: Copy, const N: usize>(sides: [S; N], turn: usize) -> [S; N] {
+    std::array::from_fn(|i| sides[(i + turn) % N])
+}
+
+/// What every pass of one database shares.
+struct Bench<DB: Db> {
+    store: SqlStore<DB>,
+    guard: Idempotency,
+    sql: Statements,
+    seed_table: String,
+    /// On PostgreSQL, for the transaction passes.
+    business: Option<Business>,
+    /// The store's, the seed design's and the business tables, dropped with the bench.
+    _tables: Vec<Scratch>,
+}
+
+impl<DB: Db> Bench<DB> {
+    /// The store on a fresh table and the seed design's table; with `business`, also the
+    /// business table of the transaction passes (its insert is written for PostgreSQL).
+    async fn open(server: Server, business: bool) -> Arc<Bench<DB>> {
+        let mut tables = vec![Scratch::table(server), Scratch::table(server)];
+        let store = SqlStore::<DB>::builder(tables[0].url())
+            .table(tables[0].name().to_string())
+            .max_connections(POOL)
+            .build()
+            .await
+            .unwrap();
+        let seed_table = tables[1].name().to_string();
+        DB::run_sql(&store, DB::seed_schema(&seed_table)).await;
+        let business = if business {
+            let scratch = Scratch::table(server);
+            let table = scratch.name().to_string();
+            tables.push(scratch);
+            DB::run_sql(
+                &store,
+                format!("CREATE TABLE {table} (id BIGINT PRIMARY KEY)"),
+            )
+            .await;
+            Some(Business {
+                insert: format!("INSERT INTO {table} (id) VALUES ($1)").into(),
+                table,
+            })
+        } else {
+            None
+        };
+        let guard = Idempotency::new(TTL)
+            .lease(LEASE)
+            .store(Arc::new(store.clone()));
+        let sql = Statements {
+            claim: store.statements().claim().into(),
+            complete: store.statements().complete().into(),
+            seed_claim: DB::seed_claim(&seed_table).into(),
+            seed_complete: DB::seed_complete(&seed_table).into(),
+        };
+        Arc::new(Bench {
+            store,
+            guard,
+            sql,
+            seed_table,
+            business,
+            _tables: tables,
+        })
+    }
+
+    /// Empties `table` with `TRUNCATE`, so every pass starts from a fresh table: the store's
+    /// table, which more passes write, carries no more dead rows than the seed design's.
+    async fn empty(&self, table: &str) {
+        DB::run_sql(&self.store, format!("TRUNCATE TABLE {table}")).await;
+    }
+
+    /// One pass of `side`: `ops` cycles with `TASKS` tasks; returns operations per second.
+    async fn pass(self: &Arc<Self>, side: Side, ops: usize, run: usize) -> f64 {
+        match side {
+            Side::Seed => {
+                self.empty(&self.seed_table).await;
+                drive(self, ops, run, |b, key, _| async move {
+                    DB::seed_cycle(&b.store, &b.sql, key).await;
+                })
+                .await
+            }
+            Side::Raw => {
+                self.empty(self.store.table()).await;
+                drive(self, ops, run, |b, key, _| async move {
+                    DB::raw_cycle(&b.store, &b.sql, key).await;
+                })
+                .await
+            }
+            Side::Framework => {
+                self.empty(self.store.table()).await;
+                drive(self, ops, run, |b, key, _| async move {
+                    let out: Result<(), Error> = b.guard.run(key, async { Ok(()) }).await;
+                    out.unwrap();
+                })
+                .await
+            }
+        }
+    }
+
+    /// Warm-up, then `ROUNDS` rotating rounds; returns the medians, in `SIDES`' order.
+    async fn rounds(self: &Arc<Self>, name: &str, run: &mut usize) -> [f64; 3] {
+        for side in SIDES {
+            *run += 1;
+            self.pass(side, WARMUP_OPS, *run).await;
+        }
+        let mut rates: [Vec<f64>; 3] = Default::default();
+        let (mut vs_seed, mut vs_raw) = (Vec::new(), Vec::new());
+        for round in 1..=ROUNDS {
+            let mut this = [0.0; 3];
+            let order = rotation(SIDES, round - 1);
+            for side in order {
+                *run += 1;
+                this[side as usize] = self.pass(side, OPS, *run).await;
+            }
+            let [seed, raw, framework] = this;
+            let order = order.map(Side::name).join(", ");
+            println!(
+                "{name} round {round} ({order}): seed {seed:.0}, raw {raw:.0}, \
+                 framework {framework:.0} ops/s; framework/seed {:.3}, framework/raw {:.3}",
+                framework / seed,
+                framework / raw
+            );
+            vs_seed.push(framework / seed);
+            vs_raw.push(framework / raw);
+            for (all, rate) in rates.iter_mut().zip(this) {
+                all.push(rate);
+            }
+        }
+        let medians = rates.map(|all| median(&all));
+        let [seed, raw, framework] = medians;
+        println!(
+            "{name} medians over {ROUNDS} rounds: seed {seed:.0}, raw {raw:.0}, \
+             framework {framework:.0} ops/s; median of per-round ratios: framework/seed {:.3}, \
+             framework/raw {:.3}",
+            median(&vs_seed),
+            median(&vs_raw)
+        );
+        medians
+    }
+}
+
+impl Bench<sqlx::Postgres> {
+    fn business(&self) -> &Business {
+        self.business
+            .as_ref()
+            .expect("opened without the business table")
+    }
+
+    /// One transaction pass of `side`: `ops` operations with `TASKS` tasks; returns
+    /// operations per second.
+    async fn tx_pass(self: &Arc<Self>, side: TxSide, ops: usize, run: usize) -> f64 {
+        self.empty(&self.business().table).await;
+        match side {
+            TxSide::Seed => {
+                self.empty(&self.seed_table).await;
+                drive(self, ops, run, |b, key, id| async move {
+                    seed_tx_cycle(&b, key, id).await;
+                })
+                .await
+            }
+            TxSide::Framework => {
+                self.empty(self.store.table()).await;
+                drive(self, ops, run, |b, key, id| async move {
+                    framework_tx_cycle(&b, key, id).await;
+                })
+                .await
+            }
+        }
+    }
+
+    /// Warm-up, then `ROUNDS` alternating rounds; returns the medians, in `TX_SIDES`' order.
+    async fn tx_rounds(self: &Arc<Self>, run: &mut usize) -> [f64; 2] {
+        for side in TX_SIDES {
+            *run += 1;
+            self.tx_pass(side, WARMUP_OPS, *run).await;
+        }
+        let mut rates: [Vec<f64>; 2] = Default::default();
+        let mut ratios = Vec::new();
+        for round in 1..=ROUNDS {
+            let mut this = [0.0; 2];
+            let order = rotation(TX_SIDES, round - 1);
+            for side in order {
+                *run += 1;
+                this[side as usize] = self.tx_pass(side, OPS, *run).await;
+            }
+            let [seed, framework] = this;
+            let order = order.map(TxSide::name).join(", ");
+            println!(
+                "postgres tx round {round} ({order}): seed_tx {seed:.0}, \
+                 framework_tx {framework:.0} ops/s; framework/seed {:.3}",
+                framework / seed
+            );
+            ratios.push(framework / seed);
+            for (all, rate) in rates.iter_mut().zip(this) {
+                all.push(rate);
+            }
+        }
+        let medians = rates.map(|all| median(&all));
+        let [seed, framework] = medians;
+        println!(
+            "postgres tx medians over {ROUNDS} rounds: seed_tx {seed:.0}, \
+             framework_tx {framework:.0} ops/s; median of per-round ratios: framework/seed {:.3}",
+            median(&ratios)
+        );
+        medians
+    }
+}
+
+/// Runs `ops` cycles of `cycle` (given the bench, the key and the cycle's number) on `TASKS`
+/// tasks, on the keys of pass `run`; returns operations per second.
+async fn drive<DB, F, Fut>(bench: &Arc<Bench<DB>>, ops: usize, run: usize, cycle: F) -> f64
+where
+    DB: Db,
+    F: Fn(Arc<Bench<DB>>, Key, i64) -> Fut + Copy + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let tasks: Vec<_> = (0..TASKS)
         .map(|_| {
-            let (store, guard, next, sql) =
-                (store.clone(), guard.clone(), next.clone(), sql.clone());
+            let (bench, next) = (bench.clone(), next.clone());
             tokio::spawn(async move {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
@@ -159,13 +601,7 @@ async fn pass<DB: Raw>(store: &SqlStore<DB>, mode: Mode, ops: usize, run: usize)
                         return;
                     }
                     let key = Key::new("bench:sql", 1, &[&run, &i]).unwrap();
-                    match mode {
-                        Mode::Raw => DB::cycle(&store, &sql, key).await,
-                        Mode::Framework => {
-                            let out: Result<(), Error> = guard.run(key, async { Ok(()) }).await;
-                            out.unwrap();
-                        }
-                    }
+                    cycle(bench.clone(), key, i64::try_from(i).unwrap()).await;
                 }
             })
         })
@@ -176,34 +612,6 @@ async fn pass<DB: Raw>(store: &SqlStore<DB>, mode: Mode, ops: usize, run: usize)
     per_s(ops, started.elapsed())
 }
 
-/// Warm-up, then alternating measured passes; returns (raw, framework) ops/s.
-async fn measure<DB: Raw>(name: &str, server: Server) -> (f64, f64) {
-    let table = Scratch::table(server);
-    let store = SqlStore::<DB>::builder(table.url())
-        .table(table.name().to_string())
-        .max_connections(POOL)
-        .build()
-        .await
-        .unwrap();
-    let mut run = 0;
-    let mut next_run = || {
-        run += 1;
-        run
-    };
-    pass(&store, Mode::Raw, WARMUP_OPS, next_run()).await;
-    pass(&store, Mode::Framework, WARMUP_OPS, next_run()).await;
-    let (mut raw, mut framework) = (Vec::new(), Vec::new());
-    for round in 1..=ROUNDS {
-        let r = pass(&store, Mode::Raw, OPS, next_run()).await;
-        let f = pass(&store, Mode::Framework, OPS, next_run()).await;
-        println!("{name} round {round}: raw {r:.0} ops/s, framework {f:.0} ops/s");
-        raw.push(r);
-        framework.push(f);
-    }
-    store.pool().close().await;
-    (median(&raw), median(&framework))
-}
-
 fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -211,14 +619,28 @@ fn main() {
         .unwrap();
     runtime.block_on(async {
         println!(
-            "claim + complete on fresh keys: {TASKS} tasks, pool of {POOL}, {OPS} ops per pass"
+            "claim + complete on fresh keys: {TASKS} tasks, pool of {POOL}, {OPS} ops per pass, \
+             {ROUNDS} rounds"
         );
-        let postgres = measure::<sqlx::Postgres>("postgres", Server::Postgres).await;
-        let mysql = measure::<sqlx::MySql>("mysql", Server::MySql).await;
-        for (name, (raw, framework)) in [("postgres", postgres), ("mysql", mysql)] {
-            figure(&format!("{name}_raw_ops_per_s"), raw, 0);
+        let mut run = 0;
+        let bench = Bench::<sqlx::Postgres>::open(Server::Postgres, true).await;
+        let postgres = bench.rounds("postgres", &mut run).await;
+        let [tx_seed, tx_framework] = bench.tx_rounds(&mut run).await;
+        bench.store.pool().close().await;
+        drop(bench);
+        let bench = Bench::<sqlx::MySql>::open(Server::MySql, false).await;
+        let mysql = bench.rounds("mysql", &mut run).await;
+        bench.store.pool().close().await;
+        drop(bench);
+        for (name, [seed, raw, framework]) in [("postgres", postgres), ("mysql", mysql)] {
+            figure(&format!("{name}_seed_design_ops_per_s"), seed, 0);
             figure(&format!("{name}_framework_ops_per_s"), framework, 0);
+            figure(&format!("{name}_ratio_vs_seed_design"), framework / seed, 3);
+            figure(&format!("{name}_raw_ops_per_s"), raw, 0);
             figure(&format!("{name}_ratio"), framework / raw, 3);
         }
+        figure("postgres_tx_seed_ops_per_s", tx_seed, 0);
+        figure("postgres_tx_framework_ops_per_s", tx_framework, 0);
+        figure("postgres_tx_ratio", tx_framework / tx_seed, 3);
     });
 }
