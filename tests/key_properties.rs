@@ -172,6 +172,17 @@ proptest! {
     }
 
     #[test]
+    fn an_encoded_key_parses_back_to_itself(parts in tuple(), prefix in "[a-z:]{1,16}", version in 0u32..5) {
+        let key = key_of(&prefix, version, &parts);
+        // `Key::parse` takes text: keys whose parts are not UTF-8 have none.
+        if let Ok(text) = std::str::from_utf8(key.as_bytes()) {
+            let parsed = Key::parse(text).unwrap();
+            prop_assert_eq!(parsed.prefix(), key.prefix());
+            prop_assert_eq!(parsed, key);
+        }
+    }
+
+    #[test]
     fn braces_never_appear_inside_the_parts_section(parts in tuple()) {
         let key = key_of("p", 1, &parts);
         prop_assert!(!parts_section(&key).iter().any(|b| matches!(b, b'{' | b'}')), "{:?}", key);

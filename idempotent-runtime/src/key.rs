@@ -218,6 +218,13 @@ pub enum KeyError {
         /// The part's length in bytes.
         len: usize,
     },
+    /// A text given to [`Key::parse`] is not an encoded key
+    /// (`<prefix>:v<version>:{<parts>}`).
+    #[error("not an encoded idempotency key: {why}")]
+    NotAKey {
+        /// What is wrong with it.
+        why: &'static str,
+    },
 }
 
 /// An encoded operation key. Cheap to clone.
@@ -289,6 +296,57 @@ impl Key {
         bytes.push(b'}');
         Ok(Key {
             bytes: bytes.into(),
+            prefix_len: prefix.len(),
+        })
+    }
+
+    /// The key whose encoding is `encoded`, as [`Key::new`] wrote it
+    /// (`<prefix>:v<version>:{<parts>}`): for operators and tools that have a key's text, from
+    /// a store or a log line without escapes. The parts are taken as they are written.
+    ///
+    /// ```
+    /// use idempotent_runtime::Key;
+    ///
+    /// let key = Key::new("order:consume", 1, &[&"A-1001", &"free-meal-2026"])?;
+    /// assert_eq!(Key::parse(&key.to_string())?, key);
+    /// assert!(Key::parse("order:consume:{1:a}").is_err());
+    /// # Ok::<(), idempotent_runtime::KeyError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`KeyError::NotAKey`] when the text does not have that shape (no version, no braces,
+    /// a brace inside the parts, longer than [`MAX_KEY_LEN`]), or the prefix's error from
+    /// [`Key::new`]'s rules.
+    pub fn parse(encoded: &str) -> Result<Key, KeyError> {
+        let not = |why| KeyError::NotAKey { why };
+        if encoded.len() > MAX_KEY_LEN {
+            return Err(not("longer than any key"));
+        }
+        let open = encoded
+            .find('{')
+            .ok_or_else(|| not("no `{` before the parts"))?;
+        let body = encoded[open + 1..]
+            .strip_suffix('}')
+            .ok_or_else(|| not("no `}` at the end"))?;
+        if body.is_empty() || body.contains(['{', '}']) {
+            return Err(not("the parts are empty or hold a brace"));
+        }
+        let head = encoded[..open]
+            .strip_suffix(':')
+            .ok_or_else(|| not("no `:` before the parts"))?;
+        let at = head.rfind(":v").ok_or_else(|| not("no `:v<version>`"))?;
+        let version = &head[at + 2..];
+        if version.is_empty() || !version.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(not("the version is not a number"));
+        }
+        version
+            .parse::<u32>()
+            .map_err(|_| not("the version is out of range"))?;
+        let prefix = &head[..at];
+        validate_prefix(prefix)?;
+        Ok(Key {
+            bytes: encoded.as_bytes().into(),
             prefix_len: prefix.len(),
         })
     }
@@ -401,6 +459,29 @@ pub(crate) fn hex_string(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn texts_that_are_not_keys_are_refused() {
+        for text in [
+            "",
+            "p",
+            "p:v1:",
+            "p:v1:{}",
+            "p:v1:{1:a",
+            "p:v1:{1:{a}",
+            "p:{1:a}",
+            "p:vx:{1:a}",
+            "p:v99999999999:{1:a}",
+            ":v1:{1:a}",
+            "p q:v1:{1:a}",
+            "p:v1{1:a}",
+        ] {
+            assert!(Key::parse(text).is_err(), "{text:?}");
+        }
+        let key = Key::parse("order:consume:v2:{1:a,2:bc}").unwrap();
+        assert_eq!(key.prefix(), "order:consume");
+        assert_eq!(key, Key::new("order:consume", 2, &[&"a", &"bc"]).unwrap());
+    }
 
     #[test]
     fn separator_inside_parts_does_not_collide() {
