@@ -297,6 +297,20 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// Runs `settle.lua`'s token-only operation `op` (`release`, `reopen`) on `key`.
+    async fn settle_by_token(
+        &self,
+        op: &'static str,
+        key: &Key,
+        token: &Token,
+    ) -> Result<bool, StoreError> {
+        let mut invocation = self.inner.settle.prepare_invoke();
+        invocation.key(key.as_bytes()).arg(op).arg(token.as_bytes());
+        Ok(int(&self.call(key, &invocation).await?)? == 1)
+    }
+}
+
 /// What a claim answers for the record `old` that its `SET NX` found, as the script would
 /// answer it, where the estimate suffices; `None` where the script must decide (a released
 /// record, a lease that has run out or is within the estimate's error of it, a value that is
@@ -399,14 +413,7 @@ impl Store for RedisStore {
         key: &'a Key,
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(async move {
-            let mut invocation = self.inner.settle.prepare_invoke();
-            invocation
-                .key(key.as_bytes())
-                .arg("release")
-                .arg(token.as_bytes());
-            Ok(int(&self.call(key, &invocation).await?)? == 1)
-        })
+        Box::pin(self.settle_by_token("release", key, token))
     }
 
     fn renew<'a>(
@@ -443,14 +450,7 @@ impl Store for RedisStore {
         key: &'a Key,
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(async move {
-            let mut invocation = self.inner.settle.prepare_invoke();
-            invocation
-                .key(key.as_bytes())
-                .arg("reopen")
-                .arg(token.as_bytes());
-            Ok(int(&self.call(key, &invocation).await?)? == 1)
-        })
+        Box::pin(self.settle_by_token("reopen", key, token))
     }
 
     fn name(&self) -> &'static str {
