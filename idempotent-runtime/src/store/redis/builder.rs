@@ -239,8 +239,11 @@ impl RedisStoreBuilder {
             .and_then(|v| v.split('.').next()?.parse::<u32>().ok())
             .is_some_and(|major| major >= 7);
         if self.fast_claims && standalone && set_nx_get {
-            // The first reading of the server's clock, so the first claims can be fast.
-            store.read_clock().await?;
+            // The first reading of the server's clock, so the first claims can be fast. Claims
+            // go through the script until a reading succeeds.
+            if let Err(err) = store.read_clock().await {
+                tracing::debug!(server = %name, error = %err, "cannot read the server's clock yet");
+            }
             let mut inner = Arc::into_inner(store.inner).ok_or_else(|| {
                 StoreError::new(StoreErrorKind::Protocol, "the new store is shared")
             })?;
