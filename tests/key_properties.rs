@@ -172,6 +172,48 @@ proptest! {
     }
 
     #[test]
+    fn the_encoding_is_the_documented_one(parts in tuple(), version in 0u32..5) {
+        // `<prefix>:v<version>:{<len>:<bytes>,...}`, a part with a brace as
+        // `<escaped len>%<bytes with %, { and } percent-escaped>`: written out by hand here,
+        // so a change of `Key::new`'s code can never change a key's bytes.
+        let mut body = Vec::new();
+        for (i, part) in parts.iter().enumerate() {
+            if i > 0 {
+                body.push(b',');
+            }
+            if part.iter().any(|b| matches!(b, b'{' | b'}')) {
+                let mut escaped = Vec::new();
+                for &b in part {
+                    match b {
+                        b'%' => escaped.extend_from_slice(b"%25"),
+                        b'{' => escaped.extend_from_slice(b"%7B"),
+                        b'}' => escaped.extend_from_slice(b"%7D"),
+                        _ => escaped.push(b),
+                    }
+                }
+                body.extend_from_slice(format!("{}%", escaped.len()).as_bytes());
+                body.extend_from_slice(&escaped);
+            } else {
+                body.extend_from_slice(format!("{}:", part.len()).as_bytes());
+                body.extend_from_slice(part);
+            }
+        }
+        let key = key_of("p", version, &parts);
+        let mut expected = format!("p:v{version}:{{").into_bytes();
+        if body.len() <= idempotency::key::MAX_INLINE_PARTS {
+            expected.extend_from_slice(&body);
+            expected.push(b'}');
+            prop_assert_eq!(key.as_bytes(), &expected[..]);
+        } else {
+            // Longer parts are replaced by `#` and their digest's 64 hex digits.
+            expected.push(b'#');
+            prop_assert!(key.is_hashed());
+            prop_assert!(key.as_bytes().starts_with(&expected));
+            prop_assert_eq!(key.as_bytes().len(), expected.len() + 64 + 1);
+        }
+    }
+
+    #[test]
     fn an_encoded_key_parses_back_to_itself(parts in tuple(), prefix in "[a-z:]{1,16}", version in 0u32..5) {
         let key = key_of(&prefix, version, &parts);
         // `Key::parse` takes text: keys whose parts are not UTF-8 have none.

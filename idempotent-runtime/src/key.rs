@@ -262,36 +262,33 @@ impl Key {
         if parts.len() > MAX_PARTS {
             return Err(KeyError::TooManyParts { count: parts.len() });
         }
-        let mut body = Vec::with_capacity(32);
-        let mut scratch = Vec::with_capacity(32);
-        for (index, part) in parts.iter().enumerate() {
-            scratch.clear();
-            part.write_key_part(&mut scratch);
-            if scratch.is_empty() {
-                return Err(KeyError::EmptyPart { index });
-            }
-            if scratch.len() > MAX_PART_LEN {
-                return Err(KeyError::PartTooLong {
-                    index,
-                    len: scratch.len(),
-                });
-            }
-            if index > 0 {
-                body.push(b',');
-            }
-            push_part(&mut body, &scratch);
-        }
-
-        let mut bytes = Vec::with_capacity(prefix.len() + 16 + body.len().min(70));
+        // One buffer: the header, then each part written in place and encoded where it lies.
+        let mut bytes = Vec::with_capacity(prefix.len() + 16 + 64);
         bytes.extend_from_slice(prefix.as_bytes());
         bytes.extend_from_slice(b":v");
         push_decimal(&mut bytes, u64::from(version));
         bytes.extend_from_slice(b":{");
-        if body.len() > MAX_INLINE_PARTS {
+        let body_start = bytes.len();
+        for (index, part) in parts.iter().enumerate() {
+            if index > 0 {
+                bytes.push(b',');
+            }
+            let start = bytes.len();
+            part.write_key_part(&mut bytes);
+            let len = bytes.len() - start;
+            if len == 0 {
+                return Err(KeyError::EmptyPart { index });
+            }
+            if len > MAX_PART_LEN {
+                return Err(KeyError::PartTooLong { index, len });
+            }
+            encode_in_place(&mut bytes, start);
+        }
+        if bytes.len() - body_start > MAX_INLINE_PARTS {
+            let digest = Sha256::digest(&bytes[body_start..]);
+            bytes.truncate(body_start);
             bytes.push(b'#');
-            push_hex(&mut bytes, &Sha256::digest(&body));
-        } else {
-            bytes.extend_from_slice(&body);
+            push_hex(&mut bytes, &digest);
         }
         bytes.push(b'}');
         Ok(Key {
@@ -398,6 +395,23 @@ fn validate_prefix(prefix: &str) -> Result<(), KeyError> {
         return Err(KeyError::InvalidPrefix { found });
     }
     Ok(())
+}
+
+/// Encodes the raw part that `out[start..]` holds as [`push_part`] writes it, in place: the
+/// length prefix is moved in front of the bytes (a part holding a brace is escaped through a
+/// copy, the rare case).
+fn encode_in_place(out: &mut Vec<u8>, start: usize) {
+    if out[start..].iter().any(|b| matches!(b, b'{' | b'}')) {
+        let raw = out.split_off(start);
+        push_part(out, &raw);
+        return;
+    }
+    let len = out.len() - start;
+    let before = out.len();
+    push_decimal(out, len as u64);
+    out.push(b':');
+    let prefix_len = out.len() - before;
+    out[start..].rotate_right(prefix_len);
 }
 
 /// Writes one part: `<length>:<bytes>` when it holds no brace, otherwise `<length>%<escaped>`
