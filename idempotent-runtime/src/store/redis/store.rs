@@ -241,11 +241,15 @@ impl RedisStore {
 
     /// Starts a background `TIME` reading when the estimate is getting old.
     fn refresh_clock(&self, now: std::time::Instant) {
+        // Outside a tokio runtime there is nothing to refresh on: claims use the script.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         if !self.inner.clock.should_refresh(now) {
             return;
         }
         let store = self.clone();
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             if let Err(err) = store.read_clock().await {
                 tracing::debug!(error = %err, "cannot read the Redis server's clock");
             }
