@@ -186,7 +186,7 @@ where
     HE: Settle + Send + 'static,
 {
     let count = message.deliveries();
-    let started = tokio::time::Instant::now();
+    let started = crate::metrics::Started::now();
     let decision = match contained(handler(message.clone())).await {
         Ok(result) => redelivery.decide(&result, count),
         Err(err) => {
@@ -195,7 +195,7 @@ where
         }
     };
     let settled = apply(&message, decision).await;
-    crate::metrics::messaging_process(message.system(), message.destination(), started.elapsed());
+    crate::metrics::messaging_process(message.system(), message.destination(), started);
     match &settled {
         Ok(()) => tracing::debug!(deliveries = ?count, %decision, "settled"),
         Err(err) => {

@@ -331,11 +331,11 @@ where
         });
         let mut waiting = Waiting::new(guard.in_progress);
         let name = store.name();
-        let mut first_wait: Option<tokio::time::Instant> = None;
+        let mut first_wait: Option<metrics::Started> = None;
         loop {
             let sent_at = tokio::time::Instant::now();
             let claimed = PendingClaim::new(&store, &req).await;
-            metrics::claim_duration(&req.key, name, sent_at.elapsed());
+            metrics::claim_duration(&req.key, name, metrics::Started::at(sent_at));
             let claim = match claimed {
                 Ok(claim) => claim,
                 Err(err) => {
@@ -367,7 +367,7 @@ where
                         ..
                     }
                 ) {
-                    metrics::wait_duration(&req.key, name, since.elapsed());
+                    metrics::wait_duration(&req.key, name, since);
                 }
             }
             match next {
@@ -406,7 +406,7 @@ where
                     }
                     match then {
                         Busy::Retry(pause) => {
-                            first_wait.get_or_insert_with(tokio::time::Instant::now);
+                            first_wait.get_or_insert_with(metrics::Started::now);
                             tokio::time::sleep(pause).await;
                         }
                         Busy::Skip => {
@@ -483,9 +483,9 @@ where
     }
 
     let current = Current::new(claim.clone());
-    let started = tokio::time::Instant::now();
+    let started = metrics::Started::now();
     let watched = watch(current.clone().scope(body(current)), &claim, on_lost).await;
-    metrics::handler_duration(&claim.key, name, started.elapsed());
+    metrics::handler_duration(&claim.key, name, started);
     let out = match watched {
         Watched::Done(out) => out.into_result(),
         Watched::Cancelled => {

@@ -248,12 +248,19 @@ impl RedisStore {
         if !self.inner.clock.should_refresh(now) {
             return;
         }
-        let store = self.clone();
+        /// Ends the refresh also when its task is dropped (a runtime shutting down), so a
+        /// later claim can start the next one.
+        struct Refreshing(RedisStore);
+        impl Drop for Refreshing {
+            fn drop(&mut self) {
+                self.0.inner.clock.done();
+            }
+        }
+        let refreshing = Refreshing(self.clone());
         runtime.spawn(async move {
-            if let Err(err) = store.read_clock().await {
+            if let Err(err) = refreshing.0.read_clock().await {
                 tracing::debug!(error = %err, "cannot read the Redis server's clock");
             }
-            store.inner.clock.done();
         });
     }
 
