@@ -17,8 +17,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use conformance::{unique_namespace, Backend};
+use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::redis::{RedisStore, UnsafeConfig};
-use idempotency::store::{DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
+use idempotency::store::{Expect, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
 use idempotency::{
     Action, BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, RecordState,
     SharedStore, Store, StoreErrorKind, Token,
@@ -909,6 +910,10 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
         ("renew", store.renew(key, token, long).await.err()),
         ("reopen", store.reopen(key, token).await.err()),
         ("read", store.read(key).await.err()),
+        (
+            "delete by its token",
+            store.delete(key, Expect::Token(token)).await.err(),
+        ),
     ];
     for (op, err) in outcomes {
         let kind = err.map(|e| e.kind());
@@ -981,6 +986,43 @@ async fn unreadable_records_are_corrupt_for_every_operation_and_left_alone() {
             .query(&mut conn)
             .unwrap();
         assert_ne!(kind, "string", "{what} was overwritten");
+    }
+    // An operator lists them as corrupt and deletes them; the keys are free again.
+    let admin = Admin::new(store.clone());
+    for prefix in ["corrupt", "foreign"] {
+        let prefix = format!("{namespace}:{prefix}");
+        let mut query = ListQuery::new(&prefix).unwrap().state(StateFilter::Corrupt);
+        let mut listed = HashSet::new();
+        loop {
+            let page = admin.list(&query).await.unwrap();
+            for (key, seen) in page.records {
+                let err = seen.expect_err("a value that is no record");
+                assert_eq!(err.kind(), StoreErrorKind::Corrupt, "{key}");
+                listed.insert(key);
+            }
+            match page.next {
+                Some(next) => query = query.cursor(next),
+                None => break,
+            }
+        }
+        let expected = if prefix.ends_with("corrupt") {
+            unreadable_values(&token).len()
+        } else {
+            2
+        };
+        assert_eq!(listed.len(), expected, "{prefix}");
+        for key in &listed {
+            assert_eq!(
+                admin.delete(key).await.unwrap(),
+                AdminOutcome::DeletedCorrupt,
+                "{key}"
+            );
+            let long = Duration::from_secs(60);
+            assert!(matches!(
+                store.claim(&claim_request(key, long, long)).await.unwrap(),
+                Claim::Acquired { .. }
+            ));
+        }
     }
     delete_matching(&url, &format!("{namespace}:*"));
 }

@@ -1,5 +1,7 @@
-//! The operator's side: look at a key's record, free a key whose owner is stuck, let a held
-//! key run again. Separate from the hot path: handlers never call it.
+//! The operator's side: look at a key's record, list the records of a prefix (the stuck ones,
+//! the held ones), free a key whose owner is stuck, let a held key run again, delete a record
+//! (a corrupt one too) or every record of a prefix. Separate from the hot path: handlers never
+//! call it.
 //!
 //! Every action reads the record, checks what the operator expects (the fence of the stuck
 //! owner, the held state), and then writes only if the record still has the token it read:
@@ -7,6 +9,10 @@
 //! alone and the action answers [`AdminOutcome::Changed`]. Each action is logged (a tracing
 //! event at `info`, or `warn` when nothing was changed) and, with the feature `metrics`,
 //! counted as `idempotency.admin.actions` (labels `action`, `store`, `outcome`).
+//!
+//! Listing pages through the store ([`Store::scan`](crate::Store::scan): `SCAN` on each Redis
+//! node, a range of the primary key on SQL), a bounded page at a time, so it is safe on a
+//! store of any size.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -31,10 +37,12 @@
 //! # Ok(()) }
 //! ```
 
+use std::time::Duration;
+
 use crate::codec;
-use crate::error::StoreError;
-use crate::key::Key;
-use crate::store::{IntoStore, Record, RecordState, SharedStore};
+use crate::error::{StoreError, StoreErrorKind};
+use crate::key::{Key, KeyError};
+use crate::store::{Expect, IntoStore, Record, RecordState, ScanCursor, SharedStore};
 
 /// What an operator sees of a record ([`Admin::inspect`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,6 +60,11 @@ pub struct Inspection {
     pub result_size: Option<usize>,
     /// Whether the claim carried a payload fingerprint.
     pub fingerprint: bool,
+    /// How long the record has been in its state (see [`Record::age`]), where the store
+    /// keeps it.
+    pub age: Option<Duration>,
+    /// Time until the record expires, where the store reports it.
+    pub expires_in: Option<Duration>,
 }
 
 impl Inspection {
@@ -62,8 +75,150 @@ impl Inspection {
             held: is_held(record),
             result_size: record.result.as_ref().map(Vec::len),
             fingerprint: record.fingerprint.is_some(),
+            age: record.age,
+            expires_in: record.expires_in,
         }
     }
+
+    /// An in-progress record whose lease has not run out: its owner may still be running.
+    pub fn is_live_claim(&self) -> bool {
+        matches!(self.state, RecordState::InProgress { lease_left } if !lease_left.is_zero())
+    }
+}
+
+/// Which records [`Admin::list`] returns: the records of one key prefix, optionally of one
+/// state and at least of some age.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotent_runtime::admin::{ListQuery, StateFilter};
+///
+/// // In progress for ten minutes or more: an owner that hangs, or one killed with a long lease.
+/// let stuck = ListQuery::new("payment:capture")?
+///     .state(StateFilter::InProgress)
+///     .older_than(Duration::from_secs(600));
+/// assert_eq!(stuck.prefix(), "payment:capture");
+/// assert!(ListQuery::new("has space").is_err());
+/// # Ok::<(), idempotent_runtime::KeyError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct ListQuery {
+    prefix: String,
+    state: Option<StateFilter>,
+    older_than: Option<Duration>,
+    cursor: ScanCursor,
+    limit: usize,
+}
+
+/// The states [`ListQuery::state`] selects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StateFilter {
+    /// In progress (a live lease or one that ran out).
+    InProgress,
+    /// Completed, held ones included.
+    Completed,
+    /// Held: completed as failed with `on_error = hold`.
+    Held,
+    /// Released.
+    Released,
+    /// Values under the prefix's keys that are not records.
+    Corrupt,
+}
+
+impl ListQuery {
+    /// The records whose key has `prefix`, every state, from the start.
+    ///
+    /// # Errors
+    ///
+    /// The [`KeyError`] of a prefix that [`Key::new`] would refuse.
+    pub fn new(prefix: &str) -> Result<ListQuery, KeyError> {
+        // A prefix is valid exactly when a key can be built with it.
+        Key::new(prefix, 1, &[&"-"])?;
+        Ok(ListQuery {
+            prefix: prefix.to_owned(),
+            state: None,
+            older_than: None,
+            cursor: ScanCursor::start(),
+            limit: 100,
+        })
+    }
+
+    /// Only records in `state`.
+    pub fn state(mut self, state: StateFilter) -> ListQuery {
+        self.state = Some(state);
+        self
+    }
+
+    /// Only records that have been in their state at least `age` ([`Record::age`]); records
+    /// whose store does not keep their age (completed and released records on Redis) are
+    /// left out.
+    pub fn older_than(mut self, age: Duration) -> ListQuery {
+        self.older_than = Some(age);
+        self
+    }
+
+    /// Goes on where a previous page ended ([`ListPage::next`]).
+    pub fn cursor(mut self, cursor: ScanCursor) -> ListQuery {
+        self.cursor = cursor;
+        self
+    }
+
+    /// About how many keys one page examines (1 to 10,000; 100 by default). A page holds at
+    /// most about that many records, fewer when the filters leave some out.
+    pub fn limit(mut self, limit: usize) -> ListQuery {
+        self.limit = limit.clamp(1, 10_000);
+        self
+    }
+
+    /// The prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    fn selects(&self, record: &Result<Inspection, StoreError>) -> bool {
+        let Ok(seen) = record else {
+            return matches!(self.state, None | Some(StateFilter::Corrupt));
+        };
+        let state = match self.state {
+            None => true,
+            Some(StateFilter::InProgress) => matches!(seen.state, RecordState::InProgress { .. }),
+            Some(StateFilter::Completed) => seen.state == RecordState::Completed,
+            Some(StateFilter::Held) => seen.held,
+            Some(StateFilter::Released) => seen.state == RecordState::Released,
+            Some(StateFilter::Corrupt) => false,
+        };
+        state
+            && self
+                .older_than
+                .is_none_or(|min| seen.age.is_some_and(|age| age >= min))
+    }
+}
+
+/// One page of [`Admin::list`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct ListPage {
+    /// The records found, each with what it holds, or why it cannot be read (a value that is
+    /// no record: [`StoreErrorKind::Corrupt`]).
+    pub records: Vec<(Key, Result<Inspection, StoreError>)>,
+    /// Where the listing goes on (pass it to [`ListQuery::cursor`]); `None` when it is over.
+    pub next: Option<ScanCursor>,
+}
+
+/// What [`Admin::purge`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PurgeReport {
+    /// Records deleted.
+    pub deleted: u64,
+    /// Values that were no records, deleted.
+    pub corrupt_deleted: u64,
+    /// In-progress records with a live lease, left alone (their owner may be running: free
+    /// them with [`Admin::force_release`] first).
+    pub live_claims_kept: u64,
+    /// Records that changed between the read and the delete, left alone.
+    pub changed: u64,
 }
 
 fn is_held(record: &Record) -> bool {
@@ -79,12 +234,16 @@ fn is_held(record: &Record) -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum AdminOutcome {
-    /// Done: the record is released, so the next claim acquires the key with a fence above
-    /// `fence`; a stale owner's completion or renewal is refused.
+    /// Done. After `force_release` and `unhold` the record is released, so the next claim
+    /// acquires the key with a fence above `fence`; after `delete` it is gone, as if the key
+    /// had never been claimed (the next fence comes from the store's clock, as after expiry).
+    /// Either way a stale owner's completion or renewal is refused.
     Done {
         /// The record's fence.
         fence: u64,
     },
+    /// `delete` removed a value that was no record.
+    DeletedCorrupt,
     /// The key has no record (never claimed, expired, purged): nothing to do.
     Missing,
     /// The record's fence is not the one the operator expected (another owner holds the key
@@ -94,7 +253,8 @@ pub enum AdminOutcome {
         fence: u64,
     },
     /// The record is not in a state the action applies to (`force_release` needs an
-    /// in-progress record, `unhold` a held one): nothing changed.
+    /// in-progress record, `unhold` a held one, `delete` anything but an in-progress record
+    /// with a live lease): nothing changed.
     WrongState {
         /// The record's state.
         state: RecordState,
@@ -109,6 +269,7 @@ impl AdminOutcome {
     pub fn as_str(&self) -> &'static str {
         match self {
             AdminOutcome::Done { .. } => "done",
+            AdminOutcome::DeletedCorrupt => "deleted_corrupt",
             AdminOutcome::Missing => "missing",
             AdminOutcome::FenceMismatch { .. } => "fence_mismatch",
             AdminOutcome::WrongState { .. } => "wrong_state",
@@ -215,11 +376,166 @@ impl Admin {
         Ok(outcome)
     }
 
+    /// One page of the records that `query` selects. The CLI's `list` pages through them.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use idempotent_runtime::admin::{Admin, ListQuery, StateFilter};
+    /// use idempotent_runtime::{ClaimRequest, Key, MemoryStore, Store, Token};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = Arc::new(MemoryStore::new());
+    /// let hour = Duration::from_secs(3600);
+    /// for id in ["a", "b"] {
+    ///     let key = Key::new("payment:capture", 1, &[&id])?;
+    ///     store.claim(&ClaimRequest::new(key, Token::generate(), hour, hour)).await?;
+    /// }
+    /// let admin = Admin::new(store);
+    /// let mut query = ListQuery::new("payment:capture")?.state(StateFilter::InProgress);
+    /// let mut found = 0;
+    /// loop {
+    ///     let page = admin.list(&query).await?;
+    ///     found += page.records.len();
+    ///     match page.next {
+    ///         Some(next) => query = query.cursor(next),
+    ///         None => break,
+    ///     }
+    /// }
+    /// assert_eq!(found, 2);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The store's error (a cursor of another store is
+    /// [`StoreErrorKind::Rejected`]); a third-party store that does not implement
+    /// [`Store::scan`](crate::Store::scan) refuses with
+    /// [`StoreErrorKind::Protocol`].
+    pub async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        let page = self
+            .store
+            .scan(&query.prefix, &query.cursor, query.limit)
+            .await?;
+        let records = page
+            .records
+            .into_iter()
+            .map(|(key, record)| (key, record.map(|r| Inspection::of(&r))))
+            .filter(|(_, record)| query.selects(record))
+            .collect();
+        Ok(ListPage {
+            records,
+            next: page.next,
+        })
+    }
+
+    /// Deletes the record of `key`, so the key is as if it had never been claimed: the next
+    /// delivery runs the handler again. For a record whose result is wrong, or a value under
+    /// the key that is no record (which claims refuse to touch: the key is blocked until it
+    /// is deleted). An in-progress record with a live lease is refused
+    /// ([`AdminOutcome::WrongState`]): its owner may be running; free it with
+    /// [`force_release`](Admin::force_release) first.
+    ///
+    /// # Errors
+    ///
+    /// The store's error; nothing changed.
+    pub async fn delete(&self, key: &Key) -> Result<AdminOutcome, StoreError> {
+        let outcome = match self.store.read(key).await {
+            Err(err) if err.kind() == StoreErrorKind::Corrupt => {
+                if self.store.delete(key, Expect::Corrupt).await? {
+                    AdminOutcome::DeletedCorrupt
+                } else {
+                    AdminOutcome::Changed
+                }
+            }
+            Err(err) => return Err(err),
+            Ok(None) => AdminOutcome::Missing,
+            Ok(Some(record)) => self.delete_read(key, &record).await?,
+        };
+        self.report("delete", key, outcome);
+        Ok(outcome)
+    }
+
+    async fn delete_read(&self, key: &Key, record: &Record) -> Result<AdminOutcome, StoreError> {
+        if Inspection::of(record).is_live_claim() {
+            return Ok(AdminOutcome::WrongState {
+                state: record.state,
+            });
+        }
+        Ok(
+            if self.store.delete(key, Expect::Token(&record.token)).await? {
+                AdminOutcome::Done {
+                    fence: record.fence,
+                }
+            } else {
+                AdminOutcome::Changed
+            },
+        )
+    }
+
+    /// Deletes every record whose key has `prefix`, and every value under such a key that is
+    /// no record, a page at a time, as [`delete`](Admin::delete) would, except in-progress
+    /// records with a live lease, which are kept and counted. For a prefix whose operations
+    /// are retired, or a test's leftovers; records also expire on their own.
+    ///
+    /// # Errors
+    ///
+    /// The [`KeyError`] of an invalid prefix, as a [`StoreErrorKind::Rejected`] error; the
+    /// store's error, with the records deleted so far deleted (purge again to go on).
+    pub async fn purge(&self, prefix: &str) -> Result<PurgeReport, StoreError> {
+        let query = ListQuery::new(prefix)
+            .map_err(|err| StoreError::new(StoreErrorKind::Rejected, err.to_string()))?
+            .limit(500);
+        let mut report = PurgeReport::default();
+        let mut cursor = ScanCursor::start();
+        loop {
+            let page = self.store.scan(&query.prefix, &cursor, query.limit).await?;
+            for (key, record) in page.records {
+                match record {
+                    Ok(record) => match self.delete_read(&key, &record).await? {
+                        AdminOutcome::Done { .. } => report.deleted += 1,
+                        AdminOutcome::WrongState { .. } => report.live_claims_kept += 1,
+                        _ => report.changed += 1,
+                    },
+                    Err(err) if err.kind() == StoreErrorKind::Corrupt => {
+                        if self.store.delete(&key, Expect::Corrupt).await? {
+                            report.corrupt_deleted += 1;
+                        } else {
+                            report.changed += 1;
+                        }
+                    }
+                    Err(err) => return Err(err),
+                }
+            }
+            match page.next {
+                Some(next) => cursor = next,
+                None => break,
+            }
+        }
+        let store = self.store.name();
+        tracing::info!(
+            action = "purge",
+            prefix,
+            store,
+            deleted = report.deleted,
+            corrupt_deleted = report.corrupt_deleted,
+            live_claims_kept = report.live_claims_kept,
+            changed = report.changed,
+            "operator action applied"
+        );
+        crate::metrics::admin_action("purge", store, "done");
+        Ok(report)
+    }
+
     fn report(&self, action: &'static str, key: &Key, outcome: AdminOutcome) {
         let store = self.store.name();
         match outcome {
             AdminOutcome::Done { fence } => {
                 tracing::info!(action, key = %key, fence, store, "operator action applied");
+            }
+            AdminOutcome::DeletedCorrupt => {
+                tracing::info!(action, key = %key, store, "operator deleted a value that was no record");
             }
             other => {
                 tracing::warn!(action, key = %key, store, outcome = other.as_str(), "operator action changed nothing");

@@ -456,17 +456,25 @@ pub(crate) fn push_hex(out: &mut Vec<u8>, bytes: &[u8]) {
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
 /// `bytes` as lowercase hex.
-#[cfg(any(
-    feature = "http",
-    feature = "postgres",
-    feature = "mysql",
-    feature = "sqlite"
-))]
 pub(crate) fn hex_string(bytes: &[u8]) -> String {
     bytes
         .iter()
         .flat_map(|b| [HEX[usize::from(b >> 4)], HEX[usize::from(b & 0x0f)]])
         .map(char::from)
+        .collect()
+}
+
+/// The bytes that `text` writes in hex (either case), or `None` when it is not hex.
+pub(crate) fn parse_hex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    text.as_bytes()
+        .chunks(2)
+        .map(|pair| {
+            let digit = |c: u8| char::from(c).to_digit(16);
+            u8::try_from(digit(pair[0])? * 16 + digit(pair[1])?).ok()
+        })
         .collect()
 }
 

@@ -1,12 +1,14 @@
-//! Conformance cases for the operator's API (`admin::Admin`): inspecting a record, freeing a
-//! stuck owner's key with the fence it was seen with, letting a held key run again. Every
-//! action leaves a record that changed since the operator looked at it alone.
+//! Conformance cases for the operator's API (`admin::Admin`): inspecting a record, listing a
+//! prefix's records by state and age, freeing a stuck owner's key with the fence it was seen
+//! with, letting a held key run again, deleting a record, purging a prefix. Every action
+//! leaves a record that changed since the operator looked at it alone.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idempotency::admin::{Admin, AdminOutcome};
-use idempotency::{Claim, Completion, Error, OnError, RecordState, Token};
+use idempotency::admin::{Admin, AdminOutcome, Inspection, ListQuery, StateFilter};
+use idempotency::store::Expect;
+use idempotency::{Claim, ClaimRequest, Completion, Error, Key, OnError, RecordState, Token};
 
 use super::{guard, key, req, unique_prefix, Backend, TestError};
 
@@ -124,4 +126,265 @@ pub async fn an_operator_unholds_a_held_key(b: impl Backend) {
             state: RecordState::Completed
         }
     );
+}
+
+/// Every record of a listing, paged `limit` keys at a time until the scan ends: the keys
+/// (a store may return a key twice: each is kept once) with what was seen of them.
+async fn list_all(
+    admin: &Admin,
+    query: ListQuery,
+) -> std::collections::BTreeMap<Key, Result<Inspection, idempotency::StoreError>> {
+    let mut found = std::collections::BTreeMap::new();
+    let mut query = query.limit(2);
+    for _ in 0..10_000 {
+        let page = admin.list(&query).await.unwrap();
+        found.extend(page.records);
+        match page.next {
+            Some(next) => query = query.cursor(next),
+            None => return found,
+        }
+    }
+    panic!("the listing never ended");
+}
+
+/// A listing pages through exactly the records of its prefix (not those of a longer prefix
+/// that starts the same, nor of another), whatever the page size, and filters them by state
+/// and by how long they have been in it; an inspection shows the time to expiry.
+pub async fn an_operator_lists_the_records_of_a_prefix(b: impl Backend) {
+    let store = b.store();
+    let admin = Admin::new(store.clone());
+    let prefix = unique_prefix(&b, "admin-list");
+    let hour = Duration::from_secs(3600);
+    let claim = |k: &Key| {
+        let store = store.clone();
+        let k = k.clone();
+        async move {
+            let owner = ClaimRequest::new(k.clone(), Token::generate(), hour, hour);
+            let Claim::Acquired { .. } = store.claim(&owner).await.unwrap() else {
+                panic!("{k} not acquired");
+            };
+            owner
+        }
+    };
+    // The oldest claim, well before the others.
+    let old = key(&prefix, &[&"old"]);
+    claim(&old).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let mut in_progress = vec![old.clone()];
+    for i in 0..2u32 {
+        let k = key(&prefix, &[&"live", &i]);
+        claim(&k).await;
+        in_progress.push(k);
+    }
+    let mut completed = Vec::new();
+    for i in 0..3u32 {
+        let k = key(&prefix, &[&"done", &i]);
+        let owner = claim(&k).await;
+        let done = Completion::new(Some(b"receipt".to_vec()), hour);
+        assert!(store.complete(&k, &owner.token, &done).await.unwrap());
+        completed.push(k);
+    }
+    let released = key(&prefix, &[&"released"]);
+    let owner = claim(&released).await;
+    assert!(store.release(&released, &owner.token).await.unwrap());
+    let held = key(&prefix, &[&"held"]);
+    let failed: Result<(), TestError> = guard(&store)
+        .operation(held.clone())
+        .on_error(|_| OnError::Hold)
+        .run(async { Err(TestError::Business("unknown outcome".into())) })
+        .await;
+    assert!(failed.is_err());
+    // Records of other prefixes: one that starts like this one's keys, one nested under it.
+    let lookalike = key(&format!("{prefix}:vx"), &[&"other"]);
+    let nested = key(&format!("{prefix}:nested"), &[&"other"]);
+    claim(&lookalike).await;
+    claim(&nested).await;
+
+    let all = list_all(&admin, ListQuery::new(&prefix).unwrap()).await;
+    let mut want: Vec<Key> = in_progress.iter().chain(&completed).cloned().collect();
+    want.extend([released.clone(), held.clone()]);
+    want.sort();
+    assert_eq!(all.keys().cloned().collect::<Vec<_>>(), want);
+    for (k, seen) in &all {
+        let seen = seen.as_ref().unwrap();
+        let expires_in = seen.expires_in.expect("the time to expiry");
+        // The held record was written by the engine, with its ttl of a minute.
+        let ttl = if *k == held {
+            Duration::from_secs(60)
+        } else {
+            hour
+        };
+        assert!(
+            expires_in <= ttl && expires_in > ttl - Duration::from_secs(30),
+            "{k}: {seen:?}"
+        );
+    }
+
+    let states = |filter| {
+        let admin = admin.clone();
+        let query = ListQuery::new(&prefix).unwrap().state(filter);
+        async move {
+            list_all(&admin, query)
+                .await
+                .into_keys()
+                .collect::<Vec<_>>()
+        }
+    };
+    let sorted = |mut keys: Vec<Key>| {
+        keys.sort();
+        keys
+    };
+    assert_eq!(
+        states(StateFilter::InProgress).await,
+        sorted(in_progress.clone())
+    );
+    let mut done_or_held = completed.clone();
+    done_or_held.push(held.clone());
+    assert_eq!(states(StateFilter::Completed).await, sorted(done_or_held));
+    assert_eq!(states(StateFilter::Held).await, vec![held.clone()]);
+    assert_eq!(states(StateFilter::Released).await, vec![released.clone()]);
+    assert!(states(StateFilter::Corrupt).await.is_empty());
+
+    // Every store keeps the age of an in-progress record: the oldest claim is the only one
+    // claimed over a second ago, and nothing has been in progress for an hour.
+    let stuck = |age| {
+        let admin = admin.clone();
+        let query = ListQuery::new(&prefix)
+            .unwrap()
+            .state(StateFilter::InProgress)
+            .older_than(age);
+        async move { list_all(&admin, query).await }
+    };
+    let over_a_second = stuck(Duration::from_secs(1)).await;
+    assert!(over_a_second.contains_key(&old), "{over_a_second:?}");
+    let ages: Vec<Duration> = all
+        .iter()
+        .filter(|(k, _)| in_progress.contains(k))
+        .map(|(_, seen)| {
+            seen.as_ref()
+                .unwrap()
+                .age
+                .expect("an in-progress record's age")
+        })
+        .collect();
+    let oldest = all[&old].as_ref().unwrap().age.unwrap();
+    assert!(ages.iter().all(|&age| age <= oldest), "{ages:?}");
+    assert!(stuck(hour).await.is_empty());
+
+    // A cursor of another kind of store, or none at all, is refused.
+    let bad = ListQuery::new(&prefix)
+        .unwrap()
+        .cursor("not-a-cursor:zz".parse().unwrap());
+    assert!(admin.list(&bad).await.is_err());
+}
+
+/// `delete` removes a record so the key runs again, once; it refuses a live claim (whose
+/// owner may still be running) and leaves a record whose token changed. `purge` deletes a
+/// prefix's records but its live claims, and nothing of another prefix.
+pub async fn an_operator_deletes_records_and_purges_a_prefix(b: impl Backend) {
+    let store = b.store();
+    let admin = Admin::new(store.clone());
+    let prefix = unique_prefix(&b, "admin-delete");
+    let hour = Duration::from_secs(3600);
+    let k = key(&prefix, &[&"coupon-1"]);
+    assert_eq!(admin.delete(&k).await.unwrap(), AdminOutcome::Missing);
+
+    let runs = AtomicUsize::new(0);
+    let idem = guard(&store);
+    let run = || {
+        idem.run(k.clone(), async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, TestError>(())
+        })
+    };
+    run().await.unwrap();
+    assert!(matches!(
+        run().await,
+        Err(TestError::Idem(Error::Duplicate { .. }))
+    ));
+    let fence = admin.inspect(&k).await.unwrap().unwrap().fence;
+    // A token that is not the record's deletes nothing, nor does a readable record count as
+    // corrupt.
+    assert!(!store
+        .delete(&k, Expect::Token(&Token::generate()))
+        .await
+        .unwrap());
+    assert!(!store.delete(&k, Expect::Corrupt).await.unwrap());
+    assert!(admin.inspect(&k).await.unwrap().is_some());
+    assert_eq!(
+        admin.delete(&k).await.unwrap(),
+        AdminOutcome::Done { fence }
+    );
+    assert_eq!(admin.inspect(&k).await.unwrap(), None);
+    run().await.unwrap();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the deleted key ran exactly once more"
+    );
+
+    // A live claim is refused; once force-released, it can be deleted.
+    let live = key(&prefix, &[&"live"]);
+    let owner = ClaimRequest::new(live.clone(), Token::generate(), hour, hour);
+    let Claim::Acquired { fence } = store.claim(&owner).await.unwrap() else {
+        panic!("not acquired");
+    };
+    assert!(matches!(
+        admin.delete(&live).await.unwrap(),
+        AdminOutcome::WrongState {
+            state: RecordState::InProgress { .. }
+        }
+    ));
+    assert_eq!(
+        admin.force_release(&live, fence).await.unwrap(),
+        AdminOutcome::Done { fence }
+    );
+    assert_eq!(
+        admin.delete(&live).await.unwrap(),
+        AdminOutcome::Done { fence }
+    );
+    let done = Completion::new(None, hour);
+    assert!(
+        !store.complete(&live, &owner.token, &done).await.unwrap(),
+        "the deleted owner's completion went through"
+    );
+
+    // Purge: everything of the prefix but its live claims; another prefix untouched.
+    let purged = unique_prefix(&b, "admin-purge");
+    let mut live_claims = Vec::new();
+    for i in 0..7u32 {
+        let k = key(&purged, &[&i]);
+        let owner = ClaimRequest::new(k.clone(), Token::generate(), hour, hour);
+        assert!(matches!(
+            store.claim(&owner).await.unwrap(),
+            Claim::Acquired { .. }
+        ));
+        match i {
+            0..=3 => assert!(store.complete(&k, &owner.token, &done).await.unwrap()),
+            4 => assert!(store.release(&k, &owner.token).await.unwrap()),
+            _ => live_claims.push(k),
+        }
+    }
+    let other = key(&format!("{purged}:other"), &[&"kept"]);
+    let owner = ClaimRequest::new(other.clone(), Token::generate(), hour, hour);
+    store.claim(&owner).await.unwrap();
+    assert!(store.complete(&other, &owner.token, &done).await.unwrap());
+
+    let report = admin.purge(&purged).await.unwrap();
+    assert_eq!(
+        (
+            report.deleted,
+            report.live_claims_kept,
+            report.corrupt_deleted,
+            report.changed
+        ),
+        (5, 2, 0, 0),
+        "{report:?}"
+    );
+    let left = list_all(&admin, ListQuery::new(&purged).unwrap()).await;
+    assert_eq!(left.into_keys().collect::<Vec<_>>(), live_claims);
+    assert!(admin.inspect(&other).await.unwrap().is_some());
+    assert_eq!(admin.purge(&purged).await.unwrap().deleted, 0);
+    assert!(admin.purge("has space").await.is_err());
 }

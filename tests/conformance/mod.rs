@@ -221,7 +221,9 @@ macro_rules! conformance_cases {
             body_reads_its_key_and_fence,
             lost_lease_is_signalled_to_the_body,
             an_operator_frees_a_stuck_key_with_its_fence,
-            an_operator_unholds_a_held_key
+            an_operator_unholds_a_held_key,
+            an_operator_lists_the_records_of_a_prefix,
+            an_operator_deletes_records_and_purges_a_prefix
         );
     };
 }

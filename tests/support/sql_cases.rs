@@ -16,9 +16,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::sql::sqlx::{self, Database};
 use idempotency::sql::{Dialect, SqlStore};
-use idempotency::store::MAX_DURATION;
+use idempotency::store::{Expect, MAX_DURATION};
 use idempotency::{
     BoxFuture, Claim, ClaimRequest, Completion, Error, Fingerprint, Idempotency, Key, OnError,
     RecordState, Store, StoreError, StoreErrorKind, Token,
@@ -657,6 +658,34 @@ pub async fn corrupt_records_are_reported_as_corrupt<H: Harness>(store: &SqlStor
                 ),
                 "{fresh_claim:?}"
             );
+            assert_corrupt(
+                store.delete(&live, Expect::Token(&owner.token)).await,
+                &what("delete by its token"),
+            );
+        }
+        // An operator lists both as corrupt and deletes them; the keys are free again.
+        let admin = Admin::new(Arc::new(store.clone()));
+        let page = admin
+            .list(
+                &ListQuery::new("corrupt")
+                    .unwrap()
+                    .state(StateFilter::Corrupt)
+                    .limit(1000),
+            )
+            .await
+            .unwrap();
+        let listed: Vec<&Key> = page.records.iter().map(|(key, _)| key).collect();
+        assert!(
+            listed.contains(&&live) && listed.contains(&&released),
+            "{assignment}: {listed:?}"
+        );
+        for key in [&live, &released] {
+            assert_eq!(
+                admin.delete(key).await.unwrap(),
+                AdminOutcome::DeletedCorrupt,
+                "{assignment}: {key}"
+            );
+            acquired(store.claim(&req(key, hour, hour)).await);
         }
     }
 }

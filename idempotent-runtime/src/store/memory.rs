@@ -23,11 +23,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::error::StoreError;
+use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::{
-    clamped_millis, next_fence, BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, Record,
-    RecordState, Store, Token, DEFAULT_MAX_RESULT_SIZE,
+    clamped_millis, next_fence, BoxFuture, Claim, ClaimRequest, Completion, Expect, Fingerprint,
+    Record, RecordState, ScanCursor, ScanPage, Store, Token, DEFAULT_MAX_RESULT_SIZE,
 };
 
 /// A monotonic clock for the [`MemoryStore`].
@@ -153,6 +153,8 @@ struct Entry {
     fence: u64,
     fingerprint: Option<Fingerprint>,
     expires_at: Duration,
+    /// When the record entered its state (renewals do not count).
+    since: Duration,
 }
 
 #[derive(Default)]
@@ -407,6 +409,7 @@ impl MemoryStore {
                 fence,
                 fingerprint: req.fingerprint,
                 expires_at,
+                since: now,
             },
         );
         Claim::Acquired { fence }
@@ -428,6 +431,7 @@ impl MemoryStore {
                     result: completion.result.as_deref().map(Arc::from),
                 };
                 entry.expires_at = expires_at;
+                entry.since = now;
             }
             State::Completed { .. } => return true,
             State::Released => return false,
@@ -444,6 +448,7 @@ impl MemoryStore {
                 if entry.token == *token && matches!(entry.state, State::InProgress { .. }) =>
             {
                 entry.state = State::Released;
+                entry.since = now;
                 true
             }
             _ => false,
@@ -456,6 +461,7 @@ impl MemoryStore {
         match shard.live(key, now) {
             Some(entry) if entry.token == *token => {
                 entry.state = State::Released;
+                entry.since = now;
                 true
             }
             _ => false,
@@ -482,6 +488,91 @@ impl MemoryStore {
         let now = self.clock.now();
         let mut shard = self.shard(key);
         let entry = shard.live(key, now)?;
+        Some(entry.record(now))
+    }
+
+    fn delete_now(&self, key: &Key, token: &Token) -> bool {
+        let now = self.clock.now();
+        let mut shard = self.shard(key);
+        match shard.live(key, now) {
+            Some(entry) if entry.token == *token => {
+                shard.map.remove(key);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// One shard's live records under `prefix` after `after`, at most `limit`, in key order.
+    fn scan_now(
+        &self,
+        prefix: &str,
+        cursor: &ScanCursor,
+        limit: usize,
+    ) -> Result<ScanPage, StoreError> {
+        let (index, after) = parse_cursor(cursor, self.shards.len())?;
+        let now = self.clock.now();
+        let shard = lock(&self.shards[index]);
+        let mut found: Vec<(&Key, &Entry)> = shard
+            .map
+            .iter()
+            .filter(|(key, entry)| {
+                entry.expires_at > now
+                    && key.prefix() == prefix
+                    && after.as_deref().is_none_or(|after| key.as_bytes() > after)
+            })
+            .collect();
+        found.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let limit = limit.max(1);
+        let more = found.len() > limit;
+        found.truncate(limit);
+        let next = match found.last() {
+            Some((key, _)) if more => Some(ScanCursor::new(format!(
+                "{index}:{}",
+                crate::key::hex_string(key.as_bytes())
+            ))),
+            _ if index + 1 < self.shards.len() => Some(ScanCursor::new(format!("{}:", index + 1))),
+            _ => None,
+        };
+        let records = found
+            .into_iter()
+            .map(|(key, entry)| (key.clone(), Ok(entry.record(now))))
+            .collect();
+        Ok(ScanPage::new(records, next))
+    }
+}
+
+/// The shard and the last key of a memory scan's cursor (`<shard>:<hex key>`).
+fn parse_cursor(
+    cursor: &ScanCursor,
+    shards: usize,
+) -> Result<(usize, Option<Vec<u8>>), StoreError> {
+    if cursor.is_start() {
+        return Ok((0, None));
+    }
+    let bad = || {
+        StoreError::new(
+            StoreErrorKind::Rejected,
+            format!("`{cursor}` is not a cursor of a memory store"),
+        )
+    };
+    let (index, key) = cursor.as_str().split_once(':').ok_or_else(bad)?;
+    let index: usize = index.parse().map_err(|_| bad())?;
+    if index >= shards {
+        return Err(bad());
+    }
+    let key = if key.is_empty() {
+        None
+    } else {
+        Some(crate::key::parse_hex(key).ok_or_else(bad)?)
+    };
+    Ok((index, key))
+}
+
+impl Entry {
+    /// The record as [`Store::read`] returns it, at `now`.
+    fn record(&self, now: Duration) -> Record {
+        let entry = self;
         let (state, result) = match &entry.state {
             State::InProgress { lease_until } => (
                 RecordState::InProgress {
@@ -495,13 +586,11 @@ impl MemoryStore {
             ),
             State::Released => (RecordState::Released, None),
         };
-        Some(Record {
-            state,
-            token: entry.token,
-            fence: entry.fence,
-            fingerprint: entry.fingerprint,
-            result,
-        })
+        Record::new(state, entry.token, entry.fence)
+            .with_fingerprint(entry.fingerprint)
+            .with_result(result)
+            .with_age(Some(now.saturating_sub(entry.since)))
+            .with_expires_in(Some(entry.expires_at.saturating_sub(now)))
     }
 }
 
@@ -575,5 +664,29 @@ impl Store for MemoryStore {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         let reopened = self.reopen_now(key, token);
         Box::pin(async move { Ok(reopened) })
+    }
+
+    /// One shard per page, in key order within it: a scan takes as many pages as the store
+    /// has shards, at least.
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        cursor: &'a ScanCursor,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+        Box::pin(std::future::ready(self.scan_now(prefix, cursor, limit)))
+    }
+
+    /// Every record of this store is readable: `Expect::Corrupt` deletes nothing.
+    fn delete<'a>(
+        &'a self,
+        key: &'a Key,
+        expect: Expect<'a>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let deleted = match expect {
+            Expect::Token(token) => self.delete_now(key, token),
+            Expect::Corrupt => false,
+        };
+        Box::pin(std::future::ready(Ok(deleted)))
     }
 }

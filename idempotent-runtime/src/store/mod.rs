@@ -204,12 +204,41 @@ pub trait Store: Send + Sync + 'static {
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         let _ = (key, token);
-        Box::pin(async {
-            Err(StoreError::new(
-                StoreErrorKind::Protocol,
-                "this store cannot reopen records",
-            ))
-        })
+        Box::pin(async { Err(unsupported("reopen records")) })
+    }
+
+    /// For an operator ([`Admin::list`](crate::admin::Admin::list)): one page of the live
+    /// records whose key has `prefix`, starting at `cursor` ([`ScanCursor::start`] for the
+    /// first page), examining about `limit` keys. Pages may be short or empty while the scan
+    /// goes on; the scan is over when [`ScanPage::next`] is `None`. Every record live for the
+    /// whole scan is returned at least once (Redis may return one twice); records written or
+    /// removed during it may or may not be. A value under a matching key that is not a record
+    /// is returned with its [`StoreErrorKind::Corrupt`] error. The engine never calls it.
+    ///
+    /// The default refuses with [`StoreErrorKind::Protocol`].
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        cursor: &'a ScanCursor,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+        let _ = (prefix, cursor, limit);
+        Box::pin(async { Err(unsupported("list records")) })
+    }
+
+    /// For an operator ([`Admin::delete`](crate::admin::Admin::delete)): removes the value
+    /// under `key` if it still is what `expect` says (a record with that token, or a value
+    /// that is not a record at all), so the key is as if it was never claimed. Returns
+    /// `false`, changing nothing, otherwise. The engine never calls it.
+    ///
+    /// The default refuses with [`StoreErrorKind::Protocol`].
+    fn delete<'a>(
+        &'a self,
+        key: &'a Key,
+        expect: Expect<'a>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let _ = (key, expect);
+        Box::pin(async { Err(unsupported("delete records")) })
     }
 
     /// The largest stored result, in bytes, this store takes. The engine completes a record
@@ -224,6 +253,102 @@ pub trait Store: Send + Sync + 'static {
     /// `redis_cluster`, `postgresql`, `mysql`, `sqlite`, `tiered`; `custom` by default.
     fn name(&self) -> &'static str {
         "custom"
+    }
+}
+
+/// The error of an operator's method that a store does not implement.
+fn unsupported(what: &str) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Protocol,
+        format!("this store cannot {what}"),
+    )
+}
+
+/// What [`Store::delete`] expects under the key before it removes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Expect<'a> {
+    /// A record (of any state) whose token is this one.
+    Token(&'a Token),
+    /// A value that is not a record ([`StoreErrorKind::Corrupt`] when read).
+    Corrupt,
+}
+
+/// Where a [`Store::scan`] goes on: opaque text, printable and parsable so that a tool can
+/// hand it back later (`idempotent-admin list --cursor`).
+///
+/// ```
+/// use idempotent_runtime::store::ScanCursor;
+///
+/// let start = ScanCursor::start();
+/// assert!(start.is_start());
+/// let again: ScanCursor = start.to_string().parse().unwrap();
+/// assert_eq!(again, start);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct ScanCursor(String);
+
+impl ScanCursor {
+    /// The beginning of a scan.
+    pub fn start() -> ScanCursor {
+        ScanCursor(String::new())
+    }
+
+    /// A position a store wrote itself: for third-party stores implementing [`Store::scan`].
+    pub fn new(position: impl Into<String>) -> ScanCursor {
+        ScanCursor(position.into())
+    }
+
+    /// Whether this is the beginning of a scan.
+    pub fn is_start(&self) -> bool {
+        self.0.is_empty() || self.0 == "0"
+    }
+
+    /// The position, as the store wrote it.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ScanCursor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            f.write_str("0")
+        } else {
+            f.write_str(&self.0)
+        }
+    }
+}
+
+impl std::str::FromStr for ScanCursor {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<ScanCursor, Self::Err> {
+        Ok(if s == "0" {
+            ScanCursor::start()
+        } else {
+            ScanCursor(s.to_owned())
+        })
+    }
+}
+
+/// One page of [`Store::scan`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct ScanPage {
+    /// The keys found, each with its record or why it could not be read.
+    pub records: Vec<(Key, Result<Record, StoreError>)>,
+    /// Where the scan goes on; `None` when it is over.
+    pub next: Option<ScanCursor>,
+}
+
+impl ScanPage {
+    /// A page: for third-party stores implementing [`Store::scan`].
+    pub fn new(
+        records: Vec<(Key, Result<Record, StoreError>)>,
+        next: Option<ScanCursor>,
+    ) -> ScanPage {
+        ScanPage { records, next }
     }
 }
 
@@ -273,6 +398,21 @@ macro_rules! forward_store {
                 token: &'a Token,
             ) -> BoxFuture<'a, Result<bool, StoreError>> {
                 (**self).reopen(key, token)
+            }
+            fn scan<'a>(
+                &'a self,
+                prefix: &'a str,
+                cursor: &'a ScanCursor,
+                limit: usize,
+            ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+                (**self).scan(prefix, cursor, limit)
+            }
+            fn delete<'a>(
+                &'a self,
+                key: &'a Key,
+                expect: Expect<'a>,
+            ) -> BoxFuture<'a, Result<bool, StoreError>> {
+                (**self).delete(key, expect)
             }
             fn max_result_size(&self) -> usize {
                 (**self).max_result_size()
@@ -531,6 +671,13 @@ pub struct Record {
     pub fingerprint: Option<Fingerprint>,
     /// The stored result, for a completed record.
     pub result: Option<Vec<u8>>,
+    /// How long the record has been in its state, on the store's clock: since the claim for
+    /// an in-progress record (renewals do not count), since the completion or release
+    /// otherwise. `None` where the store does not keep it (Redis keeps it for in-progress
+    /// records only) or for records written before it was kept.
+    pub age: Option<Duration>,
+    /// Time until the record expires, on the store's clock, where the store reports it.
+    pub expires_in: Option<Duration>,
 }
 
 impl ClaimRequest {
@@ -596,6 +743,8 @@ impl Record {
             fence,
             fingerprint: None,
             result: None,
+            age: None,
+            expires_in: None,
         }
     }
 
@@ -608,6 +757,18 @@ impl Record {
     /// The same record with a stored result.
     pub fn with_result(mut self, result: Option<Vec<u8>>) -> Record {
         self.result = result;
+        self
+    }
+
+    /// The same record with how long it has been in its state ([`Record::age`]).
+    pub fn with_age(mut self, age: Option<Duration>) -> Record {
+        self.age = age;
+        self
+    }
+
+    /// The same record with the time until it expires ([`Record::expires_in`]).
+    pub fn with_expires_in(mut self, expires_in: Option<Duration>) -> Record {
+        self.expires_in = expires_in;
         self
     }
 }

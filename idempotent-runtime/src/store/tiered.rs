@@ -29,7 +29,8 @@ use std::time::Duration;
 use crate::error::StoreError;
 use crate::key::Key;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, IntoStore, Record, SharedStore, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, IntoStore, Record, ScanCursor, ScanPage,
+    SharedStore, Store, Token,
 };
 
 /// A [`Store`] of two layers: a fast `front` and a durable, authoritative `back`.
@@ -180,6 +181,31 @@ impl Store for TieredStore {
             self.best_effort("reopen", self.front.reopen(key, token))
                 .await;
             Ok(reopened)
+        })
+    }
+
+    /// The back's records: the front holds a window of them.
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        cursor: &'a ScanCursor,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+        self.back.scan(prefix, cursor, limit)
+    }
+
+    /// Deletes from the back (the answer), then from the front, best effort. The front's
+    /// record of the key has the back's token whenever both layers took the claim.
+    fn delete<'a>(
+        &'a self,
+        key: &'a Key,
+        expect: Expect<'a>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let deleted = self.back.delete(key, expect).await?;
+            self.best_effort("delete", self.front.delete(key, expect))
+                .await;
+            Ok(deleted)
         })
     }
 }

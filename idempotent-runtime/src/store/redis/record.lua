@@ -1,13 +1,16 @@
 -- idempotent: every record primitive, one atomic script, called by hash.
 --
 -- KEYS[1]  the record's key (one key per record, so one Redis Cluster slot)
--- ARGV[1]  the operation: claim | complete | release | renew | read
+-- ARGV[1]  the operation: claim | complete | release | renew | read, or an operator's:
+--          delete | delete_corrupt
 --
 -- A record is one string:
 --   state (1 byte: P in progress, C completed, R released)
 --   token (16 bytes)
 --   'F' + fingerprint (16 bytes), or '-'
 --   fence ':' lease-end-in-ms ':' result bytes
+-- An in-progress record has no result: its last field is the time of the claim in ms (empty
+-- in records written before it was kept), which renewals keep.
 -- Times are the server's clock (TIME); expiry is the key's PX. Durations arrive as whole
 -- milliseconds, already clamped to a century by the client.
 --
@@ -106,7 +109,8 @@ if op == 'claim' then
   end
   local px = ARGV[4]
   if lease > ttl then px = ARGV[3] end
-  redis.call('SET', key, encode('P', token, fp, fence, now + lease, ''), 'PX', px)
+  redis.call('SET', key, encode('P', token, fp, fence, now + lease, string.format('%d', now)),
+    'PX', px)
   return {1, fence}
 
 elseif op == 'complete' then
@@ -135,7 +139,7 @@ elseif op == 'renew' then
   local lease = tonumber(ARGV[3])
   local px = redis.call('PTTL', key)
   if px < lease then px = lease end
-  redis.call('SET', key, encode('P', ARGV[2], r.fp, r.fence, clock() + lease, ''),
+  redis.call('SET', key, encode('P', ARGV[2], r.fp, r.fence, clock() + lease, r.result),
     'PX', string.format('%d', px))
   return 1
 
@@ -146,7 +150,22 @@ elseif op == 'read' then
     local r, bad = decode(v)
     if not r then return corrupt(bad) end
   end
-  return {v, (clock())}
+  return {v, (clock()), redis.call('PTTL', key)}
+
+elseif op == 'delete' then
+  -- ARGV: token. A record of any state with this token.
+  local r, why = load()
+  if r == nil then return corrupt(why) end
+  if not r or r.token ~= ARGV[2] then return 0 end
+  redis.call('DEL', key)
+  return 1
+
+elseif op == 'delete_corrupt' then
+  -- A value that is not a record: what every other operation refuses to touch.
+  local r = load()
+  if r ~= nil then return 0 end
+  redis.call('DEL', key)
+  return 1
 end
 
 return redis.error_reply('idempotent: unknown operation ' .. tostring(op))

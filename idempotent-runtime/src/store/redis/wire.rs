@@ -103,26 +103,34 @@ pub(super) fn decode_record(key: &Key, value: Value) -> Result<Option<Record>, S
         Some(Value::Nil) | None => return Ok(None),
         Some(other) => return Err(protocol(format_args!("{other:?}"))),
     };
-    parse_record(bytes, now).map(Some).ok_or_else(|| {
+    // The key's PTTL (-1: no expiry, which no record has; a script of an older release
+    // does not send it).
+    let expires_in = match items.get(2) {
+        Some(Value::Int(ms)) => u64::try_from(*ms).ok().map(Duration::from_millis),
+        _ => None,
+    };
+    let record = parse_record(bytes, now).ok_or_else(|| {
         StoreError::new(
             StoreErrorKind::Corrupt,
             format!("the value under `{key}` is not a record"),
         )
-    })
+    })?;
+    Ok(Some(record.with_expires_in(expires_in)))
 }
 
 /// An in-progress record for `req` in the script's format (as its `encode` writes it), with
-/// `fence` and the lease ending at `lease_end_ms`; `None` when a number is out of the
-/// script's exact range.
+/// `fence`, claimed at `now_ms` with the lease ending at `lease_end_ms`; `None` when a number
+/// is out of the script's exact range.
 pub(super) fn in_progress_record(
     req: &ClaimRequest,
     fence: u64,
+    now_ms: u64,
     lease_end_ms: u64,
 ) -> Option<Vec<u8>> {
     if fence > MAX_EXACT || lease_end_ms > MAX_EXACT {
         return None;
     }
-    let mut value = Vec::with_capacity(72);
+    let mut value = Vec::with_capacity(88);
     value.push(b'P');
     value.extend_from_slice(req.token.as_bytes());
     match &req.fingerprint {
@@ -132,7 +140,7 @@ pub(super) fn in_progress_record(
         }
         None => value.push(b'-'),
     }
-    value.extend_from_slice(format!("{fence}:{lease_end_ms}:").as_bytes());
+    value.extend_from_slice(format!("{fence}:{lease_end_ms}:{now_ms}").as_bytes());
     Some(value)
 }
 
@@ -152,23 +160,34 @@ pub(super) fn parse_record(bytes: &[u8], now_ms: i64) -> Option<Record> {
     let fence = number(fields.next()?)?;
     let lease_end = i64::try_from(number(fields.next()?)?).ok()?;
     let result = fields.next()?;
-    let state = match state {
-        b'P' => RecordState::InProgress {
-            lease_left: Duration::from_millis(
-                u64::try_from(lease_end.saturating_sub(now_ms)).unwrap_or(0),
-            ),
-        },
-        b'C' => RecordState::Completed,
-        b'R' => RecordState::Released,
+    let since =
+        |at: u64| Duration::from_millis(u64::try_from(now_ms).unwrap_or(0).saturating_sub(at));
+    let (state, result, age) = match state {
+        // An in-progress record's last field is the time of its claim (empty before it was
+        // kept); it has no result.
+        b'P' => (
+            RecordState::InProgress {
+                lease_left: Duration::from_millis(
+                    u64::try_from(lease_end.saturating_sub(now_ms)).unwrap_or(0),
+                ),
+            },
+            None,
+            number(result).map(since),
+        ),
+        b'C' => (
+            RecordState::Completed,
+            (!result.is_empty()).then(|| result.to_vec()),
+            None,
+        ),
+        b'R' => (RecordState::Released, None, None),
         _ => return None,
     };
-    Some(Record {
-        state,
-        token: Token::from_bytes(token),
-        fence,
-        fingerprint,
-        result: (!result.is_empty()).then(|| result.to_vec()),
-    })
+    Some(
+        Record::new(state, Token::from_bytes(token), fence)
+            .with_fingerprint(fingerprint)
+            .with_result(result)
+            .with_age(age),
+    )
 }
 
 #[cfg(test)]
@@ -194,6 +213,25 @@ mod tests {
             }
         );
         assert_eq!(record.result, None);
+        assert_eq!(record.age, None, "a record written before claims kept their time");
+
+        // An in-progress record's last field is the time of its claim, not a result.
+        let req = ClaimRequest::new(
+            Key::new("t", 1, &[&1u8]).unwrap(),
+            token,
+            Duration::from_secs(2),
+            Duration::from_secs(9),
+        );
+        let claimed = in_progress_record(&req, 12, 1000, 3000).unwrap();
+        let record = parse_record(&claimed, 1750).unwrap();
+        assert_eq!(record.age, Some(Duration::from_millis(750)));
+        assert_eq!(record.result, None);
+        assert_eq!(
+            record.state,
+            RecordState::InProgress {
+                lease_left: Duration::from_millis(1250)
+            }
+        );
 
         let mut done = vec![b'C'];
         done.extend_from_slice(token.as_bytes());

@@ -26,6 +26,8 @@ pub enum Arg<'a> {
     MaybeBytes(Option<&'a [u8]>),
     /// An integer (a duration in the dialect's tick, a batch size).
     Int(i64),
+    /// Text (a key prefix).
+    Text(&'a str),
 }
 
 /// The SQL of one dialect, written for the default table `idempotent_records`.
@@ -47,6 +49,13 @@ pub struct Templates {
     pub read: &'static str,
     /// Deletes at most a batch of expired records: parameter `batch`.
     pub purge: &'static str,
+    /// A page of live records for an operator, `record_key` first, then the record columns,
+    /// age and expiry: parameters `after, below, prefix, limit`.
+    pub scan: &'static str,
+    /// Deletes a live record that has the token: parameters `key, token`.
+    pub delete: &'static str,
+    /// Deletes the row of a key if it is not a readable record: parameter `key`.
+    pub delete_corrupt: &'static str,
     /// The claim statement for a batch of distinct keys, returning `record_key` before the
     /// record columns; empty when the dialect claims a batch one key at a time. It may hold a
     /// `{rows}` marker that the driver replaces with one row of placeholders per key.
@@ -70,6 +79,9 @@ pub struct Statements {
     pub(crate) reopen: Arc<str>,
     pub(crate) read: Arc<str>,
     pub(crate) purge: Arc<str>,
+    pub(crate) scan: Arc<str>,
+    pub(crate) delete: Arc<str>,
+    pub(crate) delete_corrupt: Arc<str>,
     #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     pub(crate) claim_many: Arc<str>,
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
@@ -88,6 +100,9 @@ impl Statements {
             reopen: render(templates.reopen),
             read: render(templates.read),
             purge: render(templates.purge),
+            scan: render(templates.scan),
+            delete: render(templates.delete),
+            delete_corrupt: render(templates.delete_corrupt),
             claim_many: render(templates.claim_many),
             seen_many: render(templates.seen_many),
         }
@@ -185,6 +200,15 @@ pub trait Driver: Database {
         args: &'c [Arg<'c>],
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
 
+    /// Fetches keyed record rows (`record_key`, then the record columns); a row whose record
+    /// columns do not decode is that key's error.
+    #[allow(clippy::type_complexity)]
+    fn fetch_keyed<'c>(
+        conn: &'c mut Self::Connection,
+        sql: &'c Arc<str>,
+        args: &'c [Arg<'c>],
+    ) -> BoxFuture<'c, Result<Vec<(Vec<u8>, Result<RecordRow, sqlx::Error>)>, sqlx::Error>>;
+
     /// Fetches at most one record row.
     fn fetch<'c>(
         conn: &'c mut Self::Connection,
@@ -241,6 +265,7 @@ where
     DB: Database,
     for<'t> &'t [u8]: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
     for<'t> Option<&'t [u8]>: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> &'t str: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
     i64: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
 {
     for arg in args {
@@ -248,6 +273,7 @@ where
             Arg::Bytes(bytes) => query.bind(bytes),
             Arg::MaybeBytes(bytes) => query.bind(bytes),
             Arg::Int(n) => query.bind(n),
+            Arg::Text(text) => query.bind(text),
         };
     }
     query
@@ -288,6 +314,32 @@ macro_rules! statement_fns {
                 row.as_ref()
                     .map($crate::store::sql::record::RecordRow::decode)
                     .transpose()
+            })
+        }
+
+        fn fetch_keyed<'c>(
+            conn: &'c mut $conn,
+            sql: &'c std::sync::Arc<str>,
+            args: &'c [$crate::store::sql::driver::Arg<'c>],
+        ) -> $crate::store::BoxFuture<
+            'c,
+            Result<
+                Vec<(
+                    Vec<u8>,
+                    Result<$crate::store::sql::record::RecordRow, sqlx::Error>,
+                )>,
+                sqlx::Error,
+            >,
+        > {
+            Box::pin(async move {
+                let query = $crate::store::sql::driver::bind(
+                    sqlx::query(sqlx::AssertSqlSafe(sql.clone())),
+                    args,
+                );
+                let rows = query.fetch_all(conn).await?;
+                rows.iter()
+                    .map($crate::store::sql::record::RecordRow::decode_listed)
+                    .collect()
             })
         }
 

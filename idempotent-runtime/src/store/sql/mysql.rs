@@ -90,11 +90,47 @@ ON DUPLICATE KEY UPDATE
     state = IF(LAST_INSERT_ID() <> 0, 'in_progress', state)"
 );
 
-const READ: &str = "\
-SELECT state, token, fence, fingerprint, result,
-       GREATEST(0, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_until))
+/// The record columns, then how long the record has been in its state and how long it has
+/// left, in microseconds.
+macro_rules! listed_columns {
+    () => {
+        "state, token, fence, fingerprint, result,
+       GREATEST(0, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_until)),
+       GREATEST(0, TIMESTAMPDIFF(MICROSECOND, updated_at, UTC_TIMESTAMP(6))),
+       GREATEST(0, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at))"
+    };
+}
+
+const READ: &str = concat!(
+    "SELECT ",
+    listed_columns!(),
+    "
 FROM idempotent_records
-WHERE record_key = ? AND expires_at > UTC_TIMESTAMP(6)";
+WHERE record_key = ? AND expires_at > UTC_TIMESTAMP(6)"
+);
+
+/// A page of live records with the prefix given third, by key after the first parameter and
+/// below the second (a range of the primary key), at most the fourth.
+const SCAN: &str = concat!(
+    "SELECT record_key, ",
+    listed_columns!(),
+    "
+FROM idempotent_records
+WHERE record_key > ? AND record_key < ? AND prefix = ? AND expires_at > UTC_TIMESTAMP(6)
+ORDER BY record_key
+LIMIT ?"
+);
+
+const DELETE: &str = "\
+DELETE FROM idempotent_records
+WHERE record_key = ? AND token = ? AND expires_at > UTC_TIMESTAMP(6)
+  AND fence >= 0 AND state IN ('in_progress', 'completed', 'released')";
+
+/// `token` and `fingerprint` are `BINARY(16)`: a negative fence or an unknown state (a table
+/// whose check was dropped) is what makes a record unreadable.
+const DELETE_CORRUPT: &str = "\
+DELETE FROM idempotent_records
+WHERE record_key = ? AND NOT (fence >= 0 AND state IN ('in_progress', 'completed', 'released'))";
 
 /// A locking read: it returns the latest committed version (not a transaction's snapshot)
 /// and, inside a transaction, keeps the row locked like the claim did.
@@ -129,8 +165,7 @@ WHERE record_key = ? AND token = ? AND state = 'in_progress' AND fence >= 0
 const RENEW: &str = "\
 UPDATE idempotent_records SET
     lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
-    expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND),
-    updated_at = UTC_TIMESTAMP(6)
+    expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)
 WHERE record_key = ? AND token = ? AND state = 'in_progress' AND fence >= 0
   AND expires_at > UTC_TIMESTAMP(6)";
 
@@ -159,6 +194,9 @@ impl Driver for MySql {
         renew: RENEW,
         read: READ,
         purge: PURGE,
+        scan: SCAN,
+        delete: DELETE,
+        delete_corrupt: DELETE_CORRUPT,
         // A batch is claimed one key at a time.
         claim_many: "",
         seen_many: "",

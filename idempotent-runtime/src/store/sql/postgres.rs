@@ -146,11 +146,51 @@ WHERE t.record_key IN (SELECT record_key FROM input)
   AND t.record_key NOT IN (SELECT record_key FROM taken)"
 );
 
-const READ: &str = "\
-SELECT state, token, fence, fingerprint, result,
-       GREATEST(0, (EXTRACT(EPOCH FROM lease_until - statement_timestamp()) * 1000000)::int8)
+/// The record columns, then how long the record has been in its state and how long it has
+/// left, in microseconds.
+macro_rules! listed_columns {
+    () => {
+        "state, token, fence, fingerprint, result,
+       GREATEST(0, (EXTRACT(EPOCH FROM lease_until - statement_timestamp()) * 1000000)::int8),
+       GREATEST(0, (EXTRACT(EPOCH FROM statement_timestamp() - updated_at) * 1000000)::int8),
+       GREATEST(0, (EXTRACT(EPOCH FROM expires_at - statement_timestamp()) * 1000000)::int8)"
+    };
+}
+
+const READ: &str = concat!(
+    "SELECT ",
+    listed_columns!(),
+    "
 FROM idempotent_records
-WHERE record_key = $1 AND expires_at > statement_timestamp()";
+WHERE record_key = $1 AND expires_at > statement_timestamp()"
+);
+
+/// A page of live records with the prefix `$3`, by key after `$1` and below `$2` (a range of
+/// the primary key), at most `$4`.
+const SCAN: &str = concat!(
+    "SELECT record_key, ",
+    listed_columns!(),
+    "
+FROM idempotent_records
+WHERE record_key > $1 AND record_key < $2 AND prefix = $3
+  AND expires_at > statement_timestamp()
+ORDER BY record_key
+LIMIT $4"
+);
+
+const DELETE: &str = concat!(
+    "DELETE FROM idempotent_records
+WHERE record_key = $1 AND token = $2 AND expires_at > statement_timestamp()
+  AND state IN ('in_progress', 'completed', 'released') AND ",
+    readable!("")
+);
+
+const DELETE_CORRUPT: &str = concat!(
+    "DELETE FROM idempotent_records WHERE record_key = $1
+  AND NOT (state IN ('in_progress', 'completed', 'released') AND ",
+    readable!(""),
+    ")"
+);
 
 const COMPLETE: &str = concat!(
     "\
@@ -190,8 +230,7 @@ const RENEW: &str = concat!(
     "\
 UPDATE idempotent_records SET
     lease_until = statement_timestamp() + $1 * INTERVAL '1 microsecond',
-    expires_at = GREATEST(expires_at, statement_timestamp() + $2 * INTERVAL '1 microsecond'),
-    updated_at = statement_timestamp()
+    expires_at = GREATEST(expires_at, statement_timestamp() + $2 * INTERVAL '1 microsecond')
 WHERE record_key = $3 AND token = $4 AND state = 'in_progress'
   AND ",
     readable!(""),
@@ -220,6 +259,9 @@ impl Driver for Postgres {
         renew: RENEW,
         read: READ,
         purge: PURGE,
+        scan: SCAN,
+        delete: DELETE,
+        delete_corrupt: DELETE_CORRUPT,
         claim_many: CLAIM_MANY,
         // The batch statement reports the records it did not take.
         seen_many: "",

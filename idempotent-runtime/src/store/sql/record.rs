@@ -9,7 +9,8 @@ use crate::store::{Claim, ClaimRequest, Fingerprint, Record, RecordState, Token}
 
 /// The record columns every statement that returns a record selects, in this order:
 /// `state, token, fence, fingerprint, result, lease_left` (`lease_left` in the dialect's
-/// tick, never negative, computed by the database from its own clock).
+/// tick, never negative, computed by the database from its own clock), and, for the reads
+/// an operator sees, `age, expires_in` after them (in ticks too).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecordRow {
     pub(crate) state: String,
@@ -18,9 +19,27 @@ pub struct RecordRow {
     pub(crate) fingerprint: Option<Vec<u8>>,
     pub(crate) result: Option<Vec<u8>>,
     pub(crate) lease_left: i64,
+    pub(crate) age: Option<i64>,
+    pub(crate) expires_in: Option<i64>,
 }
 
 impl RecordRow {
+    /// Decodes a listed row: the `record_key` column, then the record columns with age and
+    /// expiry. A record whose columns do not decode is that key's error, not the page's.
+    pub(crate) fn decode_listed<R>(
+        row: &R,
+    ) -> Result<(Vec<u8>, Result<RecordRow, sqlx::Error>), sqlx::Error>
+    where
+        R: Row,
+        usize: ColumnIndex<R>,
+        String: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+        Vec<u8>: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+        i64: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+    {
+        let key = row.try_get(0)?;
+        Ok((key, RecordRow::decode_from(row, 1)))
+    }
+
     /// Decodes the six record columns of `row`.
     pub(crate) fn decode<R>(row: &R) -> Result<RecordRow, sqlx::Error>
     where
@@ -68,6 +87,9 @@ impl RecordRow {
             fingerprint: row.try_get(first + 3)?,
             result: row.try_get(first + 4)?,
             lease_left: row.try_get(first + 5)?,
+            // Only the operator's reads select them.
+            age: row.try_get(first + 6).ok(),
+            expires_in: row.try_get(first + 7).ok(),
         })
     }
 }
@@ -90,6 +112,8 @@ pub(crate) struct Stored {
     pub(crate) result: Option<Vec<u8>>,
     /// Time left on the lease; zero once it ran out.
     pub(crate) lease_left: Duration,
+    pub(crate) age: Option<Duration>,
+    pub(crate) expires_in: Option<Duration>,
 }
 
 impl Stored {
@@ -108,15 +132,19 @@ impl Stored {
         };
         let fence = u64::try_from(row.fence)
             .map_err(|_| corrupt(format!("negative fence {}", row.fence)))?;
-        let ticks = u64::try_from(row.lease_left).unwrap_or(0);
         let tick_nanos = u64::try_from(tick.as_nanos()).unwrap_or(u64::MAX);
+        let duration = |ticks: i64| {
+            Duration::from_nanos(tick_nanos.saturating_mul(u64::try_from(ticks).unwrap_or(0)))
+        };
         Ok(Stored {
             state,
             token,
             fence,
             fingerprint,
             result: row.result,
-            lease_left: Duration::from_nanos(tick_nanos.saturating_mul(ticks)),
+            lease_left: duration(row.lease_left),
+            age: row.age.map(duration),
+            expires_in: row.expires_in.map(duration),
         })
     }
 
@@ -133,13 +161,11 @@ impl Stored {
             State::Completed => self.result,
             _ => None,
         };
-        Record {
-            state,
-            token: self.token,
-            fence: self.fence,
-            fingerprint: self.fingerprint,
-            result,
-        }
+        Record::new(state, self.token, self.fence)
+            .with_fingerprint(self.fingerprint)
+            .with_result(result)
+            .with_age(self.age)
+            .with_expires_in(self.expires_in)
     }
 }
 
@@ -238,6 +264,8 @@ mod tests {
             fingerprint: fp.map(|f| f.as_bytes().to_vec()),
             result: Some(b"r".to_vec()),
             lease_left,
+            age: None,
+            expires_in: None,
         }
     }
 

@@ -163,13 +163,57 @@ WHERE record_key IN ({keys}) AND expires_at > ",
     now!()
 );
 
+/// The record columns, then how long the record has been in its state and how long it has
+/// left, in milliseconds.
+macro_rules! listed_columns {
+    () => {
+        concat!(
+            "state, token, fence, fingerprint, result, MAX(0, lease_until - ",
+            now!(),
+            "), MAX(0, ",
+            now!(),
+            " - updated_at), MAX(0, expires_at - ",
+            now!(),
+            ")"
+        )
+    };
+}
+
 const READ: &str = concat!(
-    "SELECT state, token, fence, fingerprint, result, MAX(0, lease_until - ",
-    now!(),
-    ")
+    "SELECT ",
+    listed_columns!(),
+    "
 FROM idempotent_records
 WHERE record_key = ? AND expires_at > ",
     now!()
+);
+
+/// A page of live records with the prefix given third, by key after the first parameter and
+/// below the second (a range of the primary key), at most the fourth.
+const SCAN: &str = concat!(
+    "SELECT record_key, ",
+    listed_columns!(),
+    "
+FROM idempotent_records
+WHERE record_key > ? AND record_key < ? AND prefix = ? AND expires_at > ",
+    now!(),
+    "
+ORDER BY record_key
+LIMIT ?"
+);
+
+const DELETE: &str = concat!(
+    "DELETE FROM idempotent_records WHERE record_key = ? AND token = ? AND expires_at > ",
+    now!(),
+    " AND state IN ('in_progress', 'completed', 'released') AND ",
+    readable!("")
+);
+
+const DELETE_CORRUPT: &str = concat!(
+    "DELETE FROM idempotent_records WHERE record_key = ?
+  AND NOT (state IN ('in_progress', 'completed', 'released') AND ",
+    readable!(""),
+    ")"
 );
 
 const COMPLETE: &str = concat!(
@@ -218,10 +262,7 @@ const RENEW: &str = concat!(
     " + ?,
     expires_at = MAX(expires_at, ",
     now!(),
-    " + ?),
-    updated_at = ",
-    now!(),
-    "
+    " + ?)
 WHERE record_key = ? AND token = ? AND state = 'in_progress'
   AND ",
     readable!(""),
@@ -258,6 +299,9 @@ impl Driver for Sqlite {
         renew: RENEW,
         read: READ,
         purge: PURGE,
+        scan: SCAN,
+        delete: DELETE,
+        delete_corrupt: DELETE_CORRUPT,
         claim_many: CLAIM_MANY,
         seen_many: SEEN_MANY,
     };

@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::pool::PoolConnection;
 use sqlx::{Database, Pool};
 
-use crate::error::StoreError;
+use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::sql::driver::{ticks, Arg, Dialect, Statements};
 use crate::store::sql::error::{store_error, Phase};
@@ -17,7 +17,9 @@ use crate::store::sql::exec::{
 };
 use crate::store::sql::record::Stored;
 use crate::store::sql::table::TableName;
-use crate::store::{BoxFuture, Claim, ClaimRequest, Completion, Record, Store, Token};
+use crate::store::{
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, ScanCursor, ScanPage, Store, Token,
+};
 
 /// An idempotency [`Store`] on a SQL database, through an sqlx connection pool. Use it as
 /// [`PostgresStore`](super::PostgresStore), [`MySqlStore`](super::MySqlStore) or
@@ -192,6 +194,89 @@ impl<DB: Dialect> Store for SqlStore<DB> {
         Box::pin(async move {
             let mut conn = self.acquire().await?;
             reopen_on::<DB>(&mut conn, &self.sql, key, token).await
+        })
+    }
+
+    /// Pages in key order over the primary key's range of the prefix; the cursor is the last
+    /// key returned, in hex.
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        cursor: &'a ScanCursor,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+        Box::pin(async move {
+            // Every key of the prefix starts with `<prefix>:v`, and sorts below `<prefix>:w`.
+            let after = if cursor.is_start() {
+                format!("{prefix}:v").into_bytes()
+            } else {
+                crate::key::parse_hex(cursor.as_str()).ok_or_else(|| {
+                    StoreError::new(
+                        StoreErrorKind::Rejected,
+                        format!("`{cursor}` is not a cursor of an SQL store"),
+                    )
+                })?
+            };
+            let below = format!("{prefix}:w").into_bytes();
+            let limit = limit.clamp(1, 10_000);
+            let args = [
+                Arg::Bytes(&after),
+                Arg::Bytes(&below),
+                Arg::Text(prefix),
+                Arg::Int(i64::try_from(limit).unwrap_or(i64::MAX)),
+            ];
+            let mut conn = self.acquire().await?;
+            let rows = DB::fetch_keyed(&mut conn, &self.sql.scan, &args)
+                .await
+                .map_err(|e| store_error::<DB>(e, Phase::Read, "scan"))?;
+            let next = match rows.last() {
+                Some((last, _)) if rows.len() == limit => {
+                    Some(ScanCursor::new(crate::key::hex_string(last)))
+                }
+                _ => None,
+            };
+            let mut records = Vec::with_capacity(rows.len());
+            for (bytes, row) in rows {
+                // A row under a key this crate did not write is not an operation's record.
+                let Some(key) = std::str::from_utf8(&bytes)
+                    .ok()
+                    .and_then(|k| Key::parse(k).ok())
+                else {
+                    continue;
+                };
+                let record = row
+                    .map_err(|e| store_error::<DB>(e, Phase::Read, "scan"))
+                    .and_then(|row| Stored::from_row(row, DB::TICK))
+                    .map(Stored::into_record);
+                records.push((key, record));
+            }
+            Ok(ScanPage::new(records, next))
+        })
+    }
+
+    fn delete<'a>(
+        &'a self,
+        key: &'a Key,
+        expect: Expect<'a>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.acquire().await?;
+            match expect {
+                // A record that is not readable is left alone, and reported as corrupt.
+                Expect::Token(token) => {
+                    let args = [Arg::Bytes(key.as_bytes()), Arg::Bytes(token.as_bytes())];
+                    let rows =
+                        write::<DB>(&mut conn, &self.sql.delete, &args, "delete", true).await?;
+                    owned::<DB>(&mut conn, &self.sql, key, rows).await
+                }
+                Expect::Corrupt => {
+                    let args = [Arg::Bytes(key.as_bytes())];
+                    let rows =
+                        write::<DB>(&mut conn, &self.sql.delete_corrupt, &args, "delete", true)
+                            .await?;
+                    Ok(rows > 0)
+                }
+            }
         })
     }
 
