@@ -632,6 +632,48 @@ async fn postgres_relays_are_notified_at_a_plain_commit() {
     queue.delete().await;
 }
 
+/// A table whose qualified name is longer than PostgreSQL takes for a channel (a long schema
+/// name): enqueue still notifies, and a relay on another outbox value of that table wakes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_relays_are_notified_for_a_long_table_name() {
+    use sqlx::Executor as _;
+
+    let url = std::env::var("IDEMPOTENT_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let token = format!("{:?}", Token::generate());
+    let schema = format!("outbox_long_schema_name_{}", &token[6..token.len() - 1]);
+    let table = format!("{schema}.idempotent_outbox_of_orders");
+    assert!(table.len() > 63, "{table}");
+    let pool = PgPool::connect(&url).await.unwrap();
+    pool.execute(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .await
+        .unwrap();
+    let outbox = Outbox::with_table(pool.clone(), &table).unwrap();
+    outbox.create_table().await.unwrap();
+    let conn = rabbitmq().await;
+    let queue = Queue::new(&conn).await;
+    let relay_outbox = Outbox::with_table(pool.clone(), &table).unwrap();
+    let relay = Relay::new(relay_outbox, publisher(&conn).await).poll(Duration::from_secs(60));
+    let (stop, running) = spawn_run(relay);
+    // The second message reaches a relay that already went idle: only the notification wakes
+    // it before its minute of polling.
+    for n in 1..=2 {
+        let mut tx = pool.begin().await.unwrap();
+        outbox
+            .enqueue(&mut tx, &order(n, &queue.name))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        wait_published(&outbox, u64::from(n)).await;
+    }
+    stop.send(()).unwrap();
+    assert_eq!(running.await.unwrap().published, 2);
+    queue.delete().await;
+    pool.execute(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .await
+        .unwrap();
+}
+
 /// On NATS JetStream the outbox id is `Nats-Msg-Id`: a second publication of the same row
 /// (a relay that died between the ack and the mark) is dropped by the stream's duplicate
 /// window.

@@ -206,6 +206,8 @@ pub struct DeadMessage {
 pub struct Outbox<DB: OutboxDialect> {
     pool: Pool<DB>,
     table: TableName,
+    /// The PostgreSQL channel of the table ([`Outbox::channel`]).
+    channel: Arc<str>,
     sql: Arc<OutboxStatements>,
     // Wakes the relays of this process: bumped by `commit` and `wake`.
     wake: Arc<watch::Sender<u64>>,
@@ -216,6 +218,7 @@ impl<DB: OutboxDialect> Clone for Outbox<DB> {
         Outbox {
             pool: self.pool.clone(),
             table: self.table.clone(),
+            channel: self.channel.clone(),
             sql: self.sql.clone(),
             wake: self.wake.clone(),
         }
@@ -253,6 +256,7 @@ impl<DB: OutboxDialect> Outbox<DB> {
     fn build(pool: Pool<DB>, table: TableName) -> Outbox<DB> {
         Outbox {
             sql: Arc::new(OutboxStatements::render(&DB::OUTBOX, &table)),
+            channel: channel_of(table.as_str()).into(),
             pool,
             table,
             wake: Arc::new(watch::Sender::new(0)),
@@ -269,9 +273,11 @@ impl<DB: OutboxDialect> Outbox<DB> {
         self.table.as_str()
     }
 
-    /// The channel `enqueue` notifies and relays listen on (PostgreSQL): the table's name.
+    /// The channel `enqueue` notifies and relays listen on (PostgreSQL): the table's name,
+    /// or, for a name longer than PostgreSQL takes for a channel (63 bytes: a long schema
+    /// name), `outbox_` and a digest of it, the same in every process.
     pub(crate) fn channel(&self) -> &str {
-        self.table.as_str()
+        &self.channel
     }
 
     pub(crate) fn statements(&self) -> &OutboxStatements {
@@ -334,7 +340,7 @@ impl<DB: OutboxDialect> Outbox<DB> {
             Arg::Text(&headers),
         ];
         if DB::NOTIFIES {
-            args.push(Arg::Text(self.channel()));
+            args.push(Arg::Text(&self.channel));
         }
         DB::exec(conn, &self.sql.enqueue, &args)
             .await
@@ -496,6 +502,37 @@ pub struct OutboxCounts {
     pub dead: u64,
 }
 
+/// The longest channel name PostgreSQL takes (`NAMEDATALEN - 1`).
+const MAX_CHANNEL_LEN: usize = 63;
+
+fn channel_of(table: &str) -> String {
+    use sha2::{Digest, Sha256};
+
+    if table.len() <= MAX_CHANNEL_LEN {
+        return table.to_owned();
+    }
+    let digest = Sha256::digest(table.as_bytes());
+    format!("outbox_{}", &hex_string(&digest)[..40])
+}
+
 fn db_error<DB: OutboxDialect>(err: sqlx::Error) -> StoreError {
     store_error::<DB>(err, Phase::Write, "outbox statement")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn channels_fit_postgres_and_are_the_same_for_one_table() {
+        assert_eq!(channel_of("idempotent_outbox"), "idempotent_outbox");
+        let long = format!("{}.idempotent_outbox", "s".repeat(63));
+        let channel = channel_of(&long);
+        assert!(channel.len() <= MAX_CHANNEL_LEN, "{channel}");
+        assert_eq!(channel, channel_of(&long));
+        assert_ne!(
+            channel,
+            channel_of(&format!("{}.idempotent_outbox", "t".repeat(63)))
+        );
+    }
 }
