@@ -250,3 +250,243 @@ async fn bad_input_and_store_failures_have_their_exit_codes() {
         .query(&mut conn)
         .unwrap();
 }
+
+/// On Redis: `list --stuck --older-than` finds the claim that has hung for over a second and
+/// not the fresh one; listings page with `--limit` and go on with the printed `--cursor`;
+/// `delete` refuses a live claim (exit 1) and deletes a completed record after confirmation,
+/// so the key runs again; `purge` deletes a prefix's records but its live claims.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stuck_keys_on_redis_are_listed_deleted_and_purged() {
+    let url = redis_url();
+    let store = Arc::new(idempotency::redis::RedisStore::connect(&url).await.unwrap());
+    let prefix = unique("admin-cli-list");
+    let hour = Duration::from_secs(3600);
+    let claim = |part: &str| {
+        let store = store.clone();
+        let key = Key::new(&prefix, 1, &[&part]).unwrap();
+        async move {
+            let owner = ClaimRequest::new(key.clone(), Token::generate(), hour, hour);
+            let Claim::Acquired { fence } = store.claim(&owner).await.unwrap() else {
+                panic!("not acquired");
+            };
+            (key, owner, fence)
+        }
+    };
+    let (hung, _, hung_fence) = claim("hung").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (fresh, _, _) = claim("fresh").await;
+    let (done, owner, _) = claim("done").await;
+    let completion = idempotency::Completion::new(Some(b"receipt".to_vec()), hour);
+    assert!(store
+        .complete(&done, &owner.token, &completion)
+        .await
+        .unwrap());
+
+    let stuck = admin(
+        &url,
+        &["list", "--prefix", &prefix, "--stuck", "--older-than", "1s"],
+        "",
+    );
+    assert_eq!(code(&stuck), 0, "{}", text(&stuck));
+    let listed = String::from_utf8_lossy(&stuck.stdout).to_string();
+    assert!(listed.contains(&hung.to_string()), "{listed}");
+    assert!(listed.contains(&hung_fence.to_string()), "{listed}");
+    assert!(!listed.contains(&fresh.to_string()), "{listed}");
+    assert!(!listed.contains(&done.to_string()), "{listed}");
+    let none = json(&admin(
+        &url,
+        &["--json", "list", "--prefix", &prefix, "--stuck"],
+        "",
+    ));
+    assert_eq!(none["records"].as_array().unwrap().len(), 0, "{none}");
+
+    // Page by page: every key once, whatever the page size.
+    let mut seen = std::collections::BTreeSet::new();
+    let mut cursor: Option<String> = None;
+    for _ in 0..100 {
+        let mut args = vec!["--json", "list", "--prefix", &prefix, "--limit", "1"];
+        if let Some(cursor) = &cursor {
+            args.extend(["--cursor", cursor.as_str()]);
+        }
+        let page = json(&admin(&url, &args, ""));
+        for record in page["records"].as_array().unwrap() {
+            seen.insert(record["key"].as_str().unwrap().to_string());
+        }
+        match page["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_string()),
+            None => break,
+        }
+    }
+    let want: std::collections::BTreeSet<String> = [&hung, &fresh, &done]
+        .iter()
+        .map(|k| k.to_string())
+        .collect();
+    assert_eq!(seen, want);
+    let held = json(&admin(
+        &url,
+        &[
+            "--json",
+            "list",
+            "--prefix",
+            &prefix,
+            "--state",
+            "completed",
+        ],
+        "",
+    ));
+    assert_eq!(held["records"][0]["key"], done.to_string());
+    assert_eq!(held["records"][0]["record"]["result_bytes"], 7);
+
+    // Delete: a live claim is refused; a completed record is deleted once confirmed.
+    let live = admin(&url, &["delete", "--key", &hung.to_string(), "--yes"], "");
+    assert_eq!(code(&live), 1, "{}", text(&live));
+    assert!(text(&live).contains("release it first"), "{}", text(&live));
+    let refused = admin(&url, &["delete", "--key", &done.to_string()], "n\n");
+    assert_eq!(code(&refused), 1, "{}", text(&refused));
+    assert!(store.read(&done).await.unwrap().is_some());
+    let deleted = admin(&url, &["delete", "--key", &done.to_string()], "y\n");
+    assert_eq!(code(&deleted), 0, "{}", text(&deleted));
+    assert!(text(&deleted).contains("runs the handler again"));
+    assert!(store.read(&done).await.unwrap().is_none());
+    let again = admin(&url, &["delete", "--key", &done.to_string(), "--yes"], "");
+    assert_eq!(code(&again), 1, "{}", text(&again));
+
+    // Purge: the live claims stay.
+    let (released, owner, _) = claim("released").await;
+    assert!(store.release(&released, &owner.token).await.unwrap());
+    let purged = json(&admin(
+        &url,
+        &["--json", "purge", "--prefix", &prefix, "--yes"],
+        "",
+    ));
+    assert_eq!(purged["deleted"], 1, "{purged}");
+    assert_eq!(purged["live_claims_kept"], 2, "{purged}");
+    assert!(store.read(&released).await.unwrap().is_none());
+    assert!(store.read(&hung).await.unwrap().is_some());
+
+    let bad_prefix = admin(&url, &["purge", "--prefix", "a b", "--yes"], "");
+    assert_eq!(code(&bad_prefix), 2, "{}", text(&bad_prefix));
+    let bad_age = admin(
+        &url,
+        &["list", "--prefix", &prefix, "--older-than", "10"],
+        "",
+    );
+    assert_eq!(code(&bad_age), 2, "{}", text(&bad_age));
+    let bad_cursor = admin(&url, &["list", "--prefix", &prefix, "--cursor", "x:y"], "");
+    assert_eq!(code(&bad_cursor), 3, "{}", text(&bad_cursor));
+    let not_sql = admin(&url, &["outbox", "counts"], "");
+    assert_eq!(code(&not_sql), 2, "{}", text(&not_sql));
+
+    for key in [&hung, &fresh] {
+        let seen = store.read(key).await.unwrap().unwrap();
+        store.release(key, &seen.token).await.unwrap();
+    }
+}
+
+/// The outbox of a PostgreSQL schema of the test's own: counts, the dead message listed with
+/// its error, `retry` (refused without confirmation, then done; a second time nothing
+/// changes), `discard`, `purge-published`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outbox_in_postgres_is_operated() {
+    use idempotency::outbox::{Message, PostgresOutbox};
+
+    let base = std::env::var("IDEMPOTENT_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let schema = unique("idem_outbox_cli").replace('-', "_");
+    let mut conn = sqlx::PgConnection::connect(&base).await.unwrap();
+    conn.execute(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .await
+        .unwrap();
+    let pool = sqlx::PgPool::connect(&base).await.unwrap();
+    let table = format!("{schema}.idempotent_outbox");
+    let outbox = PostgresOutbox::with_table(pool.clone(), &table).unwrap();
+    outbox.create_table().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = Vec::new();
+    for n in 0..3 {
+        let message = Message::new(
+            "order",
+            format!("o-{n}"),
+            "placed",
+            "orders",
+            b"{}".to_vec(),
+        );
+        ids.push(outbox.enqueue(&mut tx, &message).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    let (dead, published) = (ids[0].as_str().to_string(), ids[1].as_str().to_string());
+    let set = |assignment: &str, id: &str| {
+        let sql = format!("UPDATE {table} SET {assignment} WHERE id = $1");
+        let pool = pool.clone();
+        let id = id.to_string();
+        async move {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    };
+    set(
+        "state = 'dead', attempts = 8, last_error = 'broker refused'",
+        &dead,
+    )
+    .await;
+    set(
+        "state = 'published', published_at = statement_timestamp() - INTERVAL '2 hours'",
+        &published,
+    )
+    .await;
+    let outbox_cmd = |args: &[&str], stdin: &str| {
+        let args: Vec<&str> = [&["--json", "outbox", "--table", table.as_str()][..], args].concat();
+        admin(&base, &args, stdin)
+    };
+
+    let counts = json(&outbox_cmd(&["counts"], ""));
+    assert_eq!(
+        (
+            counts["pending"].as_u64(),
+            counts["published"].as_u64(),
+            counts["dead"].as_u64()
+        ),
+        (Some(1), Some(1), Some(1)),
+        "{counts}"
+    );
+    let listed = json(&outbox_cmd(&["dead"], ""));
+    assert_eq!(listed["dead"][0]["id"], dead.as_str(), "{listed}");
+    assert_eq!(listed["dead"][0]["last_error"], "broker refused");
+    assert_eq!(listed["dead"][0]["attempts"], 8);
+
+    let refused = outbox_cmd(&["retry", "--id", &dead], "n\n");
+    assert_eq!(code(&refused), 1, "{}", text(&refused));
+    assert_eq!(outbox.counts().await.unwrap().dead, 1);
+    let retried = outbox_cmd(&["retry", "--id", &dead, "--yes"], "");
+    assert_eq!(code(&retried), 0, "{}", text(&retried));
+    let message = outbox.get(&ids[0]).await.unwrap().unwrap();
+    assert_eq!(message.attempts, 0);
+    assert_eq!(outbox.counts().await.unwrap().pending, 2);
+    let twice = outbox_cmd(&["retry", "--id", &dead, "--yes"], "");
+    assert_eq!(code(&twice), 1, "{}", text(&twice));
+
+    set("state = 'dead'", &dead).await;
+    let discarded = outbox_cmd(&["discard", "--id", &dead, "--yes"], "");
+    assert_eq!(code(&discarded), 0, "{}", text(&discarded));
+    assert!(outbox.get(&ids[0]).await.unwrap().is_none());
+
+    let young = json(&outbox_cmd(&["purge-published", "--older-than", "3h"], ""));
+    assert_eq!(young["deleted"], 0);
+    let old = json(&outbox_cmd(
+        &["purge-published", "--older-than", "1h", "--batch", "1"],
+        "",
+    ));
+    assert_eq!(old["deleted"], 1);
+    let counts = outbox.counts().await.unwrap();
+    assert_eq!((counts.pending, counts.published, counts.dead), (1, 0, 0));
+    let bad_table = admin(&base, &["outbox", "--table", "no;table", "counts"], "");
+    assert_eq!(code(&bad_table), 2, "{}", text(&bad_table));
+
+    pool.close().await;
+    conn.execute(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .await
+        .unwrap();
+}

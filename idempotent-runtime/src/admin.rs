@@ -305,7 +305,7 @@ impl Admin {
     /// # Errors
     ///
     /// The store's error (a record it cannot read is
-    /// [`StoreErrorKind::Corrupt`](crate::StoreErrorKind::Corrupt)).
+    /// [`StoreErrorKind::Corrupt`]).
     pub async fn inspect(&self, key: &Key) -> Result<Option<Inspection>, StoreError> {
         Ok(self.store.read(key).await?.as_ref().map(Inspection::of))
     }
@@ -355,7 +355,7 @@ impl Admin {
     ///
     /// The store's error; nothing changed. A third-party store that does not implement
     /// [`Store::reopen`](crate::Store::reopen) refuses with
-    /// [`StoreErrorKind::Protocol`](crate::StoreErrorKind::Protocol).
+    /// [`StoreErrorKind::Protocol`].
     pub async fn unhold(&self, key: &Key) -> Result<AdminOutcome, StoreError> {
         let outcome = match self.store.read(key).await? {
             None => AdminOutcome::Missing,

@@ -456,6 +456,13 @@ pub(crate) fn push_hex(out: &mut Vec<u8>, bytes: &[u8]) {
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
 /// `bytes` as lowercase hex.
+#[cfg(any(
+    feature = "http",
+    feature = "memory",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite"
+))]
 pub(crate) fn hex_string(bytes: &[u8]) -> String {
     bytes
         .iter()
@@ -465,6 +472,12 @@ pub(crate) fn hex_string(bytes: &[u8]) -> String {
 }
 
 /// The bytes that `text` writes in hex (either case), or `None` when it is not hex.
+#[cfg(any(
+    feature = "memory",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite"
+))]
 pub(crate) fn parse_hex(text: &str) -> Option<Vec<u8>> {
     if text.len() % 2 != 0 {
         return None;

@@ -213,7 +213,10 @@ mod tests {
             }
         );
         assert_eq!(record.result, None);
-        assert_eq!(record.age, None, "a record written before claims kept their time");
+        assert_eq!(
+            record.age, None,
+            "a record written before claims kept their time"
+        );
 
         // An in-progress record's last field is the time of its claim, not a result.
         let req = ClaimRequest::new(

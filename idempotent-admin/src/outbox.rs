@@ -1,0 +1,214 @@
+//! `idempotent-admin outbox ...`: the transactional outbox of an SQL database (PostgreSQL,
+//! MySQL / MariaDB, SQLite), on top of `idempotency::outbox::Outbox`.
+
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use idempotency::outbox::{DeadMessage, MessageId, Outbox, OutboxCounts, OutboxDialect};
+use idempotency::sql::sqlx::{self, Pool};
+use idempotency::StoreError;
+use serde_json::json;
+
+use crate::{confirm, parse_duration, Failure};
+
+#[derive(Debug, Args)]
+pub(crate) struct OutboxArgs {
+    /// The outbox table (`schema.table` on PostgreSQL).
+    #[arg(long, default_value = "idempotent_outbox")]
+    table: String,
+    #[command(subcommand)]
+    command: OutboxCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum OutboxCommand {
+    /// How many messages are pending, published and dead.
+    Counts,
+    /// The dead messages (out of attempts), oldest first.
+    Dead {
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+    },
+    /// Puts a dead message back in the queue, its attempts reset.
+    Retry {
+        /// The message id.
+        #[arg(long)]
+        id: String,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Deletes a dead message: it is never published.
+    Discard {
+        /// The message id.
+        #[arg(long)]
+        id: String,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Deletes messages published longer ago than `--older-than`.
+    PurgePublished {
+        /// Published at least this long ago (`1h`, `7d`).
+        #[arg(long, value_parser = parse_duration)]
+        older_than: Duration,
+        /// At most this many per statement; the command repeats until none is left.
+        #[arg(long, default_value_t = 1000)]
+        batch: u32,
+    },
+}
+
+/// Runs an outbox command on the SQL database at `url`.
+pub(crate) async fn run(url: &str, args: &OutboxArgs, as_json: bool) -> Result<(), Failure> {
+    let scheme = url.split(':').next().unwrap_or_default();
+    match scheme {
+        "postgres" | "postgresql" => on::<sqlx::Postgres>(url, args, as_json).await,
+        "mysql" | "mariadb" => {
+            let url = url.replacen("mariadb:", "mysql:", 1);
+            on::<sqlx::MySql>(&url, args, as_json).await
+        }
+        "sqlite" => on::<sqlx::Sqlite>(url, args, as_json).await,
+        other => Err(Failure::Input(format!(
+            "the outbox lives in an SQL database (postgres://, mysql://, sqlite:), not `{other}:`"
+        ))),
+    }
+}
+
+async fn on<DB: OutboxDialect>(url: &str, args: &OutboxArgs, as_json: bool) -> Result<(), Failure> {
+    let pool = Pool::<DB>::connect(url)
+        .await
+        .map_err(|e| Failure::Store(format!("cannot use the database: {e}")))?;
+    let outbox = Outbox::with_table(pool, &args.table)
+        .map_err(|e| Failure::Input(format!("bad table: {e}")))?;
+    let failed = |e: StoreError| Failure::Store(format!("{e}"));
+    match &args.command {
+        OutboxCommand::Counts => {
+            let counts = outbox.counts().await.map_err(failed)?;
+            print_counts(&counts, as_json);
+            Ok(())
+        }
+        OutboxCommand::Dead { limit } => {
+            let dead = outbox.dead(*limit).await.map_err(failed)?;
+            print_dead(&dead, as_json);
+            Ok(())
+        }
+        OutboxCommand::Retry { id, yes } => {
+            confirm(*yes, &format!("Publish dead message `{id}` again?"))?;
+            let done = outbox
+                .retry(&MessageId::from_string(id.clone()))
+                .await
+                .map_err(failed)?;
+            settled(
+                "retry",
+                id,
+                done,
+                as_json,
+                "is pending again, its attempts reset",
+            )
+        }
+        OutboxCommand::Discard { id, yes } => {
+            confirm(
+                *yes,
+                &format!("Delete dead message `{id}`? It is never published."),
+            )?;
+            let done = outbox
+                .discard(&MessageId::from_string(id.clone()))
+                .await
+                .map_err(failed)?;
+            settled("discard", id, done, as_json, "is deleted")
+        }
+        OutboxCommand::PurgePublished { older_than, batch } => {
+            let mut purged = 0u64;
+            loop {
+                let n = outbox
+                    .purge_published(*older_than, (*batch).max(1))
+                    .await
+                    .map_err(failed)?;
+                purged += n;
+                if n < u64::from((*batch).max(1)) {
+                    break;
+                }
+            }
+            if as_json {
+                println!(
+                    "{}",
+                    json!({ "action": "purge_published", "deleted": purged })
+                );
+            } else {
+                println!("purge-published: deleted {purged} published messages");
+            }
+            Ok(())
+        }
+    }
+}
+
+fn print_counts(counts: &OutboxCounts, as_json: bool) {
+    if as_json {
+        println!(
+            "{}",
+            json!({ "pending": counts.pending, "published": counts.published, "dead": counts.dead })
+        );
+    } else {
+        println!("pending    {}", counts.pending);
+        println!("published  {}", counts.published);
+        println!("dead       {}", counts.dead);
+    }
+}
+
+fn print_dead(dead: &[DeadMessage], as_json: bool) {
+    if as_json {
+        let rows: Vec<_> = dead
+            .iter()
+            .map(|d| {
+                json!({
+                    "id": d.message.id.as_str(),
+                    "destination": d.message.destination,
+                    "event_type": d.message.event_type,
+                    "aggregate": format!("{}/{}", d.message.aggregate_type, d.message.aggregate_id),
+                    "attempts": d.message.attempts,
+                    "age_seconds": d.age_seconds,
+                    "last_error": d.last_error,
+                })
+            })
+            .collect();
+        println!("{}", json!({ "dead": rows }));
+        return;
+    }
+    if dead.is_empty() {
+        eprintln!("no dead messages");
+        return;
+    }
+    println!(
+        "{:<36} {:>8} {:>10}  {:<24} LAST ERROR",
+        "ID", "ATTEMPTS", "AGE", "DESTINATION"
+    );
+    for d in dead {
+        println!(
+            "{:<36} {:>8} {:>10}  {:<24} {}",
+            d.message.id.as_str(),
+            d.message.attempts,
+            format!("{:.0} s", d.age_seconds),
+            d.message.destination,
+            d.last_error.as_deref().unwrap_or("-")
+        );
+    }
+}
+
+fn settled(action: &str, id: &str, done: bool, as_json: bool, what: &str) -> Result<(), Failure> {
+    if as_json {
+        println!(
+            "{}",
+            json!({ "id": id, "action": action, "outcome": if done { "done" } else { "not_dead" } })
+        );
+    }
+    if !done {
+        return Err(Failure::Unchanged(format!(
+            "`{id}` is not a dead message of this outbox"
+        )));
+    }
+    if !as_json {
+        println!("{action}: done; `{id}` {what}");
+    }
+    Ok(())
+}
