@@ -5,7 +5,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::{Claim, Error, Key, RecordState};
+use idempotency::store::Settlement;
+use idempotency::{
+    BoxFuture, Claim, ClaimRequest, Completion, Error, Key, Record, RecordState, SharedStore,
+    Store, StoreError, Token,
+};
 use tokio::sync::Barrier;
 
 use super::{assert_answer, guard, key, req, same_fence, unique_prefix, Backend, TestError};
@@ -124,4 +128,254 @@ pub async fn concurrent_overlapping_batches_run_each_key_once(b: impl Backend) {
     }
     assert_eq!(ok, 50);
     assert_eq!(executions.load(Ordering::SeqCst), 50);
+}
+
+/// The store under test, counting the settlements that reach it: single completions and
+/// releases, and batches with their sizes. Instrumentation around the real store, which
+/// answers every call.
+struct Counting {
+    inner: SharedStore,
+    singles: AtomicUsize,
+    batches: std::sync::Mutex<Vec<usize>>,
+}
+
+impl Store for Counting {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        self.inner.claim(req)
+    }
+    fn claim_many<'a>(
+        &'a self,
+        reqs: &'a [ClaimRequest],
+    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
+        self.inner.claim_many(reqs)
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.singles.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete(key, token, completion)
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.singles.fetch_add(1, Ordering::SeqCst);
+        self.inner.release(key, token)
+    }
+    fn complete_many<'a>(
+        &'a self,
+        items: &'a [Settlement],
+    ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
+        self.batches.lock().unwrap().push(items.len());
+        self.inner.complete_many(items)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.renew(key, token, lease)
+    }
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.inner.read(key)
+    }
+    fn max_result_size(&self) -> usize {
+        self.inner.max_result_size()
+    }
+}
+
+fn counting(b: &impl Backend) -> Arc<Counting> {
+    Arc::new(Counting {
+        inner: b.store(),
+        singles: AtomicUsize::new(0),
+        batches: std::sync::Mutex::new(Vec::new()),
+    })
+}
+
+/// A batch's items are settled together: 30 items whose handlers all return (27 completed,
+/// 3 failed and released) reach the store as one `complete_many` of 30 and no single
+/// completion or release; each record ends as its own outcome says, and a second delivery of
+/// the batch runs nothing and replays the stored results.
+pub async fn a_batch_is_settled_in_one_call(b: impl Backend) {
+    let store = counting(&b);
+    let prefix = unique_prefix(&b, "batch-settle");
+    let g = guard(&(store.clone() as SharedStore));
+    let items = || -> Vec<(Key, u32)> { (0..30u32).map(|id| (key(&prefix, &[&id]), id)).collect() };
+    let runs = AtomicUsize::new(0);
+    let handler = |id: u32| {
+        let runs = &runs;
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            if id % 10 == 9 {
+                Err(TestError::Business(format!("item {id} failed")))
+            } else {
+                Ok(id * 2)
+            }
+        }
+    };
+    let first: Vec<Result<u32, TestError>> = g.run_batch(items(), handler).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 30);
+    assert_eq!(*store.batches.lock().unwrap(), vec![30]);
+    assert_eq!(store.singles.load(Ordering::SeqCst), 0);
+    for (id, out) in (0..30u32).zip(&first) {
+        let record = store.read(&key(&prefix, &[&id])).await.unwrap().unwrap();
+        if id % 10 == 9 {
+            assert!(matches!(out, Err(TestError::Business(_))), "{id}: {out:?}");
+            assert_eq!(record.state, RecordState::Released, "{id}");
+        } else {
+            assert_eq!(out.as_ref().unwrap(), &(id * 2));
+            assert_eq!(record.state, RecordState::Completed, "{id}");
+        }
+    }
+    // The failed items run again; the others are duplicates.
+    let second: Vec<Result<u32, TestError>> = g.run_batch(items(), handler).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 33);
+    for (id, out) in (0..30u32).zip(&second) {
+        if id % 10 == 9 {
+            assert!(matches!(out, Err(TestError::Business(_))), "{id}: {out:?}");
+        } else {
+            assert!(
+                matches!(out, Err(TestError::Idem(Error::Duplicate { .. }))),
+                "{id}: {out:?}"
+            );
+        }
+    }
+    assert_eq!(*store.batches.lock().unwrap(), vec![30, 3]);
+}
+
+/// A slow item never holds its siblings' completions: the fast items' records are completed
+/// while the slow one still runs (it waits until they are), then it completes on its own.
+pub async fn a_slow_batch_item_does_not_hold_the_others(b: impl Backend) {
+    let store = counting(&b);
+    let prefix = unique_prefix(&b, "batch-slow");
+    let g = guard(&(store.clone() as SharedStore));
+    let items: Vec<(Key, u32)> = (0..5u32).map(|id| (key(&prefix, &[&id]), id)).collect();
+    let fast: Vec<Key> = (1..5u32).map(|id| key(&prefix, &[&id])).collect();
+    let observer = store.clone();
+    let results: Vec<Result<u32, TestError>> = g
+        .run_batch(items, |id| {
+            let (observer, fast) = (observer.clone(), fast.clone());
+            async move {
+                if id == 0 {
+                    // Finishes only once every fast item's record is completed.
+                    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                    loop {
+                        let mut done = 0;
+                        for k in &fast {
+                            let record = observer.read(k).await.unwrap();
+                            done += usize::from(
+                                record.is_some_and(|r| r.state == RecordState::Completed),
+                            );
+                        }
+                        if done == fast.len() {
+                            break;
+                        }
+                        assert!(
+                            tokio::time::Instant::now() < deadline,
+                            "the fast items waited for the slow one"
+                        );
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+                Ok(id)
+            }
+        })
+        .await;
+    assert_eq!(
+        results.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+        [0, 1, 2, 3, 4]
+    );
+    let record = store.read(&key(&prefix, &[&0u32])).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Completed);
+    let batches = store.batches.lock().unwrap().clone();
+    assert_eq!(
+        batches.iter().sum::<usize>() + store.singles.load(Ordering::SeqCst),
+        5,
+        "{batches:?}"
+    );
+    assert!(batches.len() >= 2, "{batches:?}");
+}
+
+/// A store whose batched settlement never answers (a hung connection), otherwise the store
+/// under test: nothing else can hold a `complete_many` forever on demand.
+struct HungBatches(SharedStore);
+
+impl Store for HungBatches {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        self.0.claim(req)
+    }
+    fn claim_many<'a>(
+        &'a self,
+        reqs: &'a [ClaimRequest],
+    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
+        self.0.claim_many(reqs)
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.0.complete(key, token, completion)
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.0.release(key, token)
+    }
+    fn complete_many<'a>(
+        &'a self,
+        _: &'a [Settlement],
+    ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
+        Box::pin(std::future::pending())
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.0.renew(key, token, lease)
+    }
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.0.read(key)
+    }
+}
+
+/// A batch dropped while its settlement hangs (the caller's timeout) still records every
+/// item's outcome: each body ran once, and each owner completes on its own in the background,
+/// so no key is left claimed and a redelivery runs nothing.
+pub async fn a_batch_dropped_while_settling_still_records_every_outcome(b: impl Backend) {
+    let store: SharedStore = Arc::new(HungBatches(b.store()));
+    let prefix = unique_prefix(&b, "batch-dropped");
+    let g = guard(&store);
+    let items = || -> Vec<(Key, u32)> { (0..6u32).map(|id| (key(&prefix, &[&id]), id)).collect() };
+    let runs = AtomicUsize::new(0);
+    let handler = |id: u32| {
+        let runs = &runs;
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, TestError>(id)
+        }
+    };
+    let dropped =
+        tokio::time::timeout(Duration::from_millis(300), g.run_batch(items(), handler)).await;
+    assert!(dropped.is_err(), "the hung settlement answered");
+    assert_eq!(runs.load(Ordering::SeqCst), 6);
+    for (k, _) in items() {
+        super::eventually(&store, &k, |r| {
+            r.as_ref()
+                .is_some_and(|r| r.state == RecordState::Completed)
+        })
+        .await;
+    }
+    let again: Vec<Result<u32, TestError>> = g.run_batch(items(), handler).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 6, "{again:?}");
 }

@@ -223,6 +223,9 @@ macro_rules! conformance_cases {
             an_operator_frees_a_stuck_key_with_its_fence,
             an_operator_unholds_a_held_key,
             an_operator_lists_the_records_of_a_prefix,
+            a_batch_is_settled_in_one_call,
+            a_slow_batch_item_does_not_hold_the_others,
+            a_batch_dropped_while_settling_still_records_every_outcome,
             an_operator_deletes_records_and_purges_a_prefix
         );
     };

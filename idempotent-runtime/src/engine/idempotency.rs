@@ -8,6 +8,7 @@ use futures_util::future::join_all;
 use tracing::Instrument;
 
 use crate::default_store::default_store;
+use crate::engine::coalesce::{Coalescing, Forget};
 use crate::engine::decide::{decide, Busy, Next, Waiting};
 use crate::engine::handler::{HandlerResult, NoDone};
 use crate::engine::operation::Operation;
@@ -19,6 +20,9 @@ use crate::policy::{default_lease, InProgress, OnLostLease, OnStoreError};
 use crate::store::{
     Claim, ClaimRequest, IntoStore, SharedStore, Token, MAX_DURATION, MIN_DURATION,
 };
+
+/// The longest a batch item's completion waits for its siblings' (see `engine/coalesce.rs`).
+const MAX_SETTLE_DELAY: Duration = Duration::from_millis(20);
 
 /// Idempotent calls without the attribute: the settings many calls share (store, ttl, lease
 /// and policies), and the calls themselves ([`run`](Idempotency::run),
@@ -230,13 +234,22 @@ impl Idempotency {
             .collect();
         let sent_at = tokio::time::Instant::now();
         let claims = PendingBatch::new(&store, &reqs).await;
+        // The items' completions and releases go to the store together.
+        let batch = Coalescing::new(
+            store,
+            reqs.iter().map(|req| req.token),
+            (lease / 10).min(MAX_SETTLE_DELAY),
+        );
         let handler = &handler;
         let runs = values
             .into_iter()
             .zip(reqs.iter().cloned())
             .zip(claims)
             .map(|((item, req), first)| {
-                let store = store.clone();
+                let forget = Forget {
+                    batch: batch.clone(),
+                    token: req.token,
+                };
                 let span = tracing::debug_span!(
                     "idempotency",
                     key = %req.key,
@@ -244,10 +257,11 @@ impl Idempotency {
                     outcome = tracing::field::Empty,
                 );
                 async move {
-                    R::from_result(
-                        self.settle_claimed(store, req, first, sent_at, item, handler)
-                            .await,
-                    )
+                    let out = self
+                        .settle_claimed(&forget, req, first, sent_at, item, handler)
+                        .await;
+                    drop(forget);
+                    R::from_result(out)
                 }
                 .instrument(span)
             });
@@ -257,7 +271,7 @@ impl Idempotency {
     /// One batch item, from its claim's outcome to its result.
     async fn settle_claimed<T, F, Fut, R>(
         &self,
-        store: SharedStore,
+        batch: &Forget,
         req: ClaimRequest,
         first: Result<Claim, StoreError>,
         sent_at: tokio::time::Instant,
@@ -270,9 +284,11 @@ impl Idempotency {
         R: HandlerResult,
     {
         let span = tracing::Span::current();
+        let store: SharedStore = batch.batch.clone();
         let claim = match owner::claim(&store, &req, first).await {
             Ok(claim) => claim,
             Err(err) => {
+                batch.batch.forget(&req.token);
                 return match self.on_store_error {
                     OnStoreError::FailOpen => {
                         tracing::warn!(error = %err, "store failed; running unguarded (fail open)");
@@ -282,11 +298,15 @@ impl Idempotency {
                         span.record("outcome", "store_error");
                         Err(Error::Store(err).into())
                     }
-                }
+                };
             }
         };
         let mut waiting = Waiting::new(self.in_progress);
-        match decide(claim, self.in_progress, &mut waiting) {
+        let next = decide(claim, self.in_progress, &mut waiting);
+        if !matches!(next, Next::Run { .. }) {
+            batch.batch.forget(&req.token);
+        }
+        match next {
             Next::Run { fence } => {
                 span.record("fence", fence);
                 let owner = Owner::new(Arc::new(Claimed::new(store, req, fence, sent_at)));

@@ -15,6 +15,7 @@
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod bound;
+mod coalesce;
 mod current;
 mod decide;
 mod handler;

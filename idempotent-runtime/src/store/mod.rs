@@ -167,6 +167,30 @@ pub trait Store: Send + Sync + 'static {
         completion: &'a Completion,
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
 
+    /// Completes or releases several records, each as [`complete`](Store::complete) or
+    /// [`release`](Store::release) would, in as few round trips as the backend allows (one
+    /// pipeline on Redis, one pipeline per node on a cluster, one statement per kind on
+    /// SQL). Each outcome is independent and comes back in the order of `items`. The engine
+    /// settles a batch's items with it ([`Idempotency::run_batch`](crate::Idempotency::run_batch)).
+    /// The default settles them one after another.
+    fn complete_many<'a>(
+        &'a self,
+        items: &'a [Settlement],
+    ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
+        Box::pin(async move {
+            let mut settled = Vec::with_capacity(items.len());
+            for item in items {
+                settled.push(match &item.action {
+                    Settle::Complete(completion) => {
+                        self.complete(&item.key, &item.token, completion).await
+                    }
+                    Settle::Release => self.release(&item.key, &item.token).await,
+                });
+            }
+            settled
+        })
+    }
+
     /// Gives the claim back if `token` still owns it: the record becomes `Released` (keeping
     /// its fence) so the next claim acquires at once. Returns `false`, changing nothing, when
     /// `token` is not the owner: no one else's claim is ever removed.
@@ -262,6 +286,58 @@ fn unsupported(what: &str) -> StoreError {
         StoreErrorKind::Protocol,
         format!("this store cannot {what}"),
     )
+}
+
+/// One write of [`Store::complete_many`]: `action` on `key`, if `token` still owns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Settlement {
+    /// The operation key.
+    pub key: Key,
+    /// The owner's token.
+    pub token: Token,
+    /// Complete or release.
+    pub action: Settle,
+}
+
+impl Settlement {
+    /// A completion of `key` by `token`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotent_runtime::store::{Settle, Settlement};
+    /// use idempotent_runtime::{Completion, Key, Token};
+    ///
+    /// let key = Key::new("order", 1, &[&7u32]).unwrap();
+    /// let done = Settlement::complete(key, Token::generate(), Completion::new(None, Duration::from_secs(60)));
+    /// assert!(matches!(done.action, Settle::Complete(_)));
+    /// ```
+    pub fn complete(key: Key, token: Token, completion: Completion) -> Settlement {
+        Settlement {
+            key,
+            token,
+            action: Settle::Complete(completion),
+        }
+    }
+
+    /// A release of `key` by `token`.
+    pub fn release(key: Key, token: Token) -> Settlement {
+        Settlement {
+            key,
+            token,
+            action: Settle::Release,
+        }
+    }
+}
+
+/// What a [`Settlement`] does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Settle {
+    /// [`Store::complete`] with this completion.
+    Complete(Completion),
+    /// [`Store::release`].
+    Release,
 }
 
 /// What [`Store::delete`] expects under the key before it removes it.
@@ -380,6 +456,12 @@ macro_rules! forward_store {
                 token: &'a Token,
             ) -> BoxFuture<'a, Result<bool, StoreError>> {
                 (**self).release(key, token)
+            }
+            fn complete_many<'a>(
+                &'a self,
+                items: &'a [Settlement],
+            ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
+                (**self).complete_many(items)
             }
             fn renew<'a>(
                 &'a self,

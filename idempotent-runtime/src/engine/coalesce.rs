@@ -1,0 +1,255 @@
+//! Settling a batch's items together: the first completion or release of each item of a
+//! batch waits, briefly, for the others, and they go to the store in one
+//! [`Store::complete_many`] (one round trip on Redis and SQL).
+//!
+//! [`Coalescing`] wraps the batch's store. An item's first `complete` or `release` joins the
+//! pending settlements; they are sent when every item of the batch has either settled or
+//! finished without settling ([`Coalescing::forget`]), or when the first of them has waited
+//! [`Coalescing::new`]'s `max_delay` (a slow sibling never holds the others' completions for
+//! longer, so their leases never come close to running out while they wait). Whoever finds
+//! the batch ready sends it, and every waiter gets its own item's answer.
+//!
+//! An item's later calls (a retried completion after a lost reply, the background retries of
+//! [`Owner`](super::owner::Owner)) go to the store directly, as every other method does. A
+//! batch whose sender is dropped mid-flight answers its waiters
+//! [`StoreErrorKind::OutcomeUnknown`]: the engine then reads the record back by token, as after
+//! any lost reply.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::{oneshot, Notify};
+
+use crate::error::{StoreError, StoreErrorKind};
+use crate::key::Key;
+use crate::store::{
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, ScanCursor, ScanPage, Settle,
+    Settlement, SharedStore, Store, Token,
+};
+
+type Answer = oneshot::Sender<Result<bool, StoreError>>;
+
+/// A batch's store: the first settlement of each item is sent with the others'.
+pub(crate) struct Coalescing {
+    inner: SharedStore,
+    max_delay: Duration,
+    state: Mutex<State>,
+    /// Wakes the waiters when the last item that could still settle went away.
+    changed: Notify,
+}
+
+struct State {
+    /// Items that may still settle through the batch.
+    waiting: HashSet<Token>,
+    pending: Vec<(Settlement, Answer)>,
+    /// When the first pending settlement arrived.
+    since: Option<tokio::time::Instant>,
+}
+
+impl Coalescing {
+    /// The store of a batch whose items own `tokens`; a settlement waits at most `max_delay`
+    /// for the others.
+    pub(crate) fn new(
+        inner: SharedStore,
+        tokens: impl IntoIterator<Item = Token>,
+        max_delay: Duration,
+    ) -> Arc<Coalescing> {
+        Arc::new(Coalescing {
+            inner,
+            max_delay,
+            state: Mutex::new(State {
+                waiting: tokens.into_iter().collect(),
+                pending: Vec::new(),
+                since: None,
+            }),
+            changed: Notify::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The item of `token` will not settle through the batch (it did not acquire its key, or
+    /// its call ended): the others stop waiting for it.
+    pub(crate) fn forget(&self, token: &Token) {
+        let mut state = self.lock();
+        if state.waiting.remove(token) && state.waiting.is_empty() && !state.pending.is_empty() {
+            drop(state);
+            self.changed.notify_waiters();
+        }
+    }
+
+    async fn settle(&self, item: Settlement) -> Result<bool, StoreError> {
+        let joined = {
+            let mut state = self.lock();
+            if state.waiting.remove(&item.token) {
+                let (tx, rx) = oneshot::channel();
+                state.pending.push((item, tx));
+                state.since.get_or_insert_with(tokio::time::Instant::now);
+                Ok(rx)
+            } else {
+                Err(item)
+            }
+        };
+        let mut answer = match joined {
+            Ok(answer) => answer,
+            Err(item) => return direct(&self.inner, &item).await,
+        };
+        loop {
+            let notified = self.changed.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            let (ready, due) = {
+                let mut state = self.lock();
+                // Set exactly while settlements are pending; none pending means this item's
+                // is on its way in another waiter's batch.
+                let due = state.since.map(|since| since + self.max_delay);
+                let ready = !state.pending.is_empty()
+                    && (state.waiting.is_empty()
+                        || due.is_some_and(|due| due <= tokio::time::Instant::now()));
+                let ready = ready.then(|| {
+                    state.since = None;
+                    std::mem::take(&mut state.pending)
+                });
+                let due = due.filter(|_| ready.is_none());
+                (ready, due)
+            };
+            if let Some(batch) = ready {
+                self.flush(batch).await;
+            }
+            let deadline = due.unwrap_or_else(tokio::time::Instant::now);
+            tokio::select! {
+                answered = &mut answer => {
+                    return answered.unwrap_or_else(|_| Err(abandoned()));
+                }
+                () = &mut notified => {}
+                () = tokio::time::sleep_until(deadline), if due.is_some() => {}
+            }
+        }
+    }
+
+    /// Sends `batch` and hands each waiter its answer.
+    async fn flush(&self, batch: Vec<(Settlement, Answer)>) {
+        let (items, answers): (Vec<Settlement>, Vec<Answer>) = batch.into_iter().unzip();
+        let settled = self.inner.complete_many(&items).await;
+        let mut settled = settled.into_iter();
+        for answer in answers {
+            // A store that answered fewer items than it was given leaves the rest unknown.
+            let _ = answer.send(settled.next().unwrap_or_else(|| Err(abandoned())));
+        }
+    }
+}
+
+fn abandoned() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::OutcomeUnknown,
+        "the batched settlement carrying this item was abandoned",
+    )
+}
+
+async fn direct(store: &SharedStore, item: &Settlement) -> Result<bool, StoreError> {
+    match &item.action {
+        Settle::Complete(completion) => store.complete(&item.key, &item.token, completion).await,
+        Settle::Release => store.release(&item.key, &item.token).await,
+    }
+}
+
+impl Store for Coalescing {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        self.inner.claim(req)
+    }
+
+    fn claim_many<'a>(
+        &'a self,
+        reqs: &'a [ClaimRequest],
+    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
+        self.inner.claim_many(reqs)
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let item = Settlement::complete(key.clone(), *token, completion.clone());
+        Box::pin(self.settle(item))
+    }
+
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(self.settle(Settlement::release(key.clone(), *token)))
+    }
+
+    fn complete_many<'a>(
+        &'a self,
+        items: &'a [Settlement],
+    ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
+        self.inner.complete_many(items)
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.renew(key, token, lease)
+    }
+
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.inner.read(key)
+    }
+
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.reopen(key, token)
+    }
+
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        cursor: &'a ScanCursor,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+        self.inner.scan(prefix, cursor, limit)
+    }
+
+    fn delete<'a>(
+        &'a self,
+        key: &'a Key,
+        expect: Expect<'a>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.delete(key, expect)
+    }
+
+    fn max_result_size(&self) -> usize {
+        self.inner.max_result_size()
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+}
+
+/// Forgets its item when dropped: the end of an item's call, however it ended.
+pub(crate) struct Forget {
+    pub(crate) batch: Arc<Coalescing>,
+    pub(crate) token: Token,
+}
+
+impl Drop for Forget {
+    fn drop(&mut self) {
+        self.batch.forget(&self.token);
+    }
+}
