@@ -19,7 +19,7 @@ use std::time::Duration;
 use conformance::{unique_namespace, Backend};
 use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::redis::{RedisStore, UnsafeConfig};
-use idempotency::store::{Expect, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
+use idempotency::store::{Expect, Settlement, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
 use idempotency::{
     Action, BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, RecordState,
     SharedStore, Store, StoreErrorKind, Token,
@@ -913,6 +913,22 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
         (
             "delete by its token",
             store.delete(key, Expect::Token(token)).await.err(),
+        ),
+        (
+            "batch completion",
+            store
+                .complete_many(&[Settlement::complete(key.clone(), *token, done.clone())])
+                .await
+                .pop()
+                .and_then(Result::err),
+        ),
+        (
+            "batch release",
+            store
+                .complete_many(&[Settlement::release(key.clone(), *token)])
+                .await
+                .pop()
+                .and_then(Result::err),
         ),
     ];
     for (op, err) in outcomes {

@@ -379,3 +379,78 @@ pub async fn a_batch_dropped_while_settling_still_records_every_outcome(b: impl 
     let again: Vec<Result<u32, TestError>> = g.run_batch(items(), handler).await;
     assert_eq!(runs.load(Ordering::SeqCst), 6, "{again:?}");
 }
+
+/// `complete_many` answers each item, in order, as the single `complete` or `release` would
+/// have: its own completion, a stale token, a completion retried by its owner, a release, a
+/// release by someone else, a key without a record, a lease that ran out but is still the
+/// owner's, and two settlements of one key (the second meets the first's outcome).
+pub async fn complete_many_answers_as_single_settlements_would(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix(&b, "settle-many");
+    let minute = Duration::from_secs(60);
+    let owned = |id: u32, lease: Duration| {
+        let store = store.clone();
+        let k = key(&prefix, &[&id]);
+        async move {
+            let r = req(&k, lease);
+            let Claim::Acquired { .. } = store.claim(&r).await.unwrap() else {
+                panic!("{k} not acquired");
+            };
+            (k, r.token)
+        }
+    };
+    let done = |result: &str| Completion::new(Some(result.as_bytes().to_vec()), minute);
+    let (k1, t1) = owned(1, minute).await;
+    let (k2, _) = owned(2, minute).await;
+    let (k3, t3) = owned(3, minute).await;
+    assert!(store.complete(&k3, &t3, &done("r3")).await.unwrap());
+    let (k4, t4) = owned(4, minute).await;
+    let (k5, _) = owned(5, minute).await;
+    let k6 = key(&prefix, &[&6u32]);
+    let (k7, t7) = owned(7, Duration::from_millis(5)).await;
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let (k8, t8) = owned(8, minute).await;
+    let stranger = Token::generate();
+    let items = vec![
+        Settlement::complete(k1.clone(), t1, done("r1")),
+        Settlement::complete(k2.clone(), stranger, done("r2")),
+        Settlement::complete(k3.clone(), t3, done("r3")),
+        Settlement::release(k4.clone(), t4),
+        Settlement::release(k5.clone(), stranger),
+        Settlement::complete(k6.clone(), stranger, done("r6")),
+        Settlement::complete(k7.clone(), t7, done("r7")),
+        Settlement::complete(k8.clone(), t8, done("r8")),
+        Settlement::release(k8.clone(), t8),
+    ];
+    let answers: Vec<bool> = store
+        .complete_many(&items)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        answers,
+        [true, false, true, true, false, false, true, true, false]
+    );
+    let state = |k: &Key| {
+        let store = store.clone();
+        let k = k.clone();
+        async move { store.read(&k).await.unwrap().map(|r| (r.state, r.result)) }
+    };
+    let completed = |r: &str| Some((RecordState::Completed, Some(r.as_bytes().to_vec())));
+    assert_eq!(state(&k1).await, completed("r1"));
+    assert!(matches!(
+        state(&k2).await,
+        Some((RecordState::InProgress { .. }, None))
+    ));
+    assert_eq!(state(&k3).await, completed("r3"));
+    assert_eq!(state(&k4).await, Some((RecordState::Released, None)));
+    assert!(matches!(
+        state(&k5).await,
+        Some((RecordState::InProgress { .. }, None))
+    ));
+    assert_eq!(state(&k6).await, None);
+    assert_eq!(state(&k7).await, completed("r7"));
+    assert_eq!(state(&k8).await, completed("r8"));
+    assert!(store.complete_many(&[]).await.is_empty());
+}

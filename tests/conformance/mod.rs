@@ -226,6 +226,7 @@ macro_rules! conformance_cases {
             a_batch_is_settled_in_one_call,
             a_slow_batch_item_does_not_hold_the_others,
             a_batch_dropped_while_settling_still_records_every_outcome,
+            complete_many_answers_as_single_settlements_would,
             an_operator_deletes_records_and_purges_a_prefix
         );
     };

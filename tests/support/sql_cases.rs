@@ -19,7 +19,7 @@ use std::time::Duration;
 use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::sql::sqlx::{self, Database};
 use idempotency::sql::{Dialect, SqlStore};
-use idempotency::store::{Expect, MAX_DURATION};
+use idempotency::store::{Expect, Settlement, MAX_DURATION};
 use idempotency::{
     BoxFuture, Claim, ClaimRequest, Completion, Error, Fingerprint, Idempotency, Key, OnError,
     RecordState, Store, StoreError, StoreErrorKind, Token,
@@ -662,6 +662,18 @@ pub async fn corrupt_records_are_reported_as_corrupt<H: Harness>(store: &SqlStor
                 store.delete(&live, Expect::Token(&owner.token)).await,
                 &what("delete by its token"),
             );
+            let settled = store
+                .complete_many(&[
+                    Settlement::complete(live.clone(), owner.token, done.clone()),
+                    Settlement::release(released.clone(), gone.token),
+                ])
+                .await;
+            for (answer, op) in settled
+                .into_iter()
+                .zip(["batch completion", "batch release"])
+            {
+                assert_corrupt(answer, &what(op));
+            }
         }
         // An operator lists both as corrupt and deletes them; the keys are free again.
         let admin = Admin::new(Arc::new(store.clone()));

@@ -14,6 +14,7 @@ use crate::store::redact::redact;
 use crate::store::Store;
 use crate::store::DEFAULT_MAX_RESULT_SIZE;
 
+use crate::store::redis::batch::SlotMap;
 use crate::store::redis::clock::ServerClock;
 use crate::store::redis::conn::{command_error, connect_error, Conn};
 use crate::store::redis::store::{Inner, RedisStore, SCRIPT, SETTLE};
@@ -202,6 +203,7 @@ impl RedisStoreBuilder {
                 // Decided below, once the server's version is known.
                 fast_claims: false,
                 clock: ServerClock::default(),
+                slots: SlotMap::default(),
                 conn,
                 script: Script::new(SCRIPT),
                 settle: Script::new(SETTLE),

@@ -70,6 +70,7 @@ use crate::error::StoreErrorKind;
 #[cfg(doc)]
 use crate::store::clamped_millis;
 
+mod batch;
 mod builder;
 mod clock;
 mod conn;

@@ -4,11 +4,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ::redis::aio::ConnectionManager;
 use ::redis::{Script, Value};
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
+use crate::store::redis::batch::{send_again, SlotMap};
 use crate::store::redis::clock::{fast_durations, Estimate, ServerClock};
 use crate::store::redis::conn::{command_error, script_error, Conn};
 use crate::store::redis::wire::{
@@ -16,7 +16,7 @@ use crate::store::redis::wire::{
 };
 use crate::store::{
     clamped_millis, BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, RecordState,
-    ScanCursor, ScanPage, Store, Token,
+    ScanCursor, ScanPage, Settle, Settlement, Store, Token,
 };
 
 pub(super) const SCRIPT: &str = include_str!("record.lua");
@@ -36,6 +36,8 @@ pub(super) struct Inner {
     /// later, not turned off).
     pub(super) fast_claims: bool,
     pub(super) clock: ServerClock,
+    /// A cluster's slots by node, for batches.
+    pub(super) slots: SlotMap,
 }
 
 /// The Redis [`Store`]. Cheap to clone: clones share one connection.
@@ -153,8 +155,8 @@ impl RedisStore {
     /// (the script was flushed) are claimed again one by one, which reloads it.
     async fn claim_pipelined(
         &self,
-        conn: &ConnectionManager,
-        reqs: &[ClaimRequest],
+        reqs: &[&ClaimRequest],
+        slot: u16,
     ) -> Vec<Result<Claim, StoreError>> {
         let invocations: Vec<_> = reqs
             .iter()
@@ -165,7 +167,7 @@ impl RedisStore {
         for invocation in &invocations {
             pipe.invoke_script(invocation);
         }
-        let replies: Vec<Value> = match pipe.query_async(&mut conn.clone()).await {
+        let replies: Vec<Value> = match self.inner.conn.pipeline(pipe, slot).await {
             Ok(replies) => replies,
             Err(err) => {
                 if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
@@ -180,14 +182,15 @@ impl RedisStore {
         let mut claims = Vec::with_capacity(reqs.len());
         let mut acquired = false;
         for (req, reply) in reqs.iter().zip(replies) {
-            let claim = match reply {
-                Value::ServerError(err)
-                    if err.kind() == Some(::redis::ServerErrorKind::NoScript) =>
-                {
+            let claim = match (send_again(&reply), reply) {
+                (Some(moved), _) => {
+                    if moved {
+                        self.inner.slots.invalidate();
+                    }
                     self.claim(req).await
                 }
-                Value::ServerError(err) => Err(script_error(&req.key, err.into())),
-                reply => decode_claim(reply),
+                (None, Value::ServerError(err)) => Err(script_error(&req.key, err.into())),
+                (None, reply) => decode_claim(reply),
             };
             acquired |= matches!(claim, Ok(Claim::Acquired { .. }));
             claims.push(claim);
@@ -311,6 +314,126 @@ impl RedisStore {
 }
 
 impl RedisStore {
+    /// The `settle.lua` call of a completion; a result larger than the store takes is
+    /// refused before it is sent.
+    fn complete_invocation<'s>(
+        &'s self,
+        key: &Key,
+        token: &Token,
+        completion: &Completion,
+    ) -> Result<::redis::ScriptInvocation<'s>, StoreError> {
+        let result: &[u8] = completion.result.as_deref().unwrap_or_default();
+        if result.len() > self.inner.max_result_size {
+            // Never sent: an argument above `proto-max-bulk-len` closes the connection.
+            return Err(StoreError::new(
+                StoreErrorKind::Rejected,
+                format!(
+                    "a result of {} bytes for `{key}` is larger than this store takes ({} bytes)",
+                    result.len(),
+                    self.inner.max_result_size
+                ),
+            ));
+        }
+        let mut invocation = self.inner.settle.prepare_invoke();
+        invocation
+            .key(key.as_bytes())
+            .arg("complete")
+            .arg(token.as_bytes())
+            .arg(clamped_millis(completion.ttl))
+            .arg(result);
+        Ok(invocation)
+    }
+
+    /// Settles `items` in one pipeline (to the node of `slot` on a cluster). Items the
+    /// server answers `NOSCRIPT`, `MOVED` and the like are sent again one by one.
+    async fn settle_pipelined(
+        &self,
+        items: &[&Settlement],
+        slot: u16,
+    ) -> Vec<Result<bool, StoreError>> {
+        let mut settled: Vec<Option<Result<bool, StoreError>>> = Vec::with_capacity(items.len());
+        let mut invocations = Vec::with_capacity(items.len());
+        for item in items {
+            let invocation = match &item.action {
+                Settle::Complete(completion) => {
+                    self.complete_invocation(&item.key, &item.token, completion)
+                }
+                Settle::Release => {
+                    let mut invocation = self.inner.settle.prepare_invoke();
+                    invocation
+                        .key(item.key.as_bytes())
+                        .arg("release")
+                        .arg(item.token.as_bytes());
+                    Ok(invocation)
+                }
+            };
+            match invocation {
+                Ok(invocation) => {
+                    invocations.push(invocation);
+                    settled.push(None);
+                }
+                Err(err) => settled.push(Some(Err(err))),
+            }
+        }
+        if !invocations.is_empty() {
+            let mut pipe = ::redis::pipe();
+            pipe.ignore_errors();
+            for invocation in &invocations {
+                pipe.invoke_script(invocation);
+            }
+            let replies = self.inner.conn.pipeline(pipe, slot).await;
+            if let Err(err) = &replies {
+                if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
+                    self.inner.recheck.store(true, Ordering::Release);
+                }
+            }
+            let mut replies = match replies {
+                Ok(replies) => replies.into_iter().map(Ok).collect::<Vec<_>>().into_iter(),
+                Err(err) => vec![Err(err); invocations.len()].into_iter(),
+            };
+            for (item, answer) in items.iter().zip(settled.iter_mut()) {
+                if answer.is_some() {
+                    continue;
+                }
+                let reply = replies.next().unwrap_or_else(|| {
+                    Err(::redis::RedisError::from((
+                        ::redis::ErrorKind::Parse,
+                        "a pipeline answered fewer replies than it was sent",
+                    )))
+                });
+                *answer = Some(match reply {
+                    Err(err) => Err(command_error(err)),
+                    Ok(reply) => match (send_again(&reply), reply) {
+                        (Some(moved), _) => {
+                            if moved {
+                                self.inner.slots.invalidate();
+                            }
+                            match &item.action {
+                                Settle::Complete(completion) => {
+                                    self.complete(&item.key, &item.token, completion).await
+                                }
+                                Settle::Release => self.release(&item.key, &item.token).await,
+                            }
+                        }
+                        (None, Value::ServerError(err)) => Err(script_error(&item.key, err.into())),
+                        (None, reply) => int(&reply).map(|n| n == 1),
+                    },
+                });
+            }
+        }
+        settled
+            .into_iter()
+            .map(|answer| {
+                answer.unwrap_or_else(|| {
+                    Err(StoreError::new(
+                        StoreErrorKind::Protocol,
+                        "no reply for a settlement",
+                    ))
+                })
+            })
+            .collect()
+    }
+
     /// Runs `settle.lua`'s token-only operation `op` (`release`, `reopen`) on `key`.
     async fn settle_by_token(
         &self,
@@ -377,15 +500,22 @@ impl Store for RedisStore {
         reqs: &'a [ClaimRequest],
     ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
         Box::pin(async move {
+            let all: Vec<&ClaimRequest> = reqs.iter().collect();
             match &self.inner.conn {
-                Conn::Single(conn) => self.claim_pipelined(conn, reqs).await,
-                // Keys of a batch live in different slots; one claim at a time.
+                Conn::Single(_) => self.claim_pipelined(&all, 0).await,
                 Conn::Cluster(_) => {
-                    let mut claims = Vec::with_capacity(reqs.len());
-                    for req in reqs {
-                        claims.push(self.claim(req).await);
-                    }
-                    claims
+                    let groups = self
+                        .inner
+                        .slots
+                        .groups(&self.inner.conn, reqs.iter().map(|req| &req.key))
+                        .await;
+                    let sent = groups.iter().map(|(slot, positions)| {
+                        let group: Vec<&ClaimRequest> =
+                            positions.iter().map(|&i| &reqs[i]).collect();
+                        async move { self.claim_pipelined(&group, *slot).await }
+                    });
+                    let answers = futures_util::future::join_all(sent).await;
+                    reassemble(reqs.len(), &groups, answers)
                 }
             }
         })
@@ -398,25 +528,7 @@ impl Store for RedisStore {
         completion: &'a Completion,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let result: &[u8] = completion.result.as_deref().unwrap_or_default();
-            if result.len() > self.inner.max_result_size {
-                // Never sent: an argument above `proto-max-bulk-len` closes the connection.
-                return Err(StoreError::new(
-                    StoreErrorKind::Rejected,
-                    format!(
-                        "a result of {} bytes for `{key}` is larger than this store takes ({} bytes)",
-                        result.len(),
-                        self.inner.max_result_size
-                    ),
-                ));
-            }
-            let mut invocation = self.inner.settle.prepare_invoke();
-            invocation
-                .key(key.as_bytes())
-                .arg("complete")
-                .arg(token.as_bytes())
-                .arg(clamped_millis(completion.ttl))
-                .arg(result);
+            let invocation = self.complete_invocation(key, token, completion)?;
             Ok(int(&self.call(key, &invocation).await?)? == 1)
         })
     }
@@ -427,6 +539,33 @@ impl Store for RedisStore {
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(self.settle_by_token("release", key, token))
+    }
+
+    /// One pipeline of `settle.lua` calls on a server, one per node on a cluster.
+    fn complete_many<'a>(
+        &'a self,
+        items: &'a [Settlement],
+    ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
+        Box::pin(async move {
+            let all: Vec<&Settlement> = items.iter().collect();
+            match &self.inner.conn {
+                Conn::Single(_) => self.settle_pipelined(&all, 0).await,
+                Conn::Cluster(_) => {
+                    let groups = self
+                        .inner
+                        .slots
+                        .groups(&self.inner.conn, items.iter().map(|item| &item.key))
+                        .await;
+                    let sent = groups.iter().map(|(slot, positions)| {
+                        let group: Vec<&Settlement> =
+                            positions.iter().map(|&i| &items[i]).collect();
+                        async move { self.settle_pipelined(&group, *slot).await }
+                    });
+                    let answers = futures_util::future::join_all(sent).await;
+                    reassemble(items.len(), &groups, answers)
+                }
+            }
+        })
     }
 
     fn renew<'a>(
@@ -569,6 +708,31 @@ impl Store for RedisStore {
             Ok(int(&self.call(key, &invocation).await?)? == 1)
         })
     }
+}
+
+/// The answers of groups of a batch (`groups`: positions in the batch), in the batch's order.
+fn reassemble<T>(
+    len: usize,
+    groups: &[(u16, Vec<usize>)],
+    answers: Vec<Vec<Result<T, StoreError>>>,
+) -> Vec<Result<T, StoreError>> {
+    let mut ordered: Vec<Option<Result<T, StoreError>>> = (0..len).map(|_| None).collect();
+    for ((_, positions), answers) in groups.iter().zip(answers) {
+        for (&position, answer) in positions.iter().zip(answers) {
+            ordered[position] = Some(answer);
+        }
+    }
+    ordered
+        .into_iter()
+        .map(|answer| {
+            answer.unwrap_or_else(|| {
+                Err(StoreError::new(
+                    StoreErrorKind::Protocol,
+                    "no reply for a batch item",
+                ))
+            })
+        })
+        .collect()
 }
 
 /// The `SCAN MATCH` pattern of every operation key with `prefix`: the prefix with the glob's

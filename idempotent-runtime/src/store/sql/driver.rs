@@ -15,7 +15,7 @@ use sqlx::{Database, Pool};
 use crate::store::sql::failure::DbFailure;
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::sql::table::TableName;
-use crate::store::{clamped_millis, BoxFuture, ClaimRequest};
+use crate::store::{clamped_millis, BoxFuture, ClaimRequest, Settle, Settlement};
 
 /// A value bound to a statement parameter.
 #[derive(Debug, Clone, Copy)]
@@ -56,12 +56,16 @@ pub struct Templates {
     pub delete: &'static str,
     /// Deletes the row of a key if it is not a readable record: parameter `key`.
     pub delete_corrupt: &'static str,
+    /// Completes and releases a batch of distinct keys in one statement; empty when the
+    /// dialect settles a batch one key at a time. It may hold a `{rows}` marker that the
+    /// driver replaces with one row of placeholders per item.
+    pub settle_many: &'static str,
     /// The claim statement for a batch of distinct keys, returning `record_key` before the
     /// record columns; empty when the dialect claims a batch one key at a time. It may hold a
     /// `{rows}` marker that the driver replaces with one row of placeholders per key.
     pub claim_many: &'static str,
-    /// Reads the live records of keys a batch claim did not take, `record_key` first; empty
-    /// when the batch statement reports them itself. It may hold a `{keys}` marker that the
+    /// Reads the live records of keys a batch claim did not take (on MySQL, that a batch
+    /// settlement did not settle), `record_key` first; empty when not needed. It may hold a `{keys}` marker that the
     /// driver replaces with one placeholder per key.
     pub seen_many: &'static str,
 }
@@ -82,9 +86,10 @@ pub struct Statements {
     pub(crate) scan: Arc<str>,
     pub(crate) delete: Arc<str>,
     pub(crate) delete_corrupt: Arc<str>,
+    pub(crate) settle_many: Arc<str>,
     #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     pub(crate) claim_many: Arc<str>,
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
     pub(crate) seen_many: Arc<str>,
 }
 
@@ -103,6 +108,7 @@ impl Statements {
             scan: render(templates.scan),
             delete: render(templates.delete),
             delete_corrupt: render(templates.delete_corrupt),
+            settle_many: render(templates.settle_many),
             claim_many: render(templates.claim_many),
             seen_many: render(templates.seen_many),
         }
@@ -193,6 +199,28 @@ pub trait Driver: Database {
         })
     }
 
+    /// The most settlements [`settle_batch`](Driver::settle_batch) sends in one statement;
+    /// zero when the dialect settles a batch one key at a time.
+    const SETTLE_BATCH: usize = 0;
+
+    /// Completes or releases `items` (distinct keys, at most
+    /// [`SETTLE_BATCH`](Driver::SETTLE_BATCH) of them, results within the statement's size)
+    /// with one statement, and reports for each item, in order, whether it settled its
+    /// record (an item that did not is answered by reading its record). Only called when
+    /// `SETTLE_BATCH` is not zero.
+    fn settle_batch<'c>(
+        conn: &'c mut Self::Connection,
+        sql: &'c Statements,
+        items: &'c [&'c Settlement],
+    ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
+        let _ = (conn, sql, items);
+        Box::pin(async {
+            Err(sqlx::Error::Protocol(
+                "this database settles a batch one key at a time".into(),
+            ))
+        })
+    }
+
     /// Executes a statement; returns the rows it matched.
     fn execute<'c>(
         conn: &'c mut Self::Connection,
@@ -250,6 +278,20 @@ pub(crate) fn ticks(duration: Duration, tick: Duration) -> i64 {
     let per_milli = (Duration::from_millis(1).as_nanos() / tick.as_nanos().max(1)).max(1);
     let ticks = u128::from(clamped_millis(duration)) * per_milli;
     i64::try_from(ticks).unwrap_or(i64::MAX)
+}
+
+/// The values a batch settlement binds for `item`: its result (`None` for a release or a
+/// completion without one), its ttl in `tick`s, and whether it completes.
+pub(crate) fn settle_args(item: &Settlement, tick: Duration) -> (Option<&[u8]>, i64, bool) {
+    match &item.action {
+        Settle::Complete(completion) => (
+            completion.result.as_deref(),
+            ticks(completion.ttl, tick),
+            true,
+        ),
+        // The ttl is not read for a release.
+        _ => (None, 1, false),
+    }
 }
 
 /// Binds `args` to `query`, in order.

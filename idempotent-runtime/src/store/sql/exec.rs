@@ -9,7 +9,7 @@ use sqlx::Database;
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
-use crate::store::{Claim, ClaimRequest, Completion, Token};
+use crate::store::{Claim, ClaimRequest, Completion, Settle, Settlement, Token};
 
 use crate::store::sql::driver::{ticks, Arg};
 use crate::store::sql::driver::{Dialect, Statements};
@@ -246,6 +246,133 @@ pub(super) async fn owned<DB: Dialect>(
         Stored::from_row(row, DB::TICK)?;
     }
     Ok(false)
+}
+
+/// The most result bytes one batch settlement statement carries: a larger batch is split,
+/// so a statement stays well within every database's packet and parameter limits.
+const SETTLE_BATCH_BYTES: usize = 4 << 20;
+
+/// Settles `items` in batch statements of distinct keys (at most [`Driver::SETTLE_BATCH`]
+/// items and [`SETTLE_BATCH_BYTES`] of results each); an item the statement did not settle
+/// is answered as a single write that matched nothing ([`owned`]: someone else's key, or
+/// [`StoreErrorKind::Corrupt`]). Later occurrences of a key, results larger than the store
+/// takes, and databases without a batch statement are settled one by one.
+pub(super) async fn complete_many_on<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    items: &[Settlement],
+    max_result_size: usize,
+) -> Vec<Result<bool, StoreError>> {
+    let mut settled: Vec<Option<Result<bool, StoreError>>> = items.iter().map(|_| None).collect();
+    let mut firsts = HashSet::with_capacity(items.len());
+    let (mut distinct, mut single) = (Vec::with_capacity(items.len()), Vec::new());
+    for (i, item) in items.iter().enumerate() {
+        if let Settle::Complete(completion) = &item.action {
+            if let Err(err) = refuse_oversized(completion, max_result_size) {
+                settled[i] = Some(Err(err));
+                continue;
+            }
+        }
+        if DB::SETTLE_BATCH > 0 && firsts.insert(item.key.as_bytes()) {
+            distinct.push(i);
+        } else {
+            single.push(i);
+        }
+    }
+    // One order for every batch, so that overlapping batches lock their rows alike.
+    distinct.sort_by(|&a, &b| items[a].key.as_bytes().cmp(items[b].key.as_bytes()));
+    let mut chunks: Vec<Vec<usize>> = Vec::new();
+    let mut bytes = 0;
+    for i in distinct {
+        let size = match &items[i].action {
+            Settle::Complete(completion) => completion.result.as_ref().map_or(0, Vec::len),
+            _ => 0,
+        };
+        match chunks.last_mut() {
+            Some(chunk) if chunk.len() < DB::SETTLE_BATCH && bytes + size <= SETTLE_BATCH_BYTES => {
+                bytes += size;
+                chunk.push(i);
+            }
+            _ => {
+                bytes = size;
+                chunks.push(vec![i]);
+            }
+        }
+    }
+    for chunk in chunks {
+        let batch: Vec<&Settlement> = chunk.iter().map(|&i| &items[i]).collect();
+        match settle_batch_on::<DB>(conn, sql, &batch).await {
+            Ok(matched) if matched.len() == chunk.len() => {
+                for (&i, matched) in chunk.iter().zip(matched) {
+                    let answer = if matched {
+                        Ok(true)
+                    } else {
+                        owned::<DB>(conn, sql, &items[i].key, 0).await
+                    };
+                    settled[i] = Some(answer);
+                }
+            }
+            Ok(_) => {
+                for &i in &chunk {
+                    settled[i] = Some(Err(StoreError::new(
+                        StoreErrorKind::Protocol,
+                        format!(
+                            "{} batch settlement did not report every key",
+                            <DB as Database>::NAME
+                        ),
+                    )));
+                }
+            }
+            Err(err) => {
+                for &i in chunk.iter().skip(1) {
+                    settled[i] = Some(Err(copy_error(&err)));
+                }
+                if let Some(&first) = chunk.first() {
+                    settled[first] = Some(Err(err));
+                }
+            }
+        }
+    }
+    for i in single {
+        let item = &items[i];
+        let answer = match &item.action {
+            Settle::Complete(completion) => {
+                complete_on::<DB>(conn, sql, &item.key, &item.token, completion, true).await
+            }
+            _ => release_on::<DB>(conn, sql, &item.key, &item.token, true).await,
+        };
+        settled[i] = Some(answer);
+    }
+    settled
+        .into_iter()
+        .map(|answer| {
+            answer.unwrap_or_else(|| {
+                Err(StoreError::new(
+                    StoreErrorKind::Protocol,
+                    "batch settlement left an item unanswered",
+                ))
+            })
+        })
+        .collect()
+}
+
+/// Sends one batch settlement statement; a statement rolled back by a conflict is sent again.
+async fn settle_batch_on<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    items: &[&Settlement],
+) -> Result<Vec<bool>, StoreError> {
+    let mut conflicts = 0;
+    loop {
+        match DB::settle_batch(conn, sql, items).await {
+            Ok(matched) => return Ok(matched),
+            Err(err) if conflicts < CONFLICT_RETRIES && is_conflict::<DB>(&err) => {
+                conflicts += 1;
+                backoff(conflicts).await;
+            }
+            Err(err) => return Err(store_error::<DB>(err, Phase::Write, "batch settlement")),
+        }
+    }
 }
 
 /// Refuses a completion whose result is larger than the store takes, before it is sent.

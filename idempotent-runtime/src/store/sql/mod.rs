@@ -102,6 +102,22 @@
 //! As for a single claim, an item whose reported record is free is claimed again on its own.
 //! A batch statement that fails fails all of its items, with the error's kind.
 //!
+//! [`Store::complete_many`] settles (completes or releases) distinct keys with one statement
+//! per 500 items (and per 4 MiB of results), in key order, on every database:
+//!
+//! - **PostgreSQL**: `UPDATE ... FROM unnest(<five bound arrays>) ... RETURNING record_key`:
+//!   each item settled as the single completion or release would, the settled keys returned.
+//! - **SQLite**: the same `UPDATE ... FROM` over a `VALUES` list of bound rows.
+//! - **MySQL / MariaDB**: a multiple-table `UPDATE ... JOIN (SELECT ? ... UNION ALL ...)` of
+//!   the in-progress records; when it changed fewer rows than it was given, one read of the
+//!   batch's records tells which items it settled (a record already completed by its token
+//!   counts as completed, as for a retried single completion).
+//!
+//! An item the statement did not settle is answered as a single write that matched nothing
+//! (`false`, or [`StoreErrorKind::Corrupt`](crate::StoreErrorKind::Corrupt) for a record it
+//! cannot read); later occurrences of a key and results larger than the store takes are
+//! settled one by one.
+//!
 //! When the record a claim reports is free although the claim did not take it (it changed
 //! between the write and the report: a concurrent first insert, a release), the claim
 //! applied nothing for its token and is sent again. Every other answer is what an atomic

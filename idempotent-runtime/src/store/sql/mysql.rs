@@ -2,6 +2,7 @@
 //! assignments, which reports an acquisition through `LAST_INSERT_ID(expr)` in the same
 //! reply; a claim that did not take the key reads the record with a locking read.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use sqlx::error::DatabaseError;
@@ -10,11 +11,11 @@ use sqlx::pool::PoolOptions;
 use sqlx::{AssertSqlSafe, Pool};
 
 use crate::store::sql::driver::{
-    statement_fns, ticks, Arg, Driver, Statements, Templates, HEADROOM,
+    settle_args, statement_fns, ticks, Arg, Driver, Statements, Templates, HEADROOM,
 };
 use crate::store::sql::failure::{sqlstate, DbFailure};
-use crate::store::sql::record::Step;
-use crate::store::{BoxFuture, ClaimRequest};
+use crate::store::sql::record::{RecordRow, Step, Stored};
+use crate::store::{BoxFuture, ClaimRequest, Settlement};
 
 /// The database's clock in microseconds since the Unix epoch, in UTC whatever the session's
 /// time zone: the fence of a key that has no record
@@ -121,6 +122,30 @@ ORDER BY record_key
 LIMIT ?"
 );
 
+/// Completes and releases a batch of in-progress records: the driver replaces the `{rows}`
+/// marker with one `SELECT ? ...` of `(key, token, result, ttl, complete?)` per item, joined
+/// by `UNION ALL`. Only in-progress records are settled (a multiple-table `UPDATE` assigns in
+/// no particular order, so no assignment may read a column another one writes): an item
+/// whose record is already settled is answered by reading its record.
+const SETTLE_MANY: &str = "\
+UPDATE idempotent_records AS r
+JOIN ({rows}) AS i ON r.record_key = i.k AND r.token = i.t
+SET r.result = IF(i.c = 1, i.res, r.result),
+    r.expires_at = IF(i.c = 1, UTC_TIMESTAMP(6) + INTERVAL i.ttl MICROSECOND, r.expires_at),
+    r.updated_at = UTC_TIMESTAMP(6),
+    r.state = IF(i.c = 1, 'completed', 'released')
+WHERE r.state = 'in_progress' AND r.fence >= 0 AND r.expires_at > UTC_TIMESTAMP(6)";
+
+/// The live records of a batch's keys, `record_key` first; the driver replaces `{keys}` with
+/// one `?` per key.
+const SEEN_MANY: &str = concat!(
+    "SELECT record_key, ",
+    listed_columns!(),
+    "
+FROM idempotent_records
+WHERE record_key IN ({keys}) AND expires_at > UTC_TIMESTAMP(6)"
+);
+
 const DELETE: &str = "\
 DELETE FROM idempotent_records
 WHERE record_key = ? AND token = ? AND expires_at > UTC_TIMESTAMP(6)
@@ -197,9 +222,11 @@ impl Driver for MySql {
         scan: SCAN,
         delete: DELETE,
         delete_corrupt: DELETE_CORRUPT,
+        settle_many: SETTLE_MANY,
         // A batch is claimed one key at a time.
         claim_many: "",
-        seen_many: "",
+        // Read after a batch settlement that did not settle every item.
+        seen_many: SEEN_MANY,
     };
     const MIGRATIONS: &'static [(i64, &'static str, &'static str)] = &[(
         1,
@@ -234,6 +261,74 @@ impl Driver for MySql {
             }
             let key = [Arg::Bytes(req.key.as_bytes())];
             Ok(Step::Seen(Self::fetch(conn, &sql.seen, &key).await?))
+        })
+    }
+
+    const SETTLE_BATCH: usize = 500;
+
+    /// One multiple-table `UPDATE`; when it changed fewer rows than it was given, the
+    /// records are read to tell which items it settled (a record of the item's token in the
+    /// state the item leaves).
+    fn settle_batch<'c>(
+        conn: &'c mut MySqlConnection,
+        sql: &'c Statements,
+        items: &'c [&'c Settlement],
+    ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
+        Box::pin(async move {
+            let first = "SELECT ? AS k, ? AS t, ? AS res, ? AS ttl, ? AS c";
+            let mut rows = String::with_capacity(items.len() * 40);
+            for i in 0..items.len() {
+                rows.push_str(if i == 0 {
+                    first
+                } else {
+                    " UNION ALL SELECT ?, ?, ?, ?, ?"
+                });
+            }
+            let settle = sql.settle_many.replace("{rows}", &rows);
+            let mut query = sqlx::query(AssertSqlSafe(settle));
+            for item in items {
+                let (result, ttl, complete) = settle_args(item, Self::TICK);
+                query = query
+                    .bind(item.key.as_bytes())
+                    .bind(&item.token.as_bytes()[..])
+                    .bind(result)
+                    .bind(ttl)
+                    .bind(i64::from(complete));
+            }
+            let changed = query.execute(&mut *conn).await?.rows_affected();
+            if changed == items.len() as u64 {
+                return Ok(vec![true; items.len()]);
+            }
+            let keys = vec!["?"; items.len()].join(", ");
+            let read = sql.seen_many.replace("{keys}", &keys);
+            let mut query = sqlx::query(AssertSqlSafe(read));
+            for item in items {
+                query = query.bind(item.key.as_bytes());
+            }
+            let mut records: HashMap<Vec<u8>, (Vec<u8>, String)> = HashMap::new();
+            for row in &query.fetch_all(&mut *conn).await? {
+                // A record that is not readable was left alone: the item is answered as
+                // corrupt by reading it again.
+                if let (key, Step::Seen(Some(record))) = RecordRow::decode_keyed(row)? {
+                    if Stored::from_row(record.clone(), Self::TICK).is_ok() {
+                        records.insert(key, (record.token, record.state));
+                    }
+                }
+            }
+            Ok(items
+                .iter()
+                .map(|item| {
+                    let left = match item.action {
+                        crate::store::Settle::Complete(_) => "completed",
+                        _ => "released",
+                    };
+                    records
+                        .get(item.key.as_bytes())
+                        .is_some_and(|(token, state)| {
+                            token.as_slice() == item.token.as_bytes() && state == left
+                        })
+                })
+                .collect())
         })
     }
 

@@ -1,7 +1,7 @@
 //! PostgreSQL: the claim is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE <free>` inside a
 //! statement that also reports the record when the claim did not take it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use sqlx::error::DatabaseError;
@@ -9,10 +9,12 @@ use sqlx::pool::PoolOptions;
 use sqlx::postgres::{PgConnection, Postgres};
 use sqlx::{AssertSqlSafe, Pool};
 
-use crate::store::sql::driver::{statement_fns, ticks, Driver, Statements, Templates, HEADROOM};
+use crate::store::sql::driver::{
+    settle_args, statement_fns, ticks, Driver, Statements, Templates, HEADROOM,
+};
 use crate::store::sql::failure::{sqlstate, DbFailure};
 use crate::store::sql::record::{RecordRow, Step};
-use crate::store::{BoxFuture, ClaimRequest};
+use crate::store::{BoxFuture, ClaimRequest, Settlement};
 
 /// The database's clock in microseconds since the Unix epoch: the fence of a key that has no
 /// record ([`next_fence`](crate::store::next_fence)). `statement_timestamp()` is one instant
@@ -178,6 +180,33 @@ ORDER BY record_key
 LIMIT $4"
 );
 
+/// Completes and releases the items of five parallel arrays (key, token, result, ttl,
+/// complete?), each as [`COMPLETE`] or [`RELEASE`] would, and returns the keys it settled.
+/// An item whose record is already completed by its token is settled again (unchanged), as a
+/// retried completion is.
+const SETTLE_MANY: &str = concat!(
+    "\
+WITH input AS (
+    SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::int8[], $5::bool[])
+        AS i(record_key, token, result, ttl, complete)
+)
+UPDATE idempotent_records AS r SET
+    result = CASE WHEN i.complete AND r.state = 'in_progress' THEN i.result ELSE r.result END,
+    expires_at = CASE WHEN i.complete AND r.state = 'in_progress'
+                      THEN statement_timestamp() + i.ttl * INTERVAL '1 microsecond'
+                      ELSE r.expires_at END,
+    updated_at = CASE WHEN r.state = 'in_progress' THEN statement_timestamp()
+                      ELSE r.updated_at END,
+    state = CASE WHEN i.complete THEN 'completed' ELSE 'released' END
+FROM input AS i
+WHERE r.record_key = i.record_key AND r.token = i.token
+  AND (r.state = 'in_progress' OR (i.complete AND r.state = 'completed'))
+  AND ",
+    readable!("r."),
+    " AND r.expires_at > statement_timestamp()
+RETURNING r.record_key"
+);
+
 const DELETE: &str = concat!(
     "DELETE FROM idempotent_records
 WHERE record_key = $1 AND token = $2 AND expires_at > statement_timestamp()
@@ -262,6 +291,7 @@ impl Driver for Postgres {
         scan: SCAN,
         delete: DELETE,
         delete_corrupt: DELETE_CORRUPT,
+        settle_many: SETTLE_MANY,
         claim_many: CLAIM_MANY,
         // The batch statement reports the records it did not take.
         seen_many: "",
@@ -338,6 +368,42 @@ impl Driver for Postgres {
             Ok(reqs
                 .iter()
                 .map(|req| seen.remove(req.key.as_bytes()).unwrap_or(Step::Seen(None)))
+                .collect())
+        })
+    }
+
+    const SETTLE_BATCH: usize = 500;
+
+    fn settle_batch<'c>(
+        conn: &'c mut PgConnection,
+        sql: &'c Statements,
+        items: &'c [&'c Settlement],
+    ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
+        Box::pin(async move {
+            let keys: Vec<&[u8]> = items.iter().map(|item| item.key.as_bytes()).collect();
+            let tokens: Vec<&[u8]> = items
+                .iter()
+                .map(|item| &item.token.as_bytes()[..])
+                .collect();
+            let (mut results, mut ttls, mut completes) = (Vec::new(), Vec::new(), Vec::new());
+            for item in items {
+                let (result, ttl, complete) = settle_args(item, Self::TICK);
+                results.push(result);
+                ttls.push(ttl);
+                completes.push(complete);
+            }
+            let settled: Vec<Vec<u8>> = sqlx::query_scalar(AssertSqlSafe(sql.settle_many.clone()))
+                .bind(&keys)
+                .bind(&tokens)
+                .bind(&results)
+                .bind(&ttls)
+                .bind(&completes)
+                .fetch_all(conn)
+                .await?;
+            let settled: HashSet<Vec<u8>> = settled.into_iter().collect();
+            Ok(items
+                .iter()
+                .map(|item| settled.contains(item.key.as_bytes()))
                 .collect())
         })
     }

@@ -1,7 +1,7 @@
 //! SQLite: the claim is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE <free> RETURNING`;
 //! a claim that did not take the key reads the record.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -11,11 +11,11 @@ use sqlx::sqlite::{Sqlite, SqliteConnectOptions, SqliteConnection, SqliteJournal
 use sqlx::{AssertSqlSafe, Pool};
 
 use crate::store::sql::driver::{
-    statement_fns, ticks, Arg, Driver, Statements, Templates, HEADROOM,
+    settle_args, statement_fns, ticks, Arg, Driver, Statements, Templates, HEADROOM,
 };
 use crate::store::sql::failure::DbFailure;
 use crate::store::sql::record::{RecordRow, Step};
-use crate::store::{BoxFuture, ClaimRequest};
+use crate::store::{BoxFuture, ClaimRequest, Settlement};
 
 /// The database's clock in milliseconds since the Unix epoch. SQLite evaluates `'now'` once
 /// per statement step, so every use in one statement sees the same instant.
@@ -202,6 +202,32 @@ ORDER BY record_key
 LIMIT ?"
 );
 
+/// Completes and releases a batch, each item as [`COMPLETE`] or [`RELEASE`] would, and
+/// returns the keys it settled; the driver replaces the `{rows}` marker with one row of
+/// `(key, token, result, ttl, complete?)` placeholders per item.
+const SETTLE_MANY: &str = concat!(
+    "UPDATE idempotent_records AS r SET
+    result = CASE WHEN i.complete = 1 AND r.state = 'in_progress' THEN i.result ELSE r.result END,
+    expires_at = CASE WHEN i.complete = 1 AND r.state = 'in_progress' THEN ",
+    now!(),
+    " + i.ttl ELSE r.expires_at END,
+    updated_at = CASE WHEN r.state = 'in_progress' THEN ",
+    now!(),
+    " ELSE r.updated_at END,
+    state = CASE WHEN i.complete = 1 THEN 'completed' ELSE 'released' END
+FROM (SELECT column1 AS record_key, column2 AS token, column3 AS result, column4 AS ttl,
+             column5 AS complete
+      FROM (VALUES {rows})) AS i
+WHERE r.record_key = i.record_key AND r.token = i.token
+  AND (r.state = 'in_progress' OR (i.complete = 1 AND r.state = 'completed'))
+  AND ",
+    readable!("r."),
+    " AND r.expires_at > ",
+    now!(),
+    "
+RETURNING record_key"
+);
+
 const DELETE: &str = concat!(
     "DELETE FROM idempotent_records WHERE record_key = ? AND token = ? AND expires_at > ",
     now!(),
@@ -302,6 +328,7 @@ impl Driver for Sqlite {
         scan: SCAN,
         delete: DELETE,
         delete_corrupt: DELETE_CORRUPT,
+        settle_many: SETTLE_MANY,
         claim_many: CLAIM_MANY,
         seen_many: SEEN_MANY,
     };
@@ -408,6 +435,35 @@ impl Driver for Sqlite {
             Ok(reqs
                 .iter()
                 .map(|req| seen.remove(req.key.as_bytes()).unwrap_or(Step::Seen(None)))
+                .collect())
+        })
+    }
+
+    const SETTLE_BATCH: usize = 500;
+
+    fn settle_batch<'c>(
+        conn: &'c mut SqliteConnection,
+        sql: &'c Statements,
+        items: &'c [&'c Settlement],
+    ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
+        Box::pin(async move {
+            let rows = vec!["(?, ?, ?, ?, ?)"; items.len()].join(", ");
+            let settle = sql.settle_many.replace("{rows}", &rows);
+            let mut query = sqlx::query_scalar(AssertSqlSafe(settle));
+            for item in items {
+                let (result, ttl, complete) = settle_args(item, Self::TICK);
+                query = query
+                    .bind(item.key.as_bytes())
+                    .bind(&item.token.as_bytes()[..])
+                    .bind(result)
+                    .bind(ttl)
+                    .bind(i64::from(complete));
+            }
+            let settled: Vec<Vec<u8>> = query.fetch_all(&mut *conn).await?;
+            let settled: HashSet<Vec<u8>> = settled.into_iter().collect();
+            Ok(items
+                .iter()
+                .map(|item| settled.contains(item.key.as_bytes()))
                 .collect())
         })
     }

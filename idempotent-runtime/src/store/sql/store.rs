@@ -12,13 +12,14 @@ use crate::key::Key;
 use crate::store::sql::driver::{ticks, Arg, Dialect, Statements};
 use crate::store::sql::error::{store_error, Phase};
 use crate::store::sql::exec::{
-    claim_many_on, claim_on, complete_on, owned, refuse_oversized, release_on, reopen_on, spread,
-    write,
+    claim_many_on, claim_on, complete_many_on, complete_on, owned, refuse_oversized, release_on,
+    reopen_on, spread, write,
 };
 use crate::store::sql::record::Stored;
 use crate::store::sql::table::TableName;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, ScanCursor, ScanPage, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, ScanCursor, ScanPage, Settlement,
+    Store, Token,
 };
 
 /// An idempotency [`Store`] on a SQL database, through an sqlx connection pool. Use it as
@@ -145,6 +146,30 @@ impl<DB: Dialect> Store for SqlStore<DB> {
         Box::pin(async move {
             let mut conn = self.acquire().await?;
             release_on::<DB>(&mut conn, &self.sql, key, token, true).await
+        })
+    }
+
+    /// On every database, one statement per (at most) 500 distinct keys; see the module
+    /// docs.
+    fn complete_many<'a>(
+        &'a self,
+        items: &'a [Settlement],
+    ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
+        Box::pin(async move {
+            match self.acquire().await {
+                Ok(mut conn) => {
+                    complete_many_on::<DB>(&mut conn, &self.sql, items, self.max_result_size).await
+                }
+                Err(err) => {
+                    let mut answers: Vec<_> = (1..items.len())
+                        .map(|_| Err(StoreError::new(err.kind(), err.to_string())))
+                        .collect();
+                    if !items.is_empty() {
+                        answers.insert(0, Err(err));
+                    }
+                    answers
+                }
+            }
         })
     }
 
