@@ -114,7 +114,7 @@
 //!   counts as completed, as for a retried single completion).
 //!
 //! An item the statement did not settle is answered as a single write that matched nothing
-//! (`false`, or [`StoreErrorKind::Corrupt`](crate::StoreErrorKind::Corrupt) for a record it
+//! (`false`, or [`StoreErrorKind::Corrupt`] for a record it
 //! cannot read); later occurrences of a key and results larger than the store takes are
 //! settled one by one.
 //!
