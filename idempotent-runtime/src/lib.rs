@@ -56,7 +56,9 @@ pub mod outbox;
 pub mod __private;
 
 pub use default_store::{default_store, set_default_store, with_default_store, AlreadySet};
-pub use engine::{current, state, Current, HandlerResult, Idempotency, Lock, LockGuard, Operation};
+pub use engine::{
+    current, state, Batch, Current, HandlerResult, Idempotency, Lock, LockGuard, Operation,
+};
 pub use error::{Action, Error, StoreError, StoreErrorKind};
 pub use key::{Key, KeyError, KeyPart};
 pub use policy::{InProgress, OnError, OnLostLease, OnStoreError};

@@ -12,7 +12,9 @@ use idempotency::{
 };
 use tokio::sync::Barrier;
 
-use super::{assert_answer, guard, key, req, same_fence, unique_prefix, Backend, TestError};
+use super::{
+    assert_answer, guard, key, req, same_fence, unique_prefix, AppError, Backend, TestError,
+};
 
 pub async fn retried_claim_by_the_same_owner_is_acquired_again(b: impl Backend) {
     let store = b.store();
@@ -453,4 +455,99 @@ pub async fn complete_many_answers_as_single_settlements_would(b: impl Backend) 
     assert_eq!(state(&k7).await, completed("r7"));
     assert_eq!(state(&k8).await, completed("r8"));
     assert!(store.complete_many(&[]).await.is_empty());
+}
+
+/// A batch built with `Idempotency::batch` treats each item as an `Operation` would: its
+/// payload fingerprint (a changed payload is a mismatch, the others replay), replayed values
+/// and stored errors (with the replay hook called per replayed item), and a business check
+/// per item (an item whose effect is applied runs nothing and its record is completed).
+pub async fn a_batch_checks_payloads_replays_and_asks_done_per_item(b: impl Backend) {
+    // Replays by key prefix: other cases run this one at the same time on other backends.
+    static REPLAYS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let replays = |prefix: &str| {
+        REPLAYS
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|p| *p == prefix)
+            .count()
+    };
+    let store = b.store();
+    let prefix = unique_prefix(&b, "batch-builder");
+    let g = guard(&store);
+    let runs = AtomicUsize::new(0);
+    let orders = |cents: [u64; 4]| -> Vec<(Key, (u32, u64))> {
+        (0..4u32)
+            .map(|id| (key(&prefix, &[&id]), (id, cents[id as usize])))
+            .collect()
+    };
+    let handler = |(id, cents): (u32, u64)| {
+        let runs = &runs;
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            if id == 3 {
+                Err(AppError::Business(format!("card declined for {cents}")))
+            } else {
+                Ok(format!("receipt-{id}-{cents}"))
+            }
+        }
+    };
+    let batch = || {
+        g.batch()
+            .fingerprint(|&(_, cents): &(u32, u64)| idempotency::Fingerprint::of(&[&cents]))
+            .replay()
+            .store_errors()
+            .on_replay(|key| REPLAYS.lock().unwrap().push(key.prefix().to_string()))
+    };
+    let first: Vec<Result<String, AppError>> = batch().run(orders([10, 20, 30, 40]), handler).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 4);
+    assert_eq!(first[0].as_ref().unwrap(), "receipt-0-10");
+    assert!(matches!(&first[3], Err(AppError::Business(_))), "{first:?}");
+
+    // The same payloads: every result, the stored error included, is replayed.
+    let replays_before = replays(&prefix);
+    let second: Vec<Result<String, AppError>> =
+        batch().run(orders([10, 20, 30, 40]), handler).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 4);
+    assert_eq!(format!("{second:?}"), format!("{first:?}"));
+    assert_eq!(replays(&prefix) - replays_before, 4);
+
+    // Item 1's payload changed: a mismatch; the others still replay.
+    let third: Vec<Result<String, AppError>> = batch().run(orders([10, 99, 30, 40]), handler).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 4);
+    assert!(
+        matches!(&third[1], Err(AppError::Idem(e)) if e.contains("PayloadMismatch")),
+        "{third:?}"
+    );
+    assert_eq!(third[2].as_ref().unwrap(), "receipt-2-30");
+
+    // A business check per item: items 0 and 2 are already applied elsewhere.
+    let fresh = unique_prefix(&b, "batch-done");
+    let items: Vec<(Key, (u32, u64))> =
+        (0..4u32).map(|id| (key(&fresh, &[&id]), (id, 1))).collect();
+    let checked = AtomicUsize::new(0);
+    let checked = &checked;
+    let out: Vec<Result<String, AppError>> = g
+        .batch()
+        .done(move |&(id, _): &(u32, u64)| async move {
+            checked.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, AppError>(id % 2 == 0)
+        })
+        .run(items, handler)
+        .await;
+    assert_eq!(checked.load(Ordering::SeqCst), 4);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        6,
+        "only items 1 and 3 ran: {out:?}"
+    );
+    for id in [0u32, 2] {
+        assert!(
+            matches!(&out[id as usize], Err(AppError::Idem(e)) if e.contains("Duplicate")),
+            "{out:?}"
+        );
+        let record = store.read(&key(&fresh, &[&id])).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed);
+    }
+    assert_eq!(out[1].as_ref().unwrap(), "receipt-1-1");
 }

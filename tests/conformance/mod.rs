@@ -227,6 +227,7 @@ macro_rules! conformance_cases {
             a_slow_batch_item_does_not_hold_the_others,
             a_batch_dropped_while_settling_still_records_every_outcome,
             complete_many_answers_as_single_settlements_would,
+            a_batch_checks_payloads_replays_and_asks_done_per_item,
             an_operator_deletes_records_and_purges_a_prefix
         );
     };

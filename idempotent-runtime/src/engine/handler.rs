@@ -72,10 +72,66 @@ where
     }
 }
 
+/// One batch item's check, started once (the batch made its future from the item before
+/// the handler took the item); later starts have no check to make.
+#[derive(Debug)]
+pub struct OnceDone<Fut>(pub(crate) Option<Fut>);
+
+impl<Fut, X> DoneCheck for OnceDone<Fut>
+where
+    Fut: Future<Output = Result<bool, X>>,
+{
+    type Error = X;
+    type Future = Fut;
+    fn start(&mut self) -> Option<Fut> {
+        self.0.take()
+    }
+}
+
+/// The business-status check of a [`Batch`](crate::Batch)'s items: the type state of a
+/// batch with ([`ItemDone`]) or without ([`NoDone`]) a check. Sealed.
+pub trait ItemCheck<T>: sealed::Sealed {
+    /// The check's error type.
+    type Error;
+    /// One item's check.
+    #[doc(hidden)]
+    type Check: DoneCheck<Error = Self::Error>;
+    /// The check of `item`.
+    #[doc(hidden)]
+    fn of(&self, item: &T) -> Self::Check;
+}
+
+impl<T> ItemCheck<T> for NoDone {
+    type Error = Error;
+    type Check = NoDone;
+    fn of(&self, _: &T) -> NoDone {
+        NoDone
+    }
+}
+
+/// A per-item business-status check installed by [`Batch::done`](crate::Batch::done).
+#[derive(Debug, Clone, Copy)]
+pub struct ItemDone<F>(pub(crate) F);
+
+impl<T, F, Fut, X> ItemCheck<T> for ItemDone<F>
+where
+    F: Fn(&T) -> Fut,
+    Fut: Future<Output = Result<bool, X>>,
+{
+    type Error = X;
+    type Check = OnceDone<Fut>;
+    fn of(&self, item: &T) -> OnceDone<Fut> {
+        OnceDone(Some((self.0)(item)))
+    }
+}
+
 mod sealed {
-    /// Keeps [`DoneCheck`](super::DoneCheck) to the engine's own two type states.
+    /// Keeps [`DoneCheck`](super::DoneCheck) and [`ItemCheck`](super::ItemCheck) to the
+    /// engine's own type states.
     pub trait Sealed {}
 
     impl Sealed for super::NoDone {}
     impl<F> Sealed for super::Done<F> {}
+    impl<F> Sealed for super::OnceDone<F> {}
+    impl<F> Sealed for super::ItemDone<F> {}
 }

@@ -1,28 +1,15 @@
 //! [`Idempotency`]: the settings shared by many calls, and batches.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::future::join_all;
-use tracing::Instrument;
-
-use crate::default_store::default_store;
-use crate::engine::coalesce::{Coalescing, Forget};
-use crate::engine::decide::{decide, Busy, Next, Waiting};
-use crate::engine::handler::{HandlerResult, NoDone};
+use crate::engine::batch::Batch;
+use crate::engine::handler::HandlerResult;
 use crate::engine::operation::Operation;
-use crate::engine::operation::{completed, own, Outcomes};
-use crate::engine::owner::{self, Claimed, Owner, PendingBatch};
-use crate::error::{Error, StoreError};
+use crate::error::Error;
 use crate::key::Key;
 use crate::policy::{default_lease, InProgress, OnLostLease, OnStoreError};
-use crate::store::{
-    Claim, ClaimRequest, IntoStore, SharedStore, Token, MAX_DURATION, MIN_DURATION,
-};
-
-/// The longest a batch item's completion waits for its siblings' (see `engine/coalesce.rs`).
-const MAX_SETTLE_DELAY: Duration = Duration::from_millis(20);
+use crate::store::{IntoStore, SharedStore, MAX_DURATION, MIN_DURATION};
 
 /// Idempotent calls without the attribute: the settings many calls share (store, ttl, lease
 /// and policies), and the calls themselves ([`run`](Idempotency::run),
@@ -170,15 +157,20 @@ impl Idempotency {
         Operation::new(self.clone(), Ok(key))
     }
 
+    /// Many calls at once, to refine and [`run`](Batch::run): claimed in one store call and
+    /// settled in one (see [`Batch`]).
+    pub fn batch<T, R: HandlerResult>(&self) -> Batch<T, R> {
+        Batch::new(self.clone())
+    }
+
     /// Runs `handler` for a batch of items, claiming all their keys with one
-    /// [`Store::claim_many`](crate::Store::claim_many) (one round trip on Redis), and settles each item by its own
-    /// outcome: results come back in input order, each what [`Operation::run`] would have
-    /// returned for that item alone. Acquired items run concurrently, each under its own lease
-    /// renewal; items held by a live owner follow the in-progress policy (with
-    /// [`InProgress::Wait`] they are claimed again one by one).
-    ///
-    /// Batches have no fingerprint, replay or business check; use [`Operation`] per item
-    /// where those are needed.
+    /// [`Store::claim_many`](crate::Store::claim_many) (one round trip on Redis) and
+    /// recording their outcomes with one [`Store::complete_many`](crate::Store::complete_many):
+    /// a shorthand for `self.batch().run(items, handler)`. Results come back in input order,
+    /// each what [`Operation::run`] would have returned for that item alone. Acquired items
+    /// run concurrently, each under its own lease renewal; items held by a live owner follow
+    /// the in-progress policy (with [`InProgress::Wait`] they are claimed again one by one).
+    /// For a fingerprint, replay or business check per item, use [`batch`](Self::batch).
     ///
     /// ```
     /// use std::{sync::Arc, time::Duration};
@@ -206,135 +198,7 @@ impl Idempotency {
         Fut: Future<Output = R>,
         R: HandlerResult,
     {
-        let store = match self
-            .check()
-            .map(|()| self.store.clone().or_else(default_store))
-        {
-            Ok(Some(store)) => store,
-            _ => {
-                // Every item fails alike, each with its own error value.
-                let error = || self.check().err().unwrap_or(Error::NoStore);
-                return items
-                    .iter()
-                    .map(|_| R::from_result(Err(error().into())))
-                    .collect();
-            }
-        };
-        let lease = self.lease_duration();
-        let (keys, values): (Vec<Key>, Vec<T>) = items.into_iter().unzip();
-        let reqs: Arc<[ClaimRequest]> = keys
-            .into_iter()
-            .map(|key| ClaimRequest {
-                key,
-                token: Token::generate(),
-                lease,
-                ttl: self.ttl,
-                fingerprint: None,
-            })
-            .collect();
-        let sent_at = tokio::time::Instant::now();
-        let claims = PendingBatch::new(&store, &reqs).await;
-        // The items' completions and releases go to the store together.
-        let batch = Coalescing::new(
-            store,
-            reqs.iter().map(|req| req.token),
-            (lease / 10).min(MAX_SETTLE_DELAY),
-        );
-        let handler = &handler;
-        let runs = values
-            .into_iter()
-            .zip(reqs.iter().cloned())
-            .zip(claims)
-            .map(|((item, req), first)| {
-                let forget = Forget {
-                    batch: batch.clone(),
-                    token: req.token,
-                };
-                let span = tracing::debug_span!(
-                    "idempotency",
-                    key = %req.key,
-                    fence = tracing::field::Empty,
-                    outcome = tracing::field::Empty,
-                );
-                async move {
-                    let out = self
-                        .settle_claimed(&forget, req, first, sent_at, item, handler)
-                        .await;
-                    drop(forget);
-                    R::from_result(out)
-                }
-                .instrument(span)
-            });
-        join_all(runs).await
-    }
-
-    /// One batch item, from its claim's outcome to its result.
-    async fn settle_claimed<T, F, Fut, R>(
-        &self,
-        batch: &Forget,
-        req: ClaimRequest,
-        first: Result<Claim, StoreError>,
-        sent_at: tokio::time::Instant,
-        item: T,
-        handler: &F,
-    ) -> Result<R::Ok, R::Err>
-    where
-        F: Fn(T) -> Fut,
-        Fut: Future<Output = R>,
-        R: HandlerResult,
-    {
-        let span = tracing::Span::current();
-        let store: SharedStore = batch.batch.clone();
-        let claim = match owner::claim(&store, &req, first).await {
-            Ok(claim) => claim,
-            Err(err) => {
-                batch.batch.forget(&req.token);
-                return match self.on_store_error {
-                    OnStoreError::FailOpen => {
-                        tracing::warn!(error = %err, "store failed; running unguarded (fail open)");
-                        handler(item).await.into_result()
-                    }
-                    _ => {
-                        span.record("outcome", "store_error");
-                        Err(Error::Store(err).into())
-                    }
-                };
-            }
-        };
-        let mut waiting = Waiting::new(self.in_progress);
-        let next = decide(claim, self.in_progress, &mut waiting);
-        if !matches!(next, Next::Run { .. }) {
-            batch.batch.forget(&req.token);
-        }
-        match next {
-            Next::Run { fence } => {
-                span.record("fence", fence);
-                let owner = Owner::new(Arc::new(Claimed::new(store, req, fence, sent_at)));
-                let outcomes = Outcomes::<R>::default();
-                own(owner, &mut NoDone, &outcomes, self.on_lost_lease, |_| {
-                    handler(item)
-                })
-                .await
-            }
-            Next::Completed { result, .. } => {
-                span.record("outcome", "completed");
-                completed(req.key, result, &Outcomes::<R>::default())
-            }
-            Next::Mismatch { .. } => Err(Error::PayloadMismatch { key: req.key }.into()),
-            Next::Busy { fence, then } => match then {
-                Busy::Skip => Err(Error::Skipped { key: req.key }.into()),
-                // Waiting for a live owner: claim again as a single call would.
-                Busy::Retry(_) => self.run(req.key, handler(item)).await.into_result(),
-                Busy::Reject => {
-                    span.record("outcome", "in_progress");
-                    Err(Error::InProgress {
-                        key: req.key,
-                        fence,
-                    }
-                    .into())
-                }
-            },
-        }
+        self.batch().run(items, handler).await
     }
 
     /// Runs `body` at most once for `key`, with these settings: a shorthand for

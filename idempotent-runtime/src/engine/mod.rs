@@ -14,6 +14,7 @@
 //! The `#[idempotent]` attribute expands to an [`Operation`].
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+mod batch;
 mod bound;
 mod coalesce;
 mod current;
@@ -25,6 +26,7 @@ mod operation;
 mod owner;
 mod watch;
 
+pub use batch::Batch;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) use bound::{run_bound, Bound, BoundCall};
 pub use current::{current, Current};
@@ -41,5 +43,7 @@ pub(crate) use operation::Outcomes;
 /// The type states of an [`Operation`]: with or without a business-status check
 /// ([`Operation::done`]). They appear in signatures only; nothing here is built by hand.
 pub mod state {
-    pub use super::handler::{Done, DoneCheck, NoDone};
+    #[doc(hidden)]
+    pub use super::handler::OnceDone;
+    pub use super::handler::{Done, DoneCheck, ItemCheck, ItemDone, NoDone};
 }

@@ -26,6 +26,14 @@ struct Codec<T> {
     decode: fn(&[u8]) -> Result<T, Error>,
 }
 
+impl<T> Clone for Codec<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Codec<T> {}
+
 /// One idempotent call: built by [`Idempotency::operation`] (or the attribute), run by
 /// [`Operation::run`].
 ///
@@ -70,7 +78,57 @@ pub(crate) struct Outcomes<R: HandlerResult> {
     on_replay: Option<fn(&Key)>,
 }
 
+impl<R: HandlerResult> Clone for Outcomes<R> {
+    fn clone(&self) -> Self {
+        Outcomes {
+            replay: self.replay,
+            errors: self.errors,
+            on_error: self.on_error,
+            on_replay: self.on_replay,
+        }
+    }
+}
+
 impl<R: HandlerResult> Outcomes<R> {
+    /// Stores `Ok` values and replays them ([`Operation::replay`]).
+    pub(crate) fn with_replay(mut self) -> Self
+    where
+        R::Ok: Serialize + DeserializeOwned,
+    {
+        self.replay = Some(Codec {
+            encode: |value| codec::encode(codec::OK, value),
+            decode: codec::decode,
+        });
+        self
+    }
+
+    /// Classifies errors ([`Operation::on_error`]).
+    pub(crate) fn with_on_error(mut self, classify: fn(&R::Err) -> OnError) -> Self {
+        self.on_error = Some(classify);
+        self
+    }
+
+    /// Stores errors and replays them ([`Operation::store_errors`]).
+    pub(crate) fn with_store_errors(mut self) -> Self
+    where
+        R::Err: Serialize + DeserializeOwned,
+    {
+        self.errors = Some(Codec {
+            encode: |err| codec::encode(codec::ERR, err),
+            decode: codec::decode,
+        });
+        if self.on_error.is_none() {
+            self.on_error = Some(|_| OnError::Store);
+        }
+        self
+    }
+
+    /// Calls `hook` on every replay ([`Operation::on_replay`]).
+    pub(crate) fn with_on_replay(mut self, hook: fn(&Key)) -> Self {
+        self.on_replay = Some(hook);
+        self
+    }
+
     /// Replays `Ok` values with the caller's own encoding (`encode` writes [`codec::OK`]
     /// first).
     #[cfg(all(
@@ -110,6 +168,25 @@ impl<R: HandlerResult> Default for Outcomes<R> {
     }
 }
 
+impl<R: HandlerResult, D> Operation<R, D> {
+    /// An operation with these settings (a batch item that waits for a live owner).
+    pub(crate) fn of_parts(
+        guard: Idempotency,
+        key: Key,
+        fingerprint: Option<Fingerprint>,
+        outcomes: Outcomes<R>,
+        done: D,
+    ) -> Operation<R, D> {
+        Operation {
+            guard,
+            key: Ok(key),
+            fingerprint,
+            outcomes,
+            done,
+        }
+    }
+}
+
 impl<R: HandlerResult> Operation<R> {
     pub(crate) fn new(guard: Idempotency, key: Result<Key, KeyError>) -> Operation<R> {
         Operation {
@@ -143,10 +220,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     where
         R::Ok: Serialize + DeserializeOwned,
     {
-        self.outcomes.replay = Some(Codec {
-            encode: |value| codec::encode(codec::OK, value),
-            decode: codec::decode,
-        });
+        self.outcomes = self.outcomes.with_replay();
         self
     }
 
@@ -165,7 +239,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     /// Decides, per handler error, what happens to the claim. Without it every error
     /// releases the claim ([`OnError::Release`]).
     pub fn on_error(mut self, classify: fn(&R::Err) -> OnError) -> Self {
-        self.outcomes.on_error = Some(classify);
+        self.outcomes = self.outcomes.with_on_error(classify);
         self
     }
 
@@ -175,13 +249,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     where
         R::Err: Serialize + DeserializeOwned,
     {
-        self.outcomes.errors = Some(Codec {
-            encode: |err| codec::encode(codec::ERR, err),
-            decode: codec::decode,
-        });
-        if self.outcomes.on_error.is_none() {
-            self.outcomes.on_error = Some(|_| OnError::Store);
-        }
+        self.outcomes = self.outcomes.with_store_errors();
         self
     }
 
@@ -216,7 +284,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     /// # }
     /// ```
     pub fn on_replay(mut self, hook: fn(&Key)) -> Self {
-        self.outcomes.on_replay = Some(hook);
+        self.outcomes = self.outcomes.with_on_replay(hook);
         self
     }
 

@@ -1,0 +1,325 @@
+//! Batches end to end: a consumer handling 100 messages with one `run_batch` against 100
+//! single calls, on Redis, PostgreSQL and MariaDB, in one process.
+//!
+//! 1. **Round trips per batch of 100.** The store's connection goes through a TCP proxy in
+//!    this process that counts round trips: a round trip is a burst of bytes from the client
+//!    after the server last answered on that connection (a pipeline, or a statement with its
+//!    parse and bind messages, is one). One task runs 10 batches of 100 fresh keys with
+//!    `Idempotency::run_batch` (a body that returns `Ok(())`), then 10 rounds of 100 single
+//!    calls (`Idempotency::run`, 100 at a time concurrently): round trips per 100 messages.
+//!    The pool's own connection checks (`SELECT 1` on PostgreSQL and MariaDB, sqlx's
+//!    default when a connection is taken from the pool) count too: they are what the
+//!    consumer's database sees.
+//! 2. **Messages per second.** Without the proxy: after a warm-up, 6 rounds of one pass of
+//!    each side (20 batches of 100, and 20 rounds of 100 concurrent single calls), the order
+//!    alternating; the median pass of each side counts.
+//!
+//! Run it with:
+//!
+//! ```text
+//! cargo bench --bench batch --features redis,postgres,mysql
+//! ```
+//!
+//! It needs Redis at `IDEMPOTENT_REDIS_URL` (default `redis://127.0.0.1:6379`), PostgreSQL at
+//! `IDEMPOTENT_POSTGRES_URL` and MariaDB at `IDEMPOTENT_MYSQL_URL` (see `tests/support`).
+//! Redis keys carry a tag unique to the run and are deleted at the end; SQL tables are
+//! scratch tables dropped at the end.
+//!
+//! Figures, for `redis`, `postgres` and `mysql`:
+//!
+//! - `<db>_batch_round_trips_per_100`: round trips of one `run_batch` of 100 (target: 2);
+//! - `<db>_single_round_trips_per_100`: round trips of 100 single calls;
+//! - `<db>_batch_msgs_per_s`, `<db>_single_msgs_per_s`, `<db>_batch_over_single`.
+
+#[path = "../tests/support/sql_tables.rs"]
+mod sql_tables;
+#[path = "support/stats.rs"]
+mod stats;
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use idempotency::sql::sqlx;
+use idempotency::sql::{Dialect, SqlStore};
+use idempotency::{Error, Idempotency, Key, RedisStore, SharedStore, Token};
+use sql_tables::{Scratch, Server};
+use stats::{figure, median, per_s};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const BATCH: usize = 100;
+
+/// A TCP proxy counting round trips (see the module docs).
+struct Counter {
+    addr: SocketAddr,
+    round_trips: Arc<AtomicUsize>,
+}
+
+impl Counter {
+    async fn start(upstream: SocketAddr) -> Result<Counter, BoxError> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let round_trips = Arc::new(AtomicUsize::new(0));
+        let counted = round_trips.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                tokio::spawn(relay(client, server, counted.clone()));
+            }
+        });
+        Ok(Counter { addr, round_trips })
+    }
+
+    fn count(&self) -> usize {
+        self.round_trips.load(Ordering::SeqCst)
+    }
+}
+
+/// Forwards both ways; a client burst after a server answer is one more round trip.
+async fn relay(client: TcpStream, server: TcpStream, round_trips: Arc<AtomicUsize>) {
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    // Whether the server answered since the client last sent.
+    let answered = Arc::new(AtomicBool::new(true));
+    let up = {
+        let answered = answered.clone();
+        async move {
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let n = match client_read.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                if answered.swap(false, Ordering::SeqCst) {
+                    round_trips.fetch_add(1, Ordering::SeqCst);
+                }
+                if server_write.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    };
+    let down = async move {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match server_read.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            answered.store(true, Ordering::SeqCst);
+            if client_write.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::join!(up, down);
+}
+
+/// `url` with its host and port replaced by `addr`.
+fn through(url: &str, addr: SocketAddr) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let (authority, path) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
+    let userinfo = authority.rsplit_once('@').map(|(u, _)| format!("{u}@"));
+    format!("{scheme}://{}{addr}/{path}", userinfo.unwrap_or_default())
+}
+
+/// The address `url` points to.
+async fn address(url: &str) -> Result<SocketAddr, BoxError> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or_default();
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let host = host.split('?').next().unwrap_or_default();
+    let mut addrs = tokio::net::lookup_host(host).await?;
+    addrs
+        .next()
+        .ok_or_else(|| format!("`{host}` resolves to no address").into())
+}
+
+struct Side {
+    guard: Idempotency,
+    run: String,
+    next: AtomicUsize,
+}
+
+impl Side {
+    fn keys(&self) -> Result<Vec<(Key, ())>, BoxError> {
+        let pass = self.next.fetch_add(1, Ordering::Relaxed);
+        (0..BATCH)
+            .map(|i| {
+                Ok((
+                    Key::new("bench:batch", 1, &[&self.run.as_str(), &pass, &i])?,
+                    (),
+                ))
+            })
+            .collect()
+    }
+
+    async fn batch(&self) -> Result<(), BoxError> {
+        let results: Vec<Result<(), Error>> = self
+            .guard
+            .run_batch(self.keys()?, |()| async { Ok(()) })
+            .await;
+        for result in results {
+            result.map_err(|e| format!("a batch item failed: {e}"))?;
+        }
+        Ok(())
+    }
+
+    async fn singles(&self) -> Result<(), BoxError> {
+        let calls = self
+            .keys()?
+            .into_iter()
+            .map(|(key, ())| self.guard.run(key, async { Ok::<(), Error>(()) }));
+        for result in join_all(calls).await {
+            result.map_err(|e| format!("a single call failed: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+async fn measure(
+    name: &str,
+    direct: SharedStore,
+    counted: SharedStore,
+    counter: &Counter,
+) -> Result<(), BoxError> {
+    // Each side's keys carry a tag of their own.
+    let side = |store: SharedStore| Side {
+        guard: Idempotency::new(Duration::from_secs(3600)).store(store),
+        run: Token::generate()
+            .as_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect(),
+        next: AtomicUsize::new(0),
+    };
+    let (fast, slow) = (side(direct), side(counted));
+    // Warm-up: connections, prepared statements, scripts.
+    slow.batch().await?;
+    slow.singles().await?;
+    let rounds = 10;
+    let before = counter.count();
+    for _ in 0..rounds {
+        slow.batch().await?;
+    }
+    let batch_trips = (counter.count() - before) as f64 / f64::from(rounds);
+    let before = counter.count();
+    for _ in 0..rounds {
+        slow.singles().await?;
+    }
+    let single_trips = (counter.count() - before) as f64 / f64::from(rounds);
+
+    fast.batch().await?;
+    fast.singles().await?;
+    let passes = 20;
+    let (mut batches, mut singles) = (Vec::new(), Vec::new());
+    for round in 0..6 {
+        for turn in 0..2 {
+            let start = Instant::now();
+            if (round + turn) % 2 == 0 {
+                for _ in 0..passes {
+                    fast.batch().await?;
+                }
+                batches.push(per_s(passes * BATCH, start.elapsed()));
+            } else {
+                for _ in 0..passes {
+                    fast.singles().await?;
+                }
+                singles.push(per_s(passes * BATCH, start.elapsed()));
+            }
+        }
+    }
+    let (batch, single) = (median(&batches), median(&singles));
+    figure(&format!("{name}_batch_round_trips_per_100"), batch_trips, 1);
+    figure(
+        &format!("{name}_single_round_trips_per_100"),
+        single_trips,
+        1,
+    );
+    figure(&format!("{name}_batch_msgs_per_s"), batch, 0);
+    figure(&format!("{name}_single_msgs_per_s"), single, 0);
+    figure(&format!("{name}_batch_over_single"), batch / single, 2);
+    Ok(())
+}
+
+async fn redis() -> Result<(), BoxError> {
+    let url =
+        std::env::var("IDEMPOTENT_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let counter = Counter::start(address(&url).await?).await?;
+    let direct = Arc::new(RedisStore::connect(&url).await?);
+    let counted = Arc::new(RedisStore::connect(&through(&url, counter.addr)).await?);
+    measure("redis", direct, counted, &counter).await?;
+    // The keys of the run expire in an hour; remove them now.
+    let client = redis::Client::open(url.as_str())?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let mut cursor = 0u64;
+    loop {
+        let (next, keys): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg("bench:batch:v1:*")
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await?;
+        if !keys.is_empty() {
+            let _: () = redis::cmd("DEL").arg(keys).query_async(&mut conn).await?;
+        }
+        if next == 0 {
+            return Ok(());
+        }
+        cursor = next;
+    }
+}
+
+async fn sql<DB: Dialect>(name: &str, server: Server) -> Result<(), BoxError> {
+    let table = Scratch::table(server);
+    let counter = Counter::start(address(table.url()).await?).await?;
+    let build = |url: String| {
+        let table = table.name().to_string();
+        async move {
+            SqlStore::<DB>::builder(&url)
+                .table(table)
+                .max_connections(8)
+                .build()
+                .await
+        }
+    };
+    let direct = Arc::new(build(table.url().to_string()).await?);
+    let counted = Arc::new(build(through(table.url(), counter.addr)).await?);
+    measure(name, direct, counted, &counter).await
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> ExitCode {
+    let mut failed = false;
+    let runs = [
+        ("redis", redis().await),
+        (
+            "postgres",
+            sql::<sqlx::Postgres>("postgres", Server::Postgres).await,
+        ),
+        ("mysql", sql::<sqlx::MySql>("mysql", Server::MySql).await),
+    ];
+    for (name, run) in runs {
+        if let Err(err) = run {
+            eprintln!("{name}: {err}");
+            failed = true;
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
