@@ -87,7 +87,10 @@ pub struct Statements {
     pub(crate) delete: Arc<str>,
     pub(crate) delete_corrupt: Arc<str>,
     pub(crate) settle_many: Arc<str>,
-    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+        allow(dead_code)
+    )]
     pub(crate) claim_many: Arc<str>,
     #[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
     pub(crate) seen_many: Arc<str>,

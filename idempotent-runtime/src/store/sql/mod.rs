@@ -97,7 +97,10 @@
 //! - **SQLite**: per 500 keys, the claim statement over a `VALUES` list of bound rows, then
 //!   one read of the keys it did not take (two statements on one connection, in autocommit
 //!   like the single claim: SQLite has one writer at a time and no round trips).
-//! - **MySQL / MariaDB**: one claim per key, on one connection at a time.
+//! - **MySQL / MariaDB**: per 500 keys, the claim statement with one `VALUES` row per key
+//!   (each row's `ON DUPLICATE KEY UPDATE` tests and takes its own record, as the single
+//!   claim does), then one read of the batch's records: a record in progress with the item's
+//!   token is its acquisition.
 //!
 //! As for a single claim, an item whose reported record is free is claimed again on its own.
 //! A batch statement that fails fails all of its items, with the error's kind.

@@ -41,6 +41,46 @@ macro_rules! free {
     };
 }
 
+/// One row of the claim's `VALUES`: key, prefix, token, lease, fingerprint, ttl.
+macro_rules! claim_row {
+    () => {
+        concat!(
+            "(?, ?, ?, LAST_INSERT_ID(",
+            clock_fence!(),
+            "), 'in_progress',
+        UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, NULL, ?,
+        UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)"
+        )
+    };
+}
+
+/// The `ON DUPLICATE KEY UPDATE` of both claims (see [`CLAIM`]).
+macro_rules! take_if_free {
+    () => {
+        concat!(
+            "ON DUPLICATE KEY UPDATE
+    fence = IF(",
+            free!(),
+            ",
+               LAST_INSERT_ID(IF(expires_at <= UTC_TIMESTAMP(6),
+                                 GREATEST(fence + 1, ",
+            clock_fence!(),
+            "),
+                                 fence + 1)),
+               fence + CAST(LAST_INSERT_ID(0) AS SIGNED)),
+    created_at = IF(LAST_INSERT_ID() <> 0 AND expires_at <= UTC_TIMESTAMP(6),
+                    VALUES(created_at), created_at),
+    token = IF(LAST_INSERT_ID() <> 0, VALUES(token), token),
+    result = IF(LAST_INSERT_ID() <> 0, NULL, result),
+    updated_at = IF(LAST_INSERT_ID() <> 0, VALUES(updated_at), updated_at),
+    lease_until = IF(LAST_INSERT_ID() <> 0, VALUES(lease_until), lease_until),
+    fingerprint = IF(LAST_INSERT_ID() <> 0, VALUES(fingerprint), fingerprint),
+    expires_at = IF(LAST_INSERT_ID() <> 0, VALUES(expires_at), expires_at),
+    state = IF(LAST_INSERT_ID() <> 0, 'in_progress', state)"
+        )
+    };
+}
+
 /// Takes the key when its record is free (absent, expired, released, or in progress with a
 /// run-out lease and no other payload); leaves any other record unchanged.
 ///
@@ -65,31 +105,31 @@ const CLAIM: &str = concat!(
 INSERT INTO idempotent_records
     (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
      created_at, updated_at, expires_at)
-VALUES (?, ?, ?, LAST_INSERT_ID(",
-    clock_fence!(),
-    "), 'in_progress',
-        UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, NULL, ?,
-        UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)
-ON DUPLICATE KEY UPDATE
-    fence = IF(",
-    free!(),
-    ",
-               LAST_INSERT_ID(IF(expires_at <= UTC_TIMESTAMP(6),
-                                 GREATEST(fence + 1, ",
-    clock_fence!(),
-    "),
-                                 fence + 1)),
-               fence + CAST(LAST_INSERT_ID(0) AS SIGNED)),
-    created_at = IF(LAST_INSERT_ID() <> 0 AND expires_at <= UTC_TIMESTAMP(6),
-                    VALUES(created_at), created_at),
-    token = IF(LAST_INSERT_ID() <> 0, VALUES(token), token),
-    result = IF(LAST_INSERT_ID() <> 0, NULL, result),
-    updated_at = IF(LAST_INSERT_ID() <> 0, VALUES(updated_at), updated_at),
-    lease_until = IF(LAST_INSERT_ID() <> 0, VALUES(lease_until), lease_until),
-    fingerprint = IF(LAST_INSERT_ID() <> 0, VALUES(fingerprint), fingerprint),
-    expires_at = IF(LAST_INSERT_ID() <> 0, VALUES(expires_at), expires_at),
-    state = IF(LAST_INSERT_ID() <> 0, 'in_progress', state)"
+VALUES ",
+    claim_row!(),
+    "
+",
+    take_if_free!()
 );
+
+/// The claim of a batch of distinct keys: [`CLAIM`] with one row per key (the driver
+/// replaces `{rows}` with [`CLAIM_ROW`] once per key). Each row's `ON DUPLICATE KEY UPDATE`
+/// makes its own "free" test with its first assignment, which sets `LAST_INSERT_ID()` for
+/// that row's later assignments, exactly as for a single claim. The statement reports
+/// nothing per row: the driver reads the batch's records after it ([`SEEN_MANY`]), and a
+/// record that holds the item's token in progress is the item's acquisition.
+const CLAIM_MANY: &str = concat!(
+    "\
+INSERT INTO idempotent_records
+    (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
+     created_at, updated_at, expires_at)
+VALUES {rows}
+",
+    take_if_free!()
+);
+
+/// One row of [`CLAIM_MANY`].
+const CLAIM_ROW: &str = claim_row!();
 
 /// The record columns, then how long the record has been in its state and how long it has
 /// left, in microseconds.
@@ -223,9 +263,9 @@ impl Driver for MySql {
         delete: DELETE,
         delete_corrupt: DELETE_CORRUPT,
         settle_many: SETTLE_MANY,
-        // A batch is claimed one key at a time.
-        claim_many: "",
-        // Read after a batch settlement that did not settle every item.
+        claim_many: CLAIM_MANY,
+        // Read after a batch claim, and after a batch settlement that did not settle every
+        // item.
         seen_many: SEEN_MANY,
     };
     const MIGRATIONS: &'static [(i64, &'static str, &'static str)] = &[(
@@ -261,6 +301,48 @@ impl Driver for MySql {
             }
             let key = [Arg::Bytes(req.key.as_bytes())];
             Ok(Step::Seen(Self::fetch(conn, &sql.seen, &key).await?))
+        })
+    }
+
+    const BATCH: usize = 500;
+
+    /// One multi-row claim, then one read of the batch's records: a record in progress with
+    /// the item's token is its acquisition, any other is reported as the single claim reports
+    /// the record it did not take.
+    fn claim_batch<'c>(
+        conn: &'c mut MySqlConnection,
+        sql: &'c Statements,
+        reqs: &'c [&'c ClaimRequest],
+    ) -> BoxFuture<'c, Result<Vec<Step>, sqlx::Error>> {
+        Box::pin(async move {
+            let rows = vec![CLAIM_ROW; reqs.len()].join(", ");
+            let claim = sql.claim_many.replace("{rows}", &rows);
+            let mut query = sqlx::query(AssertSqlSafe(claim));
+            for req in reqs {
+                query = query
+                    .bind(req.key.as_bytes())
+                    .bind(req.key.prefix())
+                    .bind(&req.token.as_bytes()[..])
+                    .bind(ticks(req.lease, Self::TICK))
+                    .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
+                    .bind(ticks(req.ttl.max(req.lease), Self::TICK));
+            }
+            query.execute(&mut *conn).await?;
+            let keys = vec!["?"; reqs.len()].join(", ");
+            let read = sql.seen_many.replace("{keys}", &keys);
+            let mut query = sqlx::query(AssertSqlSafe(read));
+            for req in reqs {
+                query = query.bind(req.key.as_bytes());
+            }
+            let mut seen = HashMap::with_capacity(reqs.len());
+            for row in &query.fetch_all(&mut *conn).await? {
+                let (key, step) = RecordRow::decode_keyed(row)?;
+                seen.insert(key, step);
+            }
+            Ok(reqs
+                .iter()
+                .map(|req| seen.remove(req.key.as_bytes()).unwrap_or(Step::Seen(None)))
+                .collect())
         })
     }
 

@@ -55,7 +55,10 @@ impl RecordRow {
     /// Decodes a batch row: the `record_key` column, then the six record columns. A record
     /// whose columns do not decode is that key's answer ([`Step::Unreadable`]), not the
     /// batch's.
-    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+        allow(dead_code)
+    )]
     pub(crate) fn decode_keyed<R>(row: &R) -> Result<(Vec<u8>, Step), sqlx::Error>
     where
         R: Row,
@@ -178,7 +181,10 @@ pub enum Step {
     /// when there was no live record to report.
     Seen(Option<RecordRow>),
     /// The key's record row, whose columns did not decode (a batch reports it per key).
-    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+        allow(dead_code)
+    )]
     Unreadable(sqlx::Error),
 }
 

@@ -105,7 +105,7 @@ impl<DB: Dialect> Store for SqlStore<DB> {
     }
 
     /// On PostgreSQL and SQLite, one claim statement per (at most) 500 distinct keys; see
-    /// the module docs. On MySQL / MariaDB, one claim per key.
+    /// the module docs. On MySQL / MariaDB too, one multi-row claim and one read.
     fn claim_many<'a>(
         &'a self,
         reqs: &'a [ClaimRequest],
