@@ -2,14 +2,15 @@
 //! single calls, on Redis, PostgreSQL and MariaDB, in one process.
 //!
 //! 1. **Round trips per batch of 100.** The store's connection goes through a TCP proxy in
-//!    this process that counts round trips: a round trip is a burst of bytes from the client
-//!    after the server last answered on that connection (a pipeline, or a statement with its
-//!    parse and bind messages, is one). One task runs 10 batches of 100 fresh keys with
-//!    `Idempotency::run_batch` (a body that returns `Ok(())`), then 10 rounds of 100 single
-//!    calls (`Idempotency::run`, 100 at a time concurrently): round trips per 100 messages.
-//!    The pool's own connection checks (`SELECT 1` on PostgreSQL and MariaDB, sqlx's
-//!    default when a connection is taken from the pool) count too: they are what the
-//!    consumer's database sees.
+//!    this process that counts client bursts: bytes from the client after the server last
+//!    sent something on that connection (a Redis pipeline is one). One task runs 10 batches
+//!    of 100 fresh keys with `Idempotency::run_batch` (a body that returns `Ok(())`), then 10
+//!    rounds of 100 single calls (`Idempotency::run`, 100 at a time concurrently): bursts per
+//!    100 messages. The SQL pool's connection checks (sqlx pings a connection each time it is
+//!    taken from the pool, its default) count too, and sqlx's statements show as two bursts
+//!    each on PostgreSQL and MariaDB (400 for 200 statements with the checks off), so the
+//!    SQL figures are also given through a pool without the checks, and on MariaDB the
+//!    statements themselves are counted by the server (`Questions`).
 //! 2. **Messages per second.** Without the proxy: after a warm-up, 6 rounds of one pass of
 //!    each side (20 batches of 100, and 20 rounds of 100 concurrent single calls), the order
 //!    alternating; the median pass of each side counts.
@@ -27,8 +28,13 @@
 //!
 //! Figures, for `redis`, `postgres` and `mysql`:
 //!
-//! - `<db>_batch_round_trips_per_100`: round trips of one `run_batch` of 100 (target: 2);
-//! - `<db>_single_round_trips_per_100`: round trips of 100 single calls;
+//! - `<db>_batch_round_trips_per_100`: bursts of one `run_batch` of 100 (target: 2 round
+//!   trips: one claim, one settlement);
+//! - `<db>_single_round_trips_per_100`: bursts of 100 single calls;
+//! - `postgres_` and `mysql_batch_round_trips_per_100_unchecked_pool`, `..._single_...`:
+//!   the same through a pool that does not ping connections;
+//! - `mysql_batch_statements_per_100`, `mysql_single_statements_per_100`: statements the
+//!   server received;
 //! - `<db>_batch_msgs_per_s`, `<db>_single_msgs_per_s`, `<db>_batch_over_single`.
 
 #[path = "../tests/support/sql_tables.rs"]
@@ -187,23 +193,14 @@ impl Side {
     }
 }
 
-async fn measure(
-    name: &str,
-    direct: SharedStore,
-    counted: SharedStore,
-    counter: &Counter,
-) -> Result<(), BoxError> {
-    // Each side's keys carry a tag of their own.
-    let side = |store: SharedStore| Side {
+/// Round trips of a batch of 100 and of 100 single calls on `store` (whose connections go
+/// through `counter`), per 100 messages.
+async fn round_trips(store: SharedStore, counter: &Counter) -> Result<(f64, f64), BoxError> {
+    let slow = Side {
         guard: Idempotency::new(Duration::from_secs(3600)).store(store),
-        run: Token::generate()
-            .as_bytes()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect(),
+        run: tag(),
         next: AtomicUsize::new(0),
     };
-    let (fast, slow) = (side(direct), side(counted));
     // Warm-up: connections, prepared statements, scripts.
     slow.batch().await?;
     slow.singles().await?;
@@ -212,13 +209,36 @@ async fn measure(
     for _ in 0..rounds {
         slow.batch().await?;
     }
-    let batch_trips = (counter.count() - before) as f64 / f64::from(rounds);
+    let batch = (counter.count() - before) as f64 / f64::from(rounds);
     let before = counter.count();
     for _ in 0..rounds {
         slow.singles().await?;
     }
-    let single_trips = (counter.count() - before) as f64 / f64::from(rounds);
+    let single = (counter.count() - before) as f64 / f64::from(rounds);
+    Ok((batch, single))
+}
 
+/// A key part unique to one side of one run.
+fn tag() -> String {
+    Token::generate()
+        .as_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+async fn measure(
+    name: &str,
+    direct: SharedStore,
+    counted: SharedStore,
+    counter: &Counter,
+) -> Result<(), BoxError> {
+    let (batch_trips, single_trips) = round_trips(counted, counter).await?;
+    let fast = Side {
+        guard: Idempotency::new(Duration::from_secs(3600)).store(direct),
+        run: tag(),
+        next: AtomicUsize::new(0),
+    };
     fast.batch().await?;
     fast.singles().await?;
     let passes = 20;
@@ -282,6 +302,45 @@ async fn redis() -> Result<(), BoxError> {
     }
 }
 
+/// The statements MariaDB's clients sent so far, server-wide (`Questions`; pings are not
+/// counted). The query itself counts one.
+async fn statements(url: &str) -> Result<u64, BoxError> {
+    use sqlx::Connection as _;
+    let mut conn = sqlx::MySqlConnection::connect(url).await?;
+    let (_, n): (String, String) = sqlx::query_as("SHOW GLOBAL STATUS LIKE 'Questions'")
+        .fetch_one(&mut conn)
+        .await?;
+    Ok(n.parse()?)
+}
+
+/// Statements per batch of 100 and per 100 single calls on `store`, from the server's
+/// counters (other clients of the server during the run skew them).
+async fn statement_counts(store: SharedStore, url: &str) -> Result<(f64, f64), BoxError> {
+    let side = Side {
+        guard: Idempotency::new(Duration::from_secs(3600)).store(store),
+        run: tag(),
+        next: AtomicUsize::new(0),
+    };
+    side.batch().await?;
+    side.singles().await?;
+    let rounds = 10u32;
+    let count = |before: u64, after: u64| {
+        // The counting query itself, once per reading.
+        (after.saturating_sub(before).saturating_sub(1)) as f64 / f64::from(rounds)
+    };
+    let before = statements(url).await?;
+    for _ in 0..rounds {
+        side.batch().await?;
+    }
+    let batch = count(before, statements(url).await?);
+    let before = statements(url).await?;
+    for _ in 0..rounds {
+        side.singles().await?;
+    }
+    let single = count(before, statements(url).await?);
+    Ok((batch, single))
+}
+
 async fn sql<DB: Dialect>(name: &str, server: Server) -> Result<(), BoxError> {
     let table = Scratch::table(server);
     let counter = Counter::start(address(table.url()).await?).await?;
@@ -297,7 +356,40 @@ async fn sql<DB: Dialect>(name: &str, server: Server) -> Result<(), BoxError> {
     };
     let direct = Arc::new(build(table.url().to_string()).await?);
     let counted = Arc::new(build(through(table.url(), counter.addr)).await?);
-    measure(name, direct, counted, &counter).await
+    // MariaDB counts the statements clients send (`Questions`) at once; PostgreSQL's
+    // counters are reported by its backends late and in bulk.
+    let statements = match server {
+        Server::MySql => Some(statement_counts(direct.clone(), table.url()).await?),
+        Server::Postgres => None,
+    };
+    measure(name, direct, counted, &counter).await?;
+    if let Some((batch, single)) = statements {
+        figure(&format!("{name}_batch_statements_per_100"), batch, 1);
+        figure(&format!("{name}_single_statements_per_100"), single, 1);
+    }
+    // The same through a pool that does not check a connection each time it is taken
+    // (sqlx's `test_before_acquire(false)`): the store's own statements alone.
+    let pool = sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(8)
+        .test_before_acquire(false)
+        .connect(&through(table.url(), counter.addr))
+        .await?;
+    let unchecked = SqlStore::<DB>::from_pool(pool)
+        .table(table.name().to_string())
+        .build()
+        .await?;
+    let (batch, single) = round_trips(Arc::new(unchecked), &counter).await?;
+    figure(
+        &format!("{name}_batch_round_trips_per_100_unchecked_pool"),
+        batch,
+        1,
+    );
+    figure(
+        &format!("{name}_single_round_trips_per_100_unchecked_pool"),
+        single,
+        1,
+    );
+    Ok(())
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

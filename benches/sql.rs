@@ -51,6 +51,11 @@
 //! - `postgres_tx_seed_ops_per_s`, `postgres_tx_framework_ops_per_s`: median transactions per
 //!   second; `postgres_tx_ratio`, framework over seed. Both commit once per operation, so the
 //!   ratio shows the cost of the store's statements inside one transaction.
+//! - `postgres_async_claims_seed_ops_per_s`, `postgres_async_claims_framework_ops_per_s`,
+//!   `postgres_async_claims_ratio_vs_seed_design`: the seed design against the framework on a
+//!   store with `asynchronous_claims(true)` (claims commit without waiting for the WAL flush;
+//!   completions stay durable), 6 more rounds of the two taking turns. The seed design's
+//!   statements commit durably.
 //!
 //! Needs PostgreSQL at `IDEMPOTENT_POSTGRES_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/test`) and MariaDB at `IDEMPOTENT_MYSQL_URL` (default
@@ -386,6 +391,9 @@ struct Bench<DB: Db> {
     seed_table: String,
     /// On PostgreSQL, for the transaction passes.
     business: Option<Business>,
+    /// On PostgreSQL, the framework on a store of the same table whose claims commit
+    /// asynchronously (`SqlStoreBuilder::asynchronous_claims`).
+    async_guard: Option<Idempotency>,
     /// The store's, the seed design's and the business tables, dropped with the bench.
     _tables: Vec<Scratch>,
 }
@@ -422,6 +430,18 @@ impl<DB: Db> Bench<DB> {
         let guard = Idempotency::new(TTL)
             .lease(LEASE)
             .store(Arc::new(store.clone()));
+        let async_guard = if business.is_some() {
+            let store = SqlStore::<DB>::builder(tables[0].url())
+                .table(tables[0].name().to_string())
+                .max_connections(POOL)
+                .asynchronous_claims(true)
+                .build()
+                .await
+                .unwrap();
+            Some(Idempotency::new(TTL).lease(LEASE).store(Arc::new(store)))
+        } else {
+            None
+        };
         let sql = Statements {
             claim: store.statements().claim().into(),
             complete: store.statements().complete().into(),
@@ -434,6 +454,7 @@ impl<DB: Db> Bench<DB> {
             sql,
             seed_table,
             business,
+            async_guard,
             _tables: tables,
         })
     }
@@ -543,6 +564,44 @@ impl Bench<sqlx::Postgres> {
         }
     }
 
+    /// One pass of the framework on the store with asynchronous claims (PostgreSQL).
+    async fn async_pass(self: &Arc<Self>, ops: usize, run: usize) -> f64 {
+        self.empty(self.store.table()).await;
+        drive(self, ops, run, |b, key, _| async move {
+            let guard = b.async_guard.as_ref().unwrap();
+            let out: Result<(), Error> = guard.run(key, async { Ok(()) }).await;
+            out.unwrap();
+        })
+        .await
+    }
+
+    /// The seed design against the framework with asynchronous claims: a warm-up, then
+    /// `ROUNDS` rounds, the two taking turns going first; returns the medians (seed, async).
+    async fn async_rounds(self: &Arc<Self>, run: &mut usize) -> [f64; 2] {
+        *run += 1;
+        self.pass(Side::Seed, WARMUP_OPS, *run).await;
+        *run += 1;
+        self.async_pass(WARMUP_OPS, *run).await;
+        let (mut seeds, mut asyncs) = (Vec::new(), Vec::new());
+        for round in 0..ROUNDS {
+            for turn in 0..2 {
+                *run += 1;
+                if (round + turn) % 2 == 0 {
+                    seeds.push(self.pass(Side::Seed, OPS, *run).await);
+                } else {
+                    asyncs.push(self.async_pass(OPS, *run).await);
+                }
+            }
+            println!(
+                "postgres async-claim round {}: seed {:.0}, framework_async {:.0} ops/s",
+                round + 1,
+                seeds[round],
+                asyncs[round]
+            );
+        }
+        [median(&seeds), median(&asyncs)]
+    }
+
     /// Warm-up, then `ROUNDS` alternating rounds; returns the medians, in `TX_SIDES`' order.
     async fn tx_rounds(self: &Arc<Self>, run: &mut usize) -> [f64; 2] {
         for side in TX_SIDES {
@@ -626,6 +685,7 @@ fn main() {
         let bench = Bench::<sqlx::Postgres>::open(Server::Postgres, true).await;
         let postgres = bench.rounds("postgres", &mut run).await;
         let [tx_seed, tx_framework] = bench.tx_rounds(&mut run).await;
+        let [async_seed, async_framework] = bench.async_rounds(&mut run).await;
         bench.store.pool().close().await;
         drop(bench);
         let bench = Bench::<sqlx::MySql>::open(Server::MySql, false).await;
@@ -642,5 +702,16 @@ fn main() {
         figure("postgres_tx_seed_ops_per_s", tx_seed, 0);
         figure("postgres_tx_framework_ops_per_s", tx_framework, 0);
         figure("postgres_tx_ratio", tx_framework / tx_seed, 3);
+        figure("postgres_async_claims_seed_ops_per_s", async_seed, 0);
+        figure(
+            "postgres_async_claims_framework_ops_per_s",
+            async_framework,
+            0,
+        );
+        figure(
+            "postgres_async_claims_ratio_vs_seed_design",
+            async_framework / async_seed,
+            3,
+        );
     });
 }

@@ -582,3 +582,87 @@ async fn database_outage_fails_closed_and_processing_resumes() {
         assert_eq!(record.state, RecordState::Completed, "{order}");
     }
 }
+
+/// The conformance suite on a store whose claims commit asynchronously: every rule holds.
+mod asynchronous_claims {
+    use super::*;
+
+    async fn postgres_async() -> Postgres {
+        let table = Scratch::table(Server::Postgres);
+        let store = PostgresStore::builder(table.url())
+            .table(table.name().to_string())
+            .asynchronous_claims(true)
+            .build()
+            .await
+            .unwrap();
+        Postgres {
+            store: Arc::new(store),
+            _table: table,
+        }
+    }
+
+    conformance_suite!(postgres_async);
+
+    /// Only the autocommit claim turns `synchronous_commit` off, for its own transaction:
+    /// the next statement on the same connection (a completion) runs with the server's
+    /// setting, and a claim inside the caller's transaction leaves that transaction's
+    /// setting alone.
+    #[tokio::test]
+    async fn only_the_claim_commits_asynchronously() {
+        let table = Scratch::table(Server::Postgres);
+        let pool = sqlx::pool::PoolOptions::<sqlx::Postgres>::new()
+            .max_connections(1)
+            .connect(table.url())
+            .await
+            .unwrap();
+        let store = PostgresStore::from_pool(pool.clone())
+            .table(table.name().to_string())
+            .asynchronous_claims(true)
+            .build()
+            .await
+            .unwrap();
+        assert!(store
+            .statements()
+            .claim()
+            .contains("set_config('synchronous_commit'"));
+        let show = || async {
+            let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            setting
+        };
+        let server = show().await;
+        assert_ne!(server, "off", "the server itself commits asynchronously");
+        let key = Key::new(&format!("{}:async", table.name()), 1, &[&1u8]).unwrap();
+        let owner = req(&key, Duration::from_secs(60), Duration::from_secs(60));
+        acquired(store.claim(&owner).await);
+        // One connection: the claim ran on the connection `show` reads now.
+        assert_eq!(show().await, server);
+        let done = idempotency::Completion::new(None, Duration::from_secs(60));
+        assert!(store.complete(&key, &owner.token, &done).await.unwrap());
+
+        let other = Key::new(&format!("{}:async", table.name()), 1, &[&2u8]).unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        let inside: Result<String, Error> = store
+            .run_in_tx(&mut tx, other, Duration::from_secs(60), async |conn| {
+                let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
+                    .fetch_one(&mut *conn)
+                    .await
+                    .map_err(|e| {
+                        Error::Store(idempotency::StoreError::new(
+                            StoreErrorKind::Unavailable,
+                            e.to_string(),
+                        ))
+                    })?;
+                Ok(setting)
+            })
+            .await;
+        assert_eq!(
+            inside.unwrap(),
+            server,
+            "the caller's transaction changed its setting"
+        );
+        tx.commit().await.unwrap();
+    }
+}

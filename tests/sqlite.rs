@@ -352,3 +352,17 @@ async fn pool_settings_are_refused_on_the_application_pool() {
             .unwrap();
     assert_eq!(tables, 0);
 }
+
+/// Asynchronous claims are a PostgreSQL option: SQLite refuses it when the store is built.
+#[tokio::test]
+async fn asynchronous_claims_are_refused() {
+    let refused = idempotency::sql::SqliteStore::builder("sqlite::memory:")
+        .asynchronous_claims(true)
+        .build()
+        .await;
+    let Err(err) = refused else {
+        panic!("a SQLite store with asynchronous claims was built");
+    };
+    assert_eq!(err.kind(), idempotency::StoreErrorKind::Unsafe, "{err}");
+    assert!(err.to_string().contains("PostgreSQL"), "{err}");
+}

@@ -64,6 +64,7 @@ pub struct SqlStoreBuilder<DB: Dialect> {
     acquire_timeout: Option<Duration>,
     migrate: bool,
     max_result_size: usize,
+    asynchronous_claims: bool,
 }
 
 /// Where a [`SqlStoreBuilder`] gets its connections.
@@ -92,6 +93,7 @@ impl<DB: Dialect> Clone for SqlStoreBuilder<DB> {
             acquire_timeout: self.acquire_timeout,
             migrate: self.migrate,
             max_result_size: self.max_result_size,
+            asynchronous_claims: self.asynchronous_claims,
         }
     }
 }
@@ -109,6 +111,7 @@ impl<DB: Dialect> fmt::Debug for SqlStoreBuilder<DB> {
             .field("acquire_timeout", &self.acquire_timeout)
             .field("migrate", &self.migrate)
             .field("max_result_size", &self.max_result_size)
+            .field("asynchronous_claims", &self.asynchronous_claims)
             .finish()
     }
 }
@@ -122,6 +125,7 @@ impl<DB: Dialect> SqlStoreBuilder<DB> {
             acquire_timeout: None,
             migrate: true,
             max_result_size: DEFAULT_MAX_RESULT_SIZE,
+            asynchronous_claims: false,
         }
     }
 
@@ -151,6 +155,40 @@ impl<DB: Dialect> SqlStoreBuilder<DB> {
     /// and [`build`](Self::build) refuses this option there with [`StoreErrorKind::Unsafe`].
     pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
         self.acquire_timeout = Some(timeout);
+        self
+    }
+
+    /// PostgreSQL only, opt-in: claims commit without waiting for their WAL to reach the
+    /// disk (`synchronous_commit = off` for the claim statement's own transaction, set by
+    /// the statement itself: no extra round trip). Completions, releases and renewals stay
+    /// durable, and claims inside the caller's transaction
+    /// ([`run_in_tx`](SqlStore::run_in_tx)) follow that transaction's setting.
+    ///
+    /// The trade-off: a claim the database acknowledged but had not flushed yet (at most
+    /// three times `wal_writer_delay`, 600 ms by default) is lost if the **database server**
+    /// crashes (an application crash loses nothing). A redelivery after such a crash finds
+    /// no record and runs the handler again, as after a Redis failover; the owner's own
+    /// completion then finds no record and reports
+    /// [`Error::LostOwnership`](crate::Error::LostOwnership). Keep a business-status check
+    /// ([`Operation::done`](crate::Operation::done)) or a fenced write at the effect when a
+    /// duplicate after a database crash is not acceptable. What it buys: a claim no longer
+    /// waits for a WAL flush, the cost of most of a claim on a busy disk.
+    ///
+    /// [`build`](Self::build) refuses it on MySQL and SQLite with
+    /// [`StoreErrorKind::Unsafe`].
+    ///
+    /// ```no_run
+    /// use idempotent_runtime::sql::PostgresStore;
+    ///
+    /// # async fn f() -> Result<(), idempotent_runtime::StoreError> {
+    /// let store = PostgresStore::builder("postgres://app@db/orders")
+    ///     .asynchronous_claims(true)
+    ///     .build()
+    ///     .await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn asynchronous_claims(mut self, on: bool) -> Self {
+        self.asynchronous_claims = on;
         self
     }
 
@@ -241,8 +279,24 @@ impl<DB: Dialect> SqlStoreBuilder<DB> {
         let capacity = DB::result_capacity(&pool)
             .await
             .map_err(|e| store_error::<DB>(e, Phase::Read, "limits read"))?;
+        let tx_sql = Arc::new(Statements::render(&DB::SQL, &table));
+        let sql = if self.asynchronous_claims {
+            if DB::SQL.claim_async.is_empty() {
+                return Err(StoreError::new(
+                    StoreErrorKind::Unsafe,
+                    format!(
+                        "asynchronous claims are a PostgreSQL option; {} commits every claim durably",
+                        <DB as Database>::NAME
+                    ),
+                ));
+            }
+            Arc::new(Statements::render_async_claims(&DB::SQL, &table))
+        } else {
+            tx_sql.clone()
+        };
         let store = SqlStore {
-            sql: Arc::new(Statements::render(&DB::SQL, &table)),
+            sql,
+            tx_sql,
             table: Arc::new(table),
             pool,
             runtime,

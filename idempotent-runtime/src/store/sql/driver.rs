@@ -56,6 +56,11 @@ pub struct Templates {
     pub delete: &'static str,
     /// Deletes the row of a key if it is not a readable record: parameter `key`.
     pub delete_corrupt: &'static str,
+    /// The claim statement committed asynchronously (PostgreSQL); empty where the database
+    /// has no such option.
+    pub claim_async: &'static str,
+    /// The batch claim statement committed asynchronously (PostgreSQL); empty otherwise.
+    pub claim_many_async: &'static str,
     /// Completes and releases a batch of distinct keys in one statement; empty when the
     /// dialect settles a batch one key at a time. It may hold a `{rows}` marker that the
     /// driver replaces with one row of placeholders per item.
@@ -97,6 +102,14 @@ pub struct Statements {
 }
 
 impl Statements {
+    /// [`render`](Statements::render), with the asynchronously committed claims.
+    pub(crate) fn render_async_claims(templates: &Templates, table: &TableName) -> Statements {
+        let mut statements = Statements::render(templates, table);
+        statements.claim = Arc::from(table.render(templates.claim_async));
+        statements.claim_many = Arc::from(table.render(templates.claim_many_async));
+        statements
+    }
+
     pub(crate) fn render(templates: &Templates, table: &TableName) -> Statements {
         let render = |sql: &str| Arc::from(table.render(sql));
         Statements {

@@ -263,6 +263,8 @@ impl Driver for MySql {
         delete: DELETE,
         delete_corrupt: DELETE_CORRUPT,
         settle_many: SETTLE_MANY,
+        claim_async: "",
+        claim_many_async: "",
         claim_many: CLAIM_MANY,
         // Read after a batch claim, and after a batch settlement that did not settle every
         // item.

@@ -82,21 +82,37 @@ macro_rules! take_if_free {
 /// When it does not take it, `taken` is empty and the second branch reports the record as
 /// of the statement's snapshot; `settle` sends the statement again in the rare case that
 /// the snapshot shows a free record (it changed while the statement waited for the lock).
-const CLAIM: &str = concat!(
-    "\
+/// The new record's state, `'in_progress'`, computed by a call that sets
+/// `synchronous_commit` to `off` for the current transaction only (`set_config(..., true)`,
+/// as `SET LOCAL` does): the autocommit transaction of the claim statement commits without
+/// waiting for its WAL to reach the disk.
+macro_rules! async_state {
+    () => {
+        "CASE WHEN set_config('synchronous_commit', 'off', true) = 'off' THEN 'in_progress' END"
+    };
+}
+
+/// [`CLAIM`], with `$state` for the new record's state (an expression that is
+/// `'in_progress'`).
+macro_rules! claim_statement {
+    ($state:expr) => {
+        concat!(
+            "\
 WITH taken AS (
     INSERT INTO idempotent_records AS r
         (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
          created_at, updated_at, expires_at)
     VALUES ($1, $2, $3, ",
-    clock_fence!(),
-    ", 'in_progress',
+            clock_fence!(),
+            ", ",
+            $state,
+            ",
             statement_timestamp() + $4 * INTERVAL '1 microsecond',
             NULL, $5, statement_timestamp(), statement_timestamp(),
             statement_timestamp() + $6 * INTERVAL '1 microsecond')
     ",
-    take_if_free!(),
-    "
+            take_if_free!(),
+            "
     RETURNING r.state, r.token, r.fence, r.fingerprint, r.result, 0::int8 AS lease_left
 )
 SELECT state, token, fence, fingerprint, result, lease_left FROM taken
@@ -106,7 +122,15 @@ SELECT state, token, fence, fingerprint, result,
 FROM idempotent_records
 WHERE record_key = $1 AND expires_at > statement_timestamp()
   AND NOT EXISTS (SELECT 1 FROM taken)"
-);
+        )
+    };
+}
+
+const CLAIM: &str = claim_statement!("'in_progress'");
+
+/// [`CLAIM`] committed asynchronously: the state's expression turns `synchronous_commit`
+/// off for the statement's own transaction (see `SqlStoreBuilder::asynchronous_claims`).
+const CLAIM_ASYNC: &str = claim_statement!(async_state!());
 
 /// The claim of a batch of distinct keys: [`CLAIM`] over the rows of six parallel arrays
 /// (key, prefix, token, lease, fingerprint, ttl), one statement whatever the outcomes. The
@@ -114,8 +138,11 @@ WHERE record_key = $1 AND expires_at > statement_timestamp()
 /// overlapping batches lock their rows in the same order). Each taken key is returned by
 /// `taken`; the live record of every other key is returned as of the statement's snapshot,
 /// as the single claim does. Rows come back in no particular order, `record_key` first.
-const CLAIM_MANY: &str = concat!(
-    "\
+/// [`CLAIM_MANY`], with `$state` as in [`claim_statement!`].
+macro_rules! claim_many_statement {
+    ($state:expr) => {
+        concat!(
+            "\
 WITH input AS (
     SELECT * FROM unnest($1::bytea[], $2::text[], $3::bytea[], $4::int8[], $5::bytea[],
                          $6::int8[])
@@ -125,16 +152,18 @@ WITH input AS (
         (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
          created_at, updated_at, expires_at)
     SELECT record_key, prefix, token, ",
-    clock_fence!(),
-    ", 'in_progress',
+            clock_fence!(),
+            ", ",
+            $state,
+            ",
            statement_timestamp() + lease * INTERVAL '1 microsecond', NULL::bytea, fingerprint,
            statement_timestamp(), statement_timestamp(),
            statement_timestamp() + ttl * INTERVAL '1 microsecond'
     FROM input
     ORDER BY ord
     ",
-    take_if_free!(),
-    "
+            take_if_free!(),
+            "
     RETURNING r.record_key, r.state, r.token, r.fence, r.fingerprint, r.result,
               0::int8 AS lease_left
 )
@@ -146,7 +175,14 @@ FROM idempotent_records AS t
 WHERE t.record_key IN (SELECT record_key FROM input)
   AND t.expires_at > statement_timestamp()
   AND t.record_key NOT IN (SELECT record_key FROM taken)"
-);
+        )
+    };
+}
+
+const CLAIM_MANY: &str = claim_many_statement!("'in_progress'");
+
+/// [`CLAIM_MANY`] committed asynchronously, as [`CLAIM_ASYNC`].
+const CLAIM_MANY_ASYNC: &str = claim_many_statement!(async_state!());
 
 /// The record columns, then how long the record has been in its state and how long it has
 /// left, in microseconds.
@@ -292,6 +328,8 @@ impl Driver for Postgres {
         delete: DELETE,
         delete_corrupt: DELETE_CORRUPT,
         settle_many: SETTLE_MANY,
+        claim_async: CLAIM_ASYNC,
+        claim_many_async: CLAIM_MANY_ASYNC,
         claim_many: CLAIM_MANY,
         // The batch statement reports the records it did not take.
         seen_many: "",

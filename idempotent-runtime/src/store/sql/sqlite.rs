@@ -329,6 +329,8 @@ impl Driver for Sqlite {
         delete: DELETE,
         delete_corrupt: DELETE_CORRUPT,
         settle_many: SETTLE_MANY,
+        claim_async: "",
+        claim_many_async: "",
         claim_many: CLAIM_MANY,
         seen_many: SEEN_MANY,
     };

@@ -44,7 +44,10 @@ use crate::store::{
 pub struct SqlStore<DB: Dialect> {
     pub(super) pool: Pool<DB>,
     pub(super) table: Arc<TableName>,
+    /// The statements of autocommit calls (with asynchronous claims when they are on).
     pub(super) sql: Arc<Statements>,
+    /// The statements of calls in the caller's transaction: claims commit with it.
+    pub(super) tx_sql: Arc<Statements>,
     pub(super) runtime: tokio::runtime::Handle,
     pub(super) max_result_size: usize,
 }
@@ -55,6 +58,7 @@ impl<DB: Dialect> Clone for SqlStore<DB> {
             pool: self.pool.clone(),
             table: self.table.clone(),
             sql: self.sql.clone(),
+            tx_sql: self.tx_sql.clone(),
             runtime: self.runtime.clone(),
             max_result_size: self.max_result_size,
         }

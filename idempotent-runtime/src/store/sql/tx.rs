@@ -31,7 +31,7 @@ impl<DB: Dialect> SqlStore<DB> {
         tx: &mut Transaction<'_, DB>,
         req: &ClaimRequest,
     ) -> Result<Claim, StoreError> {
-        claim_on::<DB>(&mut **tx, &self.sql, req, false).await
+        claim_on::<DB>(&mut **tx, &self.tx_sql, req, false).await
     }
 
     /// Completes `key` for `token` inside `tx`: [`Store::complete`] in the caller's
@@ -48,7 +48,7 @@ impl<DB: Dialect> SqlStore<DB> {
         completion: &Completion,
     ) -> Result<bool, StoreError> {
         refuse_oversized(completion, self.max_result_size)?;
-        complete_on::<DB>(&mut **tx, &self.sql, key, token, completion, false).await
+        complete_on::<DB>(&mut **tx, &self.tx_sql, key, token, completion, false).await
     }
 
     /// Releases `key` for `token` inside `tx`: [`Store::release`] in the caller's
@@ -63,7 +63,7 @@ impl<DB: Dialect> SqlStore<DB> {
         key: &Key,
         token: &Token,
     ) -> Result<bool, StoreError> {
-        release_on::<DB>(&mut **tx, &self.sql, key, token, false).await
+        release_on::<DB>(&mut **tx, &self.tx_sql, key, token, false).await
     }
 
     /// Runs `body` at most once for `key`, in the caller's transaction `tx`: claims the key,
