@@ -310,6 +310,43 @@ pub(crate) fn settle_args(item: &Settlement, tick: Duration) -> (Option<&[u8]>, 
     }
 }
 
+/// Binds each settlement's `(key, token, result, ttl, complete?)` to `query`, in order: the
+/// rows of the batch settlement statements that take one row of placeholders per item.
+#[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
+pub(crate) fn bind_settlements<'q, DB>(
+    mut query: sqlx::query::Query<'q, DB, DB::Arguments>,
+    items: &[&'q Settlement],
+    tick: Duration,
+) -> sqlx::query::Query<'q, DB, DB::Arguments>
+where
+    DB: Database,
+    for<'t> &'t [u8]: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> Option<&'t [u8]>: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    i64: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+{
+    for item in items {
+        let (result, ttl, complete) = settle_args(item, tick);
+        query = query
+            .bind(item.key.as_bytes())
+            .bind(&item.token.as_bytes()[..])
+            .bind(result)
+            .bind(ttl)
+            .bind(i64::from(complete));
+    }
+    query
+}
+
+/// Each request's step from the steps found by key (a key not found: no record to report).
+#[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
+pub(crate) fn in_request_order(
+    reqs: &[&ClaimRequest],
+    mut seen: std::collections::HashMap<Vec<u8>, Step>,
+) -> Vec<Step> {
+    reqs.iter()
+        .map(|req| seen.remove(req.key.as_bytes()).unwrap_or(Step::Seen(None)))
+        .collect()
+}
+
 /// Binds `args` to `query`, in order.
 #[cfg_attr(
     not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),

@@ -11,7 +11,8 @@ use sqlx::pool::PoolOptions;
 use sqlx::{AssertSqlSafe, Pool};
 
 use crate::store::sql::driver::{
-    settle_args, statement_fns, ticks, Arg, Driver, Statements, Templates, HEADROOM,
+    bind_settlements, in_request_order, statement_fns, ticks, Arg, Driver, Statements, Templates,
+    HEADROOM,
 };
 use crate::store::sql::failure::{sqlstate, DbFailure};
 use crate::store::sql::record::{RecordRow, Step, Stored};
@@ -341,10 +342,7 @@ impl Driver for MySql {
                 let (key, step) = RecordRow::decode_keyed(row)?;
                 seen.insert(key, step);
             }
-            Ok(reqs
-                .iter()
-                .map(|req| seen.remove(req.key.as_bytes()).unwrap_or(Step::Seen(None)))
-                .collect())
+            Ok(in_request_order(reqs, seen))
         })
     }
 
@@ -369,16 +367,7 @@ impl Driver for MySql {
                 });
             }
             let settle = sql.settle_many.replace("{rows}", &rows);
-            let mut query = sqlx::query(AssertSqlSafe(settle));
-            for item in items {
-                let (result, ttl, complete) = settle_args(item, Self::TICK);
-                query = query
-                    .bind(item.key.as_bytes())
-                    .bind(&item.token.as_bytes()[..])
-                    .bind(result)
-                    .bind(ttl)
-                    .bind(i64::from(complete));
-            }
+            let query = bind_settlements(sqlx::query(AssertSqlSafe(settle)), items, Self::TICK);
             let changed = query.execute(&mut *conn).await?.rows_affected();
             if changed == items.len() as u64 {
                 return Ok(vec![true; items.len()]);

@@ -8,10 +8,11 @@ use std::time::Duration;
 use sqlx::error::DatabaseError;
 use sqlx::pool::PoolOptions;
 use sqlx::sqlite::{Sqlite, SqliteConnectOptions, SqliteConnection, SqliteJournalMode};
-use sqlx::{AssertSqlSafe, Pool};
+use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::store::sql::driver::{
-    settle_args, statement_fns, ticks, Arg, Driver, Statements, Templates, HEADROOM,
+    bind_settlements, in_request_order, statement_fns, ticks, Arg, Driver, Statements, Templates,
+    HEADROOM,
 };
 use crate::store::sql::failure::DbFailure;
 use crate::store::sql::record::{RecordRow, Step};
@@ -434,10 +435,7 @@ impl Driver for Sqlite {
                     seen.insert(key, step);
                 }
             }
-            Ok(reqs
-                .iter()
-                .map(|req| seen.remove(req.key.as_bytes()).unwrap_or(Step::Seen(None)))
-                .collect())
+            Ok(in_request_order(reqs, seen))
         })
     }
 
@@ -451,18 +449,11 @@ impl Driver for Sqlite {
         Box::pin(async move {
             let rows = vec!["(?, ?, ?, ?, ?)"; items.len()].join(", ");
             let settle = sql.settle_many.replace("{rows}", &rows);
-            let mut query = sqlx::query_scalar(AssertSqlSafe(settle));
-            for item in items {
-                let (result, ttl, complete) = settle_args(item, Self::TICK);
-                query = query
-                    .bind(item.key.as_bytes())
-                    .bind(&item.token.as_bytes()[..])
-                    .bind(result)
-                    .bind(ttl)
-                    .bind(i64::from(complete));
+            let query = bind_settlements(sqlx::query(AssertSqlSafe(settle)), items, Self::TICK);
+            let mut settled = HashSet::with_capacity(items.len());
+            for row in query.fetch_all(&mut *conn).await? {
+                settled.insert(row.try_get::<Vec<u8>, _>(0)?);
             }
-            let settled: Vec<Vec<u8>> = query.fetch_all(&mut *conn).await?;
-            let settled: HashSet<Vec<u8>> = settled.into_iter().collect();
             Ok(items
                 .iter()
                 .map(|item| settled.contains(item.key.as_bytes()))
