@@ -255,6 +255,54 @@ async fn lost_complete_reply_on_a_real_connection_is_resolved_as_completed() {
     delete_matching(&redis_url(), &format!("{namespace}:*"));
 }
 
+/// A batch whose settlement pipeline loses its reply (the server applied every completion,
+/// the connection is cut before the answers come back): each item reads its record back by
+/// token and finds it completed, every handler ran once, and a redelivery of the batch
+/// replays every result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_reply_to_a_batch_settlement_is_resolved_item_by_item() {
+    let proxy = proxy::Proxy::start("127.0.0.1:6379".parse().unwrap()).await;
+    let store: SharedStore = Arc::new(connect(&proxy.url()).await);
+    let namespace = unique_namespace();
+    let items = || -> Vec<(Key, u32)> {
+        (0..40u32)
+            .map(|id| {
+                (
+                    Key::new(&format!("{namespace}:lost-batch"), 1, &[&id]).unwrap(),
+                    id,
+                )
+            })
+            .collect()
+    };
+    let guard = Idempotency::new(Duration::from_secs(60)).store(store.clone());
+    let executions = AtomicUsize::new(0);
+    let handler = |id: u32| {
+        let executions = &executions;
+        async move {
+            executions.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Error>(id * 3)
+        }
+    };
+    proxy.lose_reply_to(b"\r\ncomplete\r\n");
+    let first: Vec<Result<u32, Error>> = guard.batch().replay().run(items(), handler).await;
+    assert_eq!(proxy.lost(), 1, "the proxy lost no reply");
+    assert_eq!(executions.load(Ordering::SeqCst), 40);
+    for (id, out) in (0..40u32).zip(&first) {
+        assert_eq!(out.as_ref().unwrap(), &(id * 3), "{id}");
+    }
+    for (key, _) in items() {
+        let record = store.read(&key).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed, "{key}");
+    }
+    let again: Vec<Result<u32, Error>> = guard.batch().replay().run(items(), handler).await;
+    assert_eq!(executions.load(Ordering::SeqCst), 40);
+    assert_eq!(
+        again.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+        (0..40u32).map(|id| id * 3).collect::<Vec<_>>()
+    );
+    delete_matching(&redis_url(), &format!("{namespace}:*"));
+}
+
 // ---------------------------------------------------------------------------------------
 // Outages.
 
