@@ -184,3 +184,86 @@ async fn duplicates_cost_one_front_round_trip() {
         Err(Error::Duplicate { .. })
     ));
 }
+
+/// Batches take the same paths as single calls, a layer at a time: a front that forgot
+/// completed operations is answered by the back and repaired (the next batch is answered by
+/// the front alone), a front that is down leaves the batch to the back, and a back that is
+/// down fails the batch closed and gives the front's claims back.
+#[tokio::test]
+async fn batches_take_the_single_call_paths_through_the_layers() {
+    let items = |prefix: &str| -> Vec<(Key, u32)> {
+        (0..5u32)
+            .map(|id| (Key::new(prefix, 1, &[&id]).unwrap(), id))
+            .collect()
+    };
+    let executions = AtomicUsize::new(0);
+    let handler = |id: u32| {
+        let executions = &executions;
+        async move {
+            executions.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Error>(id * 10)
+        }
+    };
+    let values =
+        |out: Vec<Result<u32, Error>>| out.into_iter().map(Result::unwrap).collect::<Vec<_>>();
+    let want: Vec<u32> = (0..5).map(|id| id * 10).collect();
+
+    // The front forgets; the back answers and the front is repaired.
+    let (front, back) = (Arc::new(MemoryStore::new()), Arc::new(MemoryStore::new()));
+    let g = guard(Arc::new(TieredStore::new(front.clone(), back.clone())));
+    assert_eq!(
+        values(g.batch().replay().run(items("tiered-batch"), handler).await),
+        want
+    );
+    front.clear();
+    assert_eq!(
+        values(g.batch().replay().run(items("tiered-batch"), handler).await),
+        want
+    );
+    back.clear();
+    assert_eq!(
+        values(g.batch().replay().run(items("tiered-batch"), handler).await),
+        want
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 5);
+
+    // The front is down: the back alone.
+    let back = Arc::new(MemoryStore::new());
+    let down: SharedStore = Arc::new(Down::new(Arc::new(MemoryStore::new())));
+    let g = guard(Arc::new(TieredStore::new(down, back.clone())));
+    assert_eq!(
+        values(g.run_batch(items("tiered-batch-down"), handler).await),
+        want
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 10);
+    let again: Vec<Result<u32, Error>> = g.run_batch(items("tiered-batch-down"), handler).await;
+    assert!(
+        again
+            .iter()
+            .all(|out| matches!(out, Err(Error::Duplicate { .. }))),
+        "{again:?}"
+    );
+    for (key, _) in items("tiered-batch-down") {
+        assert_eq!(
+            back.read(&key).await.unwrap().unwrap().state,
+            RecordState::Completed
+        );
+    }
+
+    // The back is down: nothing runs, and the front's claims are given back.
+    let front = Arc::new(MemoryStore::new());
+    let down: SharedStore = Arc::new(Down::new(Arc::new(MemoryStore::new())));
+    let g = guard(Arc::new(TieredStore::new(front.clone(), down)));
+    let closed: Vec<Result<u32, Error>> = g.run_batch(items("tiered-batch-back"), handler).await;
+    assert!(
+        closed.iter().all(|out| matches!(out, Err(Error::Store(_)))),
+        "{closed:?}"
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 10);
+    for (key, _) in items("tiered-batch-back") {
+        assert_eq!(
+            front.read(&key).await.unwrap().unwrap().state,
+            RecordState::Released
+        );
+    }
+}

@@ -30,7 +30,7 @@ use crate::error::StoreError;
 use crate::key::Key;
 use crate::store::{
     BoxFuture, Claim, ClaimRequest, Completion, Expect, IntoStore, Record, ScanCursor, ScanPage,
-    SharedStore, Store, Token,
+    Settle, Settlement, SharedStore, Store, Token,
 };
 
 /// A [`Store`] of two layers: a fast `front` and a durable, authoritative `back`.
@@ -111,6 +111,55 @@ impl Store for TieredStore {
         })
     }
 
+    /// The front's batch, then the back's for the items the front acquired or could not
+    /// answer, then the front's repairs and releases in one more batch: each item answered as
+    /// [`claim`](Store::claim) answers it, in four round trips for the whole batch.
+    fn claim_many<'a>(
+        &'a self,
+        reqs: &'a [ClaimRequest],
+    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
+        Box::pin(async move {
+            let mut answers = self.front.claim_many(reqs).await;
+            let to_back: Vec<usize> = answers
+                .iter()
+                .enumerate()
+                .filter(|(_, answer)| matches!(answer, Ok(Claim::Acquired { .. }) | Err(_)))
+                .map(|(i, _)| i)
+                .collect();
+            if to_back.is_empty() {
+                return answers;
+            }
+            if answers.iter().any(Result::is_err) {
+                tracing::warn!("front store unavailable for part of a batch; claiming those keys on the back store alone");
+            }
+            let back_reqs: Vec<ClaimRequest> = to_back.iter().map(|&i| reqs[i].clone()).collect();
+            let back = self.back.claim_many(&back_reqs).await;
+            let mut fixes = Vec::new();
+            for ((&i, req), answer) in to_back.iter().zip(&back_reqs).zip(back) {
+                let front_owned = matches!(answers[i], Ok(Claim::Acquired { .. }));
+                match &answer {
+                    Ok(Claim::Acquired { .. }) => {}
+                    // The front forgot a completed operation: teach it again.
+                    Ok(Claim::Completed { result, .. }) if front_owned => {
+                        let completion = Completion::new(result.clone(), req.ttl);
+                        fixes.push(Settlement::complete(req.key.clone(), req.token, completion));
+                    }
+                    _ if front_owned => fixes.push(Settlement::release(req.key.clone(), req.token)),
+                    _ => {}
+                }
+                answers[i] = answer;
+            }
+            if !fixes.is_empty() {
+                for fixed in self.front.complete_many(&fixes).await {
+                    if let Err(err) = fixed {
+                        tracing::warn!(error = %err, "front store repair failed; the back store stays authoritative");
+                    }
+                }
+            }
+            answers
+        })
+    }
+
     fn complete<'a>(
         &'a self,
         key: &'a Key,
@@ -137,6 +186,34 @@ impl Store for TieredStore {
             self.best_effort("release", self.front.release(key, token))
                 .await;
             Ok(released)
+        })
+    }
+
+    /// The back's batch (the answers), then the front's, best effort, for the items the
+    /// back settled (completions) or answered (releases), as the single calls do.
+    fn complete_many<'a>(
+        &'a self,
+        items: &'a [Settlement],
+    ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
+        Box::pin(async move {
+            let settled = self.back.complete_many(items).await;
+            let front: Vec<Settlement> = items
+                .iter()
+                .zip(&settled)
+                .filter(|(item, answer)| match item.action {
+                    Settle::Complete(_) => matches!(answer, Ok(true)),
+                    _ => answer.is_ok(),
+                })
+                .map(|(item, _)| item.clone())
+                .collect();
+            if !front.is_empty() {
+                for answer in self.front.complete_many(&front).await {
+                    if let Err(err) = answer {
+                        tracing::warn!(error = %err, "front store settlement failed; the back store stays authoritative");
+                    }
+                }
+            }
+            settled
         })
     }
 
