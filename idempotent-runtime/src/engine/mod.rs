@@ -13,8 +13,8 @@
 //!
 //! The `#[idempotent]` attribute expands to an [`Operation`].
 
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod batch;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod bound;
 mod coalesce;
 mod current;
