@@ -551,3 +551,72 @@ pub async fn a_batch_checks_payloads_replays_and_asks_done_per_item(b: impl Back
     }
     assert_eq!(out[1].as_ref().unwrap(), "receipt-1-1");
 }
+
+/// The store under test, except that its batch claim leaves the last item out of what it
+/// sends and answers: a misbehaving third-party store, which no real backend is.
+struct ShortBatches(SharedStore);
+
+impl Store for ShortBatches {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        self.0.claim(req)
+    }
+    fn claim_many<'a>(
+        &'a self,
+        reqs: &'a [ClaimRequest],
+    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
+        self.0.claim_many(&reqs[..reqs.len().saturating_sub(1)])
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.0.complete(key, token, completion)
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.0.release(key, token)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.0.renew(key, token, lease)
+    }
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.0.read(key)
+    }
+}
+
+/// A batch claim that answers fewer items than it was given: every item still gets an
+/// answer, in order; the unanswered one fails with a store error and runs nothing.
+pub async fn a_batch_claim_that_answers_fewer_items_fails_the_rest(b: impl Backend) {
+    let store: SharedStore = Arc::new(ShortBatches(b.store()));
+    let prefix = unique_prefix(&b, "batch-short");
+    let items: Vec<(Key, u32)> = (0..4u32).map(|id| (key(&prefix, &[&id]), id)).collect();
+    let runs = AtomicUsize::new(0);
+    let out: Vec<Result<u32, TestError>> = guard(&store)
+        .run_batch(items, |id| {
+            let runs = &runs;
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok(id)
+            }
+        })
+        .await;
+    assert_eq!(out.len(), 4);
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+    for (id, answer) in (0..3u32).zip(&out) {
+        assert_eq!(answer.as_ref().unwrap(), &id);
+    }
+    assert!(
+        matches!(&out[3], Err(TestError::Idem(Error::Store(e))) if e.kind() == idempotency::StoreErrorKind::Protocol),
+        "{out:?}"
+    );
+}

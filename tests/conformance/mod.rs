@@ -228,6 +228,7 @@ macro_rules! conformance_cases {
             a_batch_dropped_while_settling_still_records_every_outcome,
             complete_many_answers_as_single_settlements_would,
             a_batch_checks_payloads_replays_and_asks_done_per_item,
+            a_batch_claim_that_answers_fewer_items_fails_the_rest,
             an_operator_deletes_records_and_purges_a_prefix
         );
     };

@@ -16,7 +16,7 @@ use crate::engine::handler::{DoneCheck, HandlerResult, ItemCheck, ItemDone, NoDo
 use crate::engine::idempotency::Idempotency;
 use crate::engine::operation::{completed, own, Operation, Outcomes};
 use crate::engine::owner::{self, Claimed, Owner, PendingBatch};
-use crate::error::{Error, StoreError};
+use crate::error::{Error, StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::policy::{OnError, OnStoreError};
 use crate::store::{Claim, ClaimRequest, Fingerprint, SharedStore, Token};
@@ -188,6 +188,15 @@ where
             .collect();
         let sent_at = tokio::time::Instant::now();
         let claims = PendingBatch::new(&store, &reqs).await;
+        // A store that answered fewer items than it was given leaves the rest unanswered:
+        // they fail (nothing runs for them) instead of shortening the answers.
+        let unanswered = reqs.len().saturating_sub(claims.len());
+        let claims = claims.into_iter().chain((0..unanswered).map(|_| {
+            Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                "the store's batch claim did not answer every item",
+            ))
+        }));
         // The items' completions and releases go to the store together.
         let batch = Coalescing::new(
             store,
