@@ -132,16 +132,29 @@ pub async fn concurrent_overlapping_batches_run_each_key_once(b: impl Backend) {
     assert_eq!(executions.load(Ordering::SeqCst), 50);
 }
 
-/// The store under test, counting the settlements that reach it: single completions and
-/// releases, and batches with their sizes. Instrumentation around the real store, which
-/// answers every call.
-struct Counting {
+/// What an [`Instrumented`] store does besides counting.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Quirk {
+    /// Nothing: every call goes to the store under test.
+    None,
+    /// Its batch settlement never answers (a hung connection).
+    HungSettlements,
+    /// Its batch claim leaves the last item out of what it sends and answers (a misbehaving
+    /// third-party store).
+    ShortClaims,
+}
+
+/// The store under test, counting the settlements that reach it (single completions and
+/// releases, and batches with their sizes), and with a [`Quirk`] that no real backend
+/// produces on demand.
+struct Instrumented {
     inner: SharedStore,
+    quirk: Quirk,
     singles: AtomicUsize,
     batches: std::sync::Mutex<Vec<usize>>,
 }
 
-impl Store for Counting {
+impl Store for Instrumented {
     fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
         self.inner.claim(req)
     }
@@ -149,7 +162,10 @@ impl Store for Counting {
         &'a self,
         reqs: &'a [ClaimRequest],
     ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
-        self.inner.claim_many(reqs)
+        match self.quirk {
+            Quirk::ShortClaims => self.inner.claim_many(&reqs[..reqs.len().saturating_sub(1)]),
+            _ => self.inner.claim_many(reqs),
+        }
     }
     fn complete<'a>(
         &'a self,
@@ -173,7 +189,10 @@ impl Store for Counting {
         items: &'a [Settlement],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         self.batches.lock().unwrap().push(items.len());
-        self.inner.complete_many(items)
+        match self.quirk {
+            Quirk::HungSettlements => Box::pin(std::future::pending()),
+            _ => self.inner.complete_many(items),
+        }
     }
     fn renew<'a>(
         &'a self,
@@ -191,9 +210,10 @@ impl Store for Counting {
     }
 }
 
-fn counting(b: &impl Backend) -> Arc<Counting> {
-    Arc::new(Counting {
+fn instrumented(b: &impl Backend, quirk: Quirk) -> Arc<Instrumented> {
+    Arc::new(Instrumented {
         inner: b.store(),
+        quirk,
         singles: AtomicUsize::new(0),
         batches: std::sync::Mutex::new(Vec::new()),
     })
@@ -204,7 +224,7 @@ fn counting(b: &impl Backend) -> Arc<Counting> {
 /// completion or release; each record ends as its own outcome says, and a second delivery of
 /// the batch runs nothing and replays the stored results.
 pub async fn a_batch_is_settled_in_one_call(b: impl Backend) {
-    let store = counting(&b);
+    let store = instrumented(&b, Quirk::None);
     let prefix = unique_prefix(&b, "batch-settle");
     let g = guard(&(store.clone() as SharedStore));
     let items = || -> Vec<(Key, u32)> { (0..30u32).map(|id| (key(&prefix, &[&id]), id)).collect() };
@@ -253,7 +273,7 @@ pub async fn a_batch_is_settled_in_one_call(b: impl Backend) {
 /// A slow item never holds its siblings' completions: the fast items' records are completed
 /// while the slow one still runs (it waits until they are), then it completes on its own.
 pub async fn a_slow_batch_item_does_not_hold_the_others(b: impl Backend) {
-    let store = counting(&b);
+    let store = instrumented(&b, Quirk::None);
     let prefix = unique_prefix(&b, "batch-slow");
     let g = guard(&(store.clone() as SharedStore));
     let items: Vec<(Key, u32)> = (0..5u32).map(|id| (key(&prefix, &[&id]), id)).collect();
@@ -303,59 +323,11 @@ pub async fn a_slow_batch_item_does_not_hold_the_others(b: impl Backend) {
     assert!(batches.len() >= 2, "{batches:?}");
 }
 
-/// A store whose batched settlement never answers (a hung connection), otherwise the store
-/// under test: nothing else can hold a `complete_many` forever on demand.
-struct HungBatches(SharedStore);
-
-impl Store for HungBatches {
-    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        self.0.claim(req)
-    }
-    fn claim_many<'a>(
-        &'a self,
-        reqs: &'a [ClaimRequest],
-    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
-        self.0.claim_many(reqs)
-    }
-    fn complete<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        completion: &'a Completion,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.0.complete(key, token, completion)
-    }
-    fn release<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.0.release(key, token)
-    }
-    fn complete_many<'a>(
-        &'a self,
-        _: &'a [Settlement],
-    ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
-        Box::pin(std::future::pending())
-    }
-    fn renew<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.0.renew(key, token, lease)
-    }
-    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
-        self.0.read(key)
-    }
-}
-
 /// A batch dropped while its settlement hangs (the caller's timeout) still records every
 /// item's outcome: each body ran once, and each owner completes on its own in the background,
 /// so no key is left claimed and a redelivery runs nothing.
 pub async fn a_batch_dropped_while_settling_still_records_every_outcome(b: impl Backend) {
-    let store: SharedStore = Arc::new(HungBatches(b.store()));
+    let store: SharedStore = instrumented(&b, Quirk::HungSettlements);
     let prefix = unique_prefix(&b, "batch-dropped");
     let g = guard(&store);
     let items = || -> Vec<(Key, u32)> { (0..6u32).map(|id| (key(&prefix, &[&id]), id)).collect() };
@@ -552,52 +524,10 @@ pub async fn a_batch_checks_payloads_replays_and_asks_done_per_item(b: impl Back
     assert_eq!(out[1].as_ref().unwrap(), "receipt-1-1");
 }
 
-/// The store under test, except that its batch claim leaves the last item out of what it
-/// sends and answers: a misbehaving third-party store, which no real backend is.
-struct ShortBatches(SharedStore);
-
-impl Store for ShortBatches {
-    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        self.0.claim(req)
-    }
-    fn claim_many<'a>(
-        &'a self,
-        reqs: &'a [ClaimRequest],
-    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
-        self.0.claim_many(&reqs[..reqs.len().saturating_sub(1)])
-    }
-    fn complete<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        completion: &'a Completion,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.0.complete(key, token, completion)
-    }
-    fn release<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.0.release(key, token)
-    }
-    fn renew<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.0.renew(key, token, lease)
-    }
-    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
-        self.0.read(key)
-    }
-}
-
 /// A batch claim that answers fewer items than it was given: every item still gets an
 /// answer, in order; the unanswered one fails with a store error and runs nothing.
 pub async fn a_batch_claim_that_answers_fewer_items_fails_the_rest(b: impl Backend) {
-    let store: SharedStore = Arc::new(ShortBatches(b.store()));
+    let store: SharedStore = instrumented(&b, Quirk::ShortClaims);
     let prefix = unique_prefix(&b, "batch-short");
     let items: Vec<(Key, u32)> = (0..4u32).map(|id| (key(&prefix, &[&id]), id)).collect();
     let runs = AtomicUsize::new(0);

@@ -336,6 +336,33 @@ where
     query
 }
 
+/// Binds each claim's `(key, prefix, token, lease, fingerprint, ttl)` to `query`, in order:
+/// the rows of the batch claim statements that take one row of placeholders per key.
+#[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
+pub(crate) fn bind_claims<'q, DB>(
+    mut query: sqlx::query::Query<'q, DB, DB::Arguments>,
+    reqs: &[&'q ClaimRequest],
+    tick: Duration,
+) -> sqlx::query::Query<'q, DB, DB::Arguments>
+where
+    DB: Database,
+    for<'t> &'t [u8]: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> Option<&'t [u8]>: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> &'t str: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    i64: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+{
+    for req in reqs {
+        query = query
+            .bind(req.key.as_bytes())
+            .bind(req.key.prefix())
+            .bind(&req.token.as_bytes()[..])
+            .bind(ticks(req.lease, tick))
+            .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
+            .bind(ticks(req.ttl.max(req.lease), tick));
+    }
+    query
+}
+
 /// Each request's step from the steps found by key (a key not found: no record to report).
 #[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
 pub(crate) fn in_request_order(

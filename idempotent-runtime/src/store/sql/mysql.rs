@@ -11,8 +11,8 @@ use sqlx::pool::PoolOptions;
 use sqlx::{AssertSqlSafe, Pool};
 
 use crate::store::sql::driver::{
-    bind_settlements, in_request_order, statement_fns, ticks, Arg, Driver, Statements, Templates,
-    HEADROOM,
+    bind_claims, bind_settlements, in_request_order, statement_fns, ticks, Arg, Driver, Statements,
+    Templates, HEADROOM,
 };
 use crate::store::sql::failure::{sqlstate, DbFailure};
 use crate::store::sql::record::{RecordRow, Step, Stored};
@@ -320,16 +320,7 @@ impl Driver for MySql {
         Box::pin(async move {
             let rows = vec![CLAIM_ROW; reqs.len()].join(", ");
             let claim = sql.claim_many.replace("{rows}", &rows);
-            let mut query = sqlx::query(AssertSqlSafe(claim));
-            for req in reqs {
-                query = query
-                    .bind(req.key.as_bytes())
-                    .bind(req.key.prefix())
-                    .bind(&req.token.as_bytes()[..])
-                    .bind(ticks(req.lease, Self::TICK))
-                    .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-                    .bind(ticks(req.ttl.max(req.lease), Self::TICK));
-            }
+            let query = bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, Self::TICK);
             query.execute(&mut *conn).await?;
             let keys = vec!["?"; reqs.len()].join(", ");
             let read = sql.seen_many.replace("{keys}", &keys);

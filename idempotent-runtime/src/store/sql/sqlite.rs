@@ -11,8 +11,8 @@ use sqlx::sqlite::{Sqlite, SqliteConnectOptions, SqliteConnection, SqliteJournal
 use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::store::sql::driver::{
-    bind_settlements, in_request_order, statement_fns, ticks, Arg, Driver, Statements, Templates,
-    HEADROOM,
+    bind_claims, bind_settlements, in_request_order, statement_fns, ticks, Arg, Driver, Statements,
+    Templates, HEADROOM,
 };
 use crate::store::sql::failure::DbFailure;
 use crate::store::sql::record::{RecordRow, Step};
@@ -403,16 +403,7 @@ impl Driver for Sqlite {
         Box::pin(async move {
             let rows = vec!["(?, ?, ?, ?, ?, ?)"; reqs.len()].join(", ");
             let claim = sql.claim_many.replace("{rows}", &rows);
-            let mut query = sqlx::query(AssertSqlSafe(claim));
-            for req in reqs {
-                query = query
-                    .bind(req.key.as_bytes())
-                    .bind(req.key.prefix())
-                    .bind(&req.token.as_bytes()[..])
-                    .bind(ticks(req.lease, Self::TICK))
-                    .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-                    .bind(ticks(req.ttl.max(req.lease), Self::TICK));
-            }
+            let query = bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, Self::TICK);
             let mut seen = HashMap::with_capacity(reqs.len());
             for row in &query.fetch_all(&mut *conn).await? {
                 let (key, step) = RecordRow::decode_keyed(row)?;
