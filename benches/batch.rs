@@ -1,5 +1,6 @@
-//! Batches end to end: a consumer handling 100 messages with one `run_batch` against 100
-//! single calls, on Redis, PostgreSQL and MariaDB, in one process.
+//! Batches end to end: a consumer handling 100 messages with one `run_batch`, against the
+//! seed's design batched by hand (what a user writes without the library: see `Seed`) and
+//! against 100 single calls, on Redis, PostgreSQL and MariaDB, in one process.
 //!
 //! 1. **Round trips per batch of 100.** The store's connection goes through a TCP proxy in
 //!    this process that counts client bursts: bytes from the client after the server last
@@ -12,8 +13,9 @@
 //!    SQL figures are also given through a pool without the checks, and on MariaDB the
 //!    statements themselves are counted by the server (`Questions`).
 //! 2. **Messages per second.** Without the proxy: after a warm-up, 6 rounds of one pass of
-//!    each side (20 batches of 100, and 20 rounds of 100 concurrent single calls), the order
-//!    alternating; the median pass of each side counts.
+//!    each side (20 batches of 100 through the framework, 20 batches of 100 by hand, and 20
+//!    rounds of 100 concurrent single calls), the order rotating so that each side goes
+//!    first, second and third equally often; the median pass of each side counts.
 //!
 //! Run it with:
 //!
@@ -29,7 +31,10 @@
 //! Figures, for `redis`, `postgres` and `mysql`:
 //!
 //! - `<db>_batch_round_trips_per_100`: bursts of one `run_batch` of 100 (target: 2 round
-//!   trips: one claim, one settlement);
+//!   trips: one claim, one settlement); `<db>_seed_batch_round_trips_per_100`: the same for
+//!   the batch by hand;
+//! - `<db>_seed_batch_msgs_per_s`, `<db>_batch_ratio_vs_seed_design`: the batch by hand, and
+//!   the framework's batch over it;
 //! - `<db>_single_round_trips_per_100`: bursts of 100 single calls;
 //! - `postgres_` and `mysql_batch_round_trips_per_100_unchecked_pool`, `..._single_...`:
 //!   the same through a pool that does not ping connections;
@@ -193,6 +198,222 @@ impl Side {
     }
 }
 
+/// The seed's design written by hand, batched the way a user would batch it without the
+/// library: Redis, one pipeline of `SET key token NX PX lease`, then one pipeline of the
+/// compare-and-set script (`done` if the key still holds the token) for the keys it took;
+/// PostgreSQL, on the seed's idempotency table, one `INSERT ... SELECT FROM unnest(..) ON
+/// CONFLICT DO NOTHING RETURNING key` and one `UPDATE ... FROM unnest(..)`; MariaDB, one
+/// multi-row `INSERT IGNORE`, one read of the batch's tokens (it reports no row by row
+/// outcome) and one `UPDATE ... JOIN`. No lease takeover, fence, expiry or payload check.
+enum Seed {
+    Redis {
+        conn: redis::aio::MultiplexedConnection,
+        complete: redis::Script,
+        lease_ms: u64,
+        ttl_ms: u64,
+    },
+    Postgres {
+        pool: sqlx::PgPool,
+        table: String,
+    },
+    MySql {
+        pool: sqlx::MySqlPool,
+        table: String,
+    },
+}
+
+/// The seed design's completion script, as `benches/redis.rs` runs it.
+const SEED_COMPLETE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
+     return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) and 1 else return 0 end";
+
+impl Seed {
+    async fn redis(url: &str) -> Result<Seed, BoxError> {
+        let mut conn = redis::Client::open(url)?
+            .get_multiplexed_async_connection()
+            .await?;
+        let complete = redis::Script::new(SEED_COMPLETE);
+        complete.prepare_invoke().load_async(&mut conn).await?;
+        let ttl = Duration::from_secs(3600);
+        Ok(Seed::Redis {
+            conn,
+            complete,
+            lease_ms: u64::try_from(Idempotency::new(ttl).lease_duration().as_millis())?,
+            ttl_ms: u64::try_from(ttl.as_millis())?,
+        })
+    }
+
+    /// The seed's idempotency table (as `benches/sql.rs` creates it) in `table`, on a pool of
+    /// its own as large as the store's.
+    async fn sql(server: Server, url: &str, table: &str) -> Result<Seed, BoxError> {
+        Ok(match server {
+            Server::Postgres => {
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(8)
+                    .connect(url)
+                    .await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "CREATE TABLE {table} (key BYTEA PRIMARY KEY, token BYTEA NOT NULL, \
+                     state TEXT NOT NULL, result BYTEA, \
+                     created_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+                )))
+                .execute(&pool)
+                .await?;
+                Seed::Postgres {
+                    pool,
+                    table: table.to_string(),
+                }
+            }
+            Server::MySql => {
+                let pool = sqlx::mysql::MySqlPoolOptions::new()
+                    .max_connections(8)
+                    .connect(url)
+                    .await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "CREATE TABLE {table} (`key` VARBINARY(512) PRIMARY KEY, \
+                     token BINARY(16) NOT NULL, state VARCHAR(16) NOT NULL, result BLOB, \
+                     created_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) \
+                     ENGINE = InnoDB"
+                )))
+                .execute(&pool)
+                .await?;
+                Seed::MySql {
+                    pool,
+                    table: table.to_string(),
+                }
+            }
+        })
+    }
+
+    /// One batch of fresh keys: claim them all, run a body that does nothing for those it
+    /// took, complete them all.
+    async fn batch(&self, keys: Vec<Vec<u8>>) -> Result<(), BoxError> {
+        let tokens: Vec<Vec<u8>> = keys
+            .iter()
+            .map(|_| Token::generate().as_bytes().to_vec())
+            .collect();
+        let taken = match self {
+            Seed::Redis {
+                conn,
+                complete,
+                lease_ms,
+                ttl_ms,
+            } => {
+                let mut conn = conn.clone();
+                let mut claims = redis::pipe();
+                for (key, token) in keys.iter().zip(&tokens) {
+                    claims
+                        .cmd("SET")
+                        .arg(key)
+                        .arg(token)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(*lease_ms);
+                }
+                let claimed: Vec<redis::Value> = claims.query_async(&mut conn).await?;
+                let taken: Vec<usize> = claimed
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, reply)| matches!(reply, redis::Value::Okay))
+                    .map(|(i, _)| i)
+                    .collect();
+                let mut invocations = Vec::with_capacity(taken.len());
+                for &i in &taken {
+                    let mut invocation = complete.prepare_invoke();
+                    invocation
+                        .key(&keys[i])
+                        .arg(&tokens[i])
+                        .arg("done")
+                        .arg(*ttl_ms);
+                    invocations.push(invocation);
+                }
+                let mut completions = redis::pipe();
+                for invocation in &invocations {
+                    completions.invoke_script(invocation);
+                }
+                let done: Vec<i64> = completions.query_async(&mut conn).await?;
+                (taken.len(), done.iter().filter(|&&n| n == 1).count())
+            }
+            Seed::Postgres { pool, table } => {
+                let taken: Vec<Vec<u8>> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO {table} (key, token, state) \
+                     SELECT k, t, 'in_progress' FROM unnest($1::bytea[], $2::bytea[]) AS i(k, t) \
+                     ON CONFLICT DO NOTHING RETURNING key"
+                )))
+                .bind(&keys)
+                .bind(&tokens)
+                .fetch_all(pool)
+                .await?;
+                let taken: std::collections::HashSet<Vec<u8>> = taken.into_iter().collect();
+                let (keys, tokens): (Vec<&Vec<u8>>, Vec<&Vec<u8>>) = keys
+                    .iter()
+                    .zip(&tokens)
+                    .filter(|(key, _)| taken.contains(*key))
+                    .unzip();
+                let done = sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "UPDATE {table} SET state = 'completed' \
+                     FROM unnest($1::bytea[], $2::bytea[]) AS i(k, t) \
+                     WHERE {table}.key = i.k AND {table}.token = i.t"
+                )))
+                .bind(&keys)
+                .bind(&tokens)
+                .execute(pool)
+                .await?
+                .rows_affected();
+                (taken.len(), usize::try_from(done)?)
+            }
+            Seed::MySql { pool, table } => {
+                let rows = vec!["(?, ?, 'in_progress')"; keys.len()].join(", ");
+                let mut insert = sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "INSERT IGNORE INTO {table} (`key`, token, state) VALUES {rows}"
+                )));
+                for (key, token) in keys.iter().zip(&tokens) {
+                    insert = insert.bind(key).bind(token);
+                }
+                insert.execute(pool).await?;
+                let marks = vec!["?"; keys.len()].join(", ");
+                let mut read = sqlx::query_as::<_, (Vec<u8>, Vec<u8>)>(sqlx::AssertSqlSafe(
+                    format!("SELECT `key`, token FROM {table} WHERE `key` IN ({marks})"),
+                ));
+                for key in &keys {
+                    read = read.bind(key);
+                }
+                let held: std::collections::HashMap<Vec<u8>, Vec<u8>> =
+                    read.fetch_all(pool).await?.into_iter().collect();
+                let taken: Vec<usize> = (0..keys.len())
+                    .filter(|&i| held.get(&keys[i]) == Some(&tokens[i]))
+                    .collect();
+                let select = (0..taken.len())
+                    .map(|i| {
+                        if i == 0 {
+                            "SELECT ? AS k, ? AS t"
+                        } else {
+                            "SELECT ?, ?"
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" UNION ALL ");
+                let mut update = sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "UPDATE {table} AS r JOIN ({select}) AS i ON r.`key` = i.k AND r.token = i.t \
+                     SET r.state = 'completed'"
+                )));
+                for &i in &taken {
+                    update = update.bind(&keys[i]).bind(&tokens[i]);
+                }
+                let done = update.execute(pool).await?.rows_affected();
+                (taken.len(), usize::try_from(done)?)
+            }
+        };
+        match taken {
+            (taken, done) if taken == keys.len() && done == taken => Ok(()),
+            (taken, done) => Err(format!(
+                "the seed design took {taken} of {} fresh keys and completed {done}",
+                keys.len()
+            )
+            .into()),
+        }
+    }
+}
+
 /// Round trips of a batch of 100 and of 100 single calls on `store` (whose connections go
 /// through `counter`), per 100 messages.
 async fn round_trips(store: SharedStore, counter: &Counter) -> Result<(f64, f64), BoxError> {
@@ -227,13 +448,37 @@ fn tag() -> String {
         .collect()
 }
 
+/// Fresh key bytes for a hand-written batch: the framework's encoding, a tag of their own.
+fn seed_keys(run: &str, pass: usize) -> Result<Vec<Vec<u8>>, BoxError> {
+    (0..BATCH)
+        .map(|i| {
+            Ok(Key::new("bench:batch", 1, &[&run, &pass, &i])?
+                .as_bytes()
+                .to_vec())
+        })
+        .collect()
+}
+
 async fn measure(
     name: &str,
     direct: SharedStore,
     counted: SharedStore,
     counter: &Counter,
+    seed: &Seed,
+    seed_counted: &Seed,
 ) -> Result<(), BoxError> {
     let (batch_trips, single_trips) = round_trips(counted, counter).await?;
+    let seed_run = tag();
+    let mut seed_pass = 0;
+    seed_counted.batch(seed_keys(&seed_run, seed_pass)?).await?;
+    seed_pass += 1;
+    let rounds = 10;
+    let before = counter.count();
+    for _ in 0..rounds {
+        seed_counted.batch(seed_keys(&seed_run, seed_pass)?).await?;
+        seed_pass += 1;
+    }
+    let seed_trips = (counter.count() - before) as f64 / f64::from(rounds);
     let fast = Side {
         guard: Idempotency::new(Duration::from_secs(3600)).store(direct),
         run: tag(),
@@ -241,25 +486,49 @@ async fn measure(
     };
     fast.batch().await?;
     fast.singles().await?;
+    seed.batch(seed_keys(&seed_run, seed_pass)?).await?;
+    seed_pass += 1;
     let passes = 20;
-    let (mut batches, mut singles) = (Vec::new(), Vec::new());
+    let (mut batches, mut seeds, mut singles) = (Vec::new(), Vec::new(), Vec::new());
+    // Each side goes first, second and third equally often.
     for round in 0..6 {
-        for turn in 0..2 {
+        for turn in 0..3 {
             let start = Instant::now();
-            if (round + turn) % 2 == 0 {
-                for _ in 0..passes {
-                    fast.batch().await?;
+            match (round + turn) % 3 {
+                0 => {
+                    for _ in 0..passes {
+                        fast.batch().await?;
+                    }
+                    batches.push(per_s(passes * BATCH, start.elapsed()));
                 }
-                batches.push(per_s(passes * BATCH, start.elapsed()));
-            } else {
-                for _ in 0..passes {
-                    fast.singles().await?;
+                1 => {
+                    for _ in 0..passes {
+                        seed.batch(seed_keys(&seed_run, seed_pass)?).await?;
+                        seed_pass += 1;
+                    }
+                    seeds.push(per_s(passes * BATCH, start.elapsed()));
                 }
-                singles.push(per_s(passes * BATCH, start.elapsed()));
+                _ => {
+                    for _ in 0..passes {
+                        fast.singles().await?;
+                    }
+                    singles.push(per_s(passes * BATCH, start.elapsed()));
+                }
             }
         }
     }
-    let (batch, single) = (median(&batches), median(&singles));
+    let (batch, seed_rate, single) = (median(&batches), median(&seeds), median(&singles));
+    figure(
+        &format!("{name}_seed_batch_round_trips_per_100"),
+        seed_trips,
+        1,
+    );
+    figure(&format!("{name}_seed_batch_msgs_per_s"), seed_rate, 0);
+    figure(
+        &format!("{name}_batch_ratio_vs_seed_design"),
+        batch / seed_rate,
+        3,
+    );
     figure(&format!("{name}_batch_round_trips_per_100"), batch_trips, 1);
     figure(
         &format!("{name}_single_round_trips_per_100"),
@@ -278,7 +547,9 @@ async fn redis() -> Result<(), BoxError> {
     let counter = Counter::start(address(&url).await?).await?;
     let direct = Arc::new(RedisStore::connect(&url).await?);
     let counted = Arc::new(RedisStore::connect(&through(&url, counter.addr)).await?);
-    measure("redis", direct, counted, &counter).await?;
+    let seed = Seed::redis(&url).await?;
+    let seed_counted = Seed::redis(&through(&url, counter.addr)).await?;
+    measure("redis", direct, counted, &counter, &seed, &seed_counted).await?;
     // The keys of the run expire in an hour; remove them now.
     let client = redis::Client::open(url.as_str())?;
     let mut conn = client.get_multiplexed_async_connection().await?;
@@ -362,7 +633,20 @@ async fn sql<DB: Dialect>(name: &str, server: Server) -> Result<(), BoxError> {
         Server::MySql => Some(statement_counts(direct.clone(), table.url()).await?),
         Server::Postgres => None,
     };
-    measure(name, direct, counted, &counter).await?;
+    let seed_table = Scratch::table(server);
+    let seed = Seed::sql(server, seed_table.url(), seed_table.name()).await?;
+    let seed_counted = match &seed {
+        Seed::Postgres { table, .. } => Seed::Postgres {
+            pool: sqlx::PgPool::connect(&through(seed_table.url(), counter.addr)).await?,
+            table: table.clone(),
+        },
+        Seed::MySql { table, .. } => Seed::MySql {
+            pool: sqlx::MySqlPool::connect(&through(seed_table.url(), counter.addr)).await?,
+            table: table.clone(),
+        },
+        Seed::Redis { .. } => return Err("a Redis seed for an SQL run".into()),
+    };
+    measure(name, direct, counted, &counter, &seed, &seed_counted).await?;
     if let Some((batch, single)) = statements {
         figure(&format!("{name}_batch_statements_per_100"), batch, 1);
         figure(&format!("{name}_single_statements_per_100"), single, 1);
