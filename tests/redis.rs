@@ -255,6 +255,46 @@ async fn lost_complete_reply_on_a_real_connection_is_resolved_as_completed() {
     delete_matching(&redis_url(), &format!("{namespace}:*"));
 }
 
+/// A server that does not have the scripts (a fresh server, or after `SCRIPT FLUSH`): the
+/// claim and settlement pipelines meet `NOSCRIPT` for every item, each item is sent again on
+/// its own (which loads the script), and the batch runs each handler once. A server of the
+/// test's own, so that flushing its scripts touches no other test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_on_a_server_without_the_scripts_load_them_and_run_once() {
+    let server = RedisServer::start(&[]);
+    let store: SharedStore = Arc::new(connect(&server.url()).await);
+    let guard = Idempotency::new(Duration::from_secs(60)).store(store.clone());
+    let executions = AtomicUsize::new(0);
+    let handler = |id: u32| {
+        let executions = &executions;
+        async move {
+            executions.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Error>(id)
+        }
+    };
+    let mut conn = raw(&server.url());
+    for round in 0..2u32 {
+        let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut conn).unwrap();
+        let items: Vec<(Key, u32)> = (0..20u32)
+            .map(|id| (Key::new("noscript", 1, &[&round, &id]).unwrap(), id))
+            .collect();
+        let out: Vec<Result<u32, Error>> = guard.run_batch(items.clone(), handler).await;
+        assert_eq!(
+            out.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+            (0..20u32).collect::<Vec<_>>()
+        );
+        for (key, _) in &items {
+            let record = store.read(key).await.unwrap().unwrap();
+            assert_eq!(record.state, RecordState::Completed, "{key}");
+        }
+        let again: Vec<Result<u32, Error>> = guard.run_batch(items, handler).await;
+        assert!(again
+            .iter()
+            .all(|out| matches!(out, Err(Error::Duplicate { .. }))));
+    }
+    assert_eq!(executions.load(Ordering::SeqCst), 40);
+}
+
 /// A batch whose settlement pipeline loses its reply (the server applied every completion,
 /// the connection is cut before the answers come back): each item reads its record back by
 /// token and finds it completed, every handler ran once, and a redelivery of the batch

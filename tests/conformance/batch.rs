@@ -139,6 +139,9 @@ enum Quirk {
     None,
     /// Its batch settlement never answers (a hung connection).
     HungSettlements,
+    /// Its batch settlement fails for every item, applying nothing (the store down for that
+    /// one call).
+    FailingSettlements,
     /// Its batch claim leaves the last item out of what it sends and answers (a misbehaving
     /// third-party store).
     ShortClaims,
@@ -191,6 +194,17 @@ impl Store for Instrumented {
         self.batches.lock().unwrap().push(items.len());
         match self.quirk {
             Quirk::HungSettlements => Box::pin(std::future::pending()),
+            Quirk::FailingSettlements => Box::pin(std::future::ready(
+                items
+                    .iter()
+                    .map(|_| {
+                        Err(StoreError::new(
+                            idempotency::StoreErrorKind::Unavailable,
+                            "the batch settlement failed",
+                        ))
+                    })
+                    .collect(),
+            )),
             _ => self.inner.complete_many(items),
         }
     }
@@ -549,4 +563,37 @@ pub async fn a_batch_claim_that_answers_fewer_items_fails_the_rest(b: impl Backe
         matches!(&out[3], Err(TestError::Idem(Error::Store(e))) if e.kind() == idempotency::StoreErrorKind::Protocol),
         "{out:?}"
     );
+}
+
+/// A batch whose settlement fails (nothing recorded): every body ran once and its value is
+/// returned (the effect is applied), the claims are never given back, and each owner
+/// records its outcome on its own in the background, so a redelivery runs nothing.
+pub async fn a_failed_batch_settlement_is_recorded_item_by_item(b: impl Backend) {
+    let store = instrumented(&b, Quirk::FailingSettlements);
+    let shared: SharedStore = store.clone();
+    let prefix = unique_prefix(&b, "batch-settle-fails");
+    let items = || -> Vec<(Key, u32)> { (0..6u32).map(|id| (key(&prefix, &[&id]), id)).collect() };
+    let runs = AtomicUsize::new(0);
+    let handler = |id: u32| {
+        let runs = &runs;
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, TestError>(id)
+        }
+    };
+    let first: Vec<Result<u32, TestError>> = guard(&shared).run_batch(items(), handler).await;
+    assert_eq!(
+        first.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+        (0..6u32).collect::<Vec<_>>()
+    );
+    for (k, _) in items() {
+        super::eventually(&shared, &k, |r| {
+            r.as_ref()
+                .is_some_and(|r| r.state == RecordState::Completed)
+        })
+        .await;
+    }
+    let again: Vec<Result<u32, TestError>> = guard(&shared).run_batch(items(), handler).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 6, "{again:?}");
+    assert_eq!(*store.batches.lock().unwrap(), vec![6]);
 }

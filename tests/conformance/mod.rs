@@ -229,6 +229,7 @@ macro_rules! conformance_cases {
             complete_many_answers_as_single_settlements_would,
             a_batch_checks_payloads_replays_and_asks_done_per_item,
             a_batch_claim_that_answers_fewer_items_fails_the_rest,
+            a_failed_batch_settlement_is_recorded_item_by_item,
             an_operator_deletes_records_and_purges_a_prefix
         );
     };
