@@ -14,7 +14,7 @@
 //! - **raw**: redis-rs sending the backend's own commands: the fast claim, `SET key <in-progress
 //!   record> NX PX <ttl> GET`, then the completion script (`settle.lua`) by `EVALSHA`, with
 //!   the arguments the store sends (no fingerprint, the 5-byte result `replay` stores for
-//!   `Ok(())`). It writes the very record the framework writes, so it is the framework
+//!   `Ok(())`, the head of the claimed record up to its fence). It writes the very record the framework writes, so it is the framework
 //!   without the framework's client-side work.
 //! - **framework**: an `#[idempotent(..., replay)]` handler that only returns `Ok(())`, on a
 //!   `RedisStore`. Its completed record carries the token, a fence and the result.
@@ -246,15 +246,18 @@ async fn raw_cycle(
     ttl_ms: u64,
 ) -> Result<(), BoxError> {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
-    let mut record = Vec::with_capacity(64);
-    record.push(b'P');
-    record.extend_from_slice(token);
-    record.push(b'-');
+    // The record's head, up to the fence's `:`, which the completion names.
+    let mut head = Vec::with_capacity(40);
+    head.push(b'P');
+    head.extend_from_slice(token);
+    head.push(b'-');
+    head.extend_from_slice(format!("{}:", now.as_micros()).as_bytes());
+    let mut record = head.clone();
     record.extend_from_slice(
         format!(
-            "{}:{}:",
-            now.as_micros(),
-            now.as_millis() + u128::from(lease_ms)
+            "{}:{}",
+            now.as_millis() + u128::from(lease_ms),
+            now.as_millis()
         )
         .as_bytes(),
     );
@@ -276,7 +279,8 @@ async fn raw_cycle(
         .arg("complete")
         .arg(&token[..])
         .arg(ttl_ms)
-        .arg(UNIT_RESULT);
+        .arg(UNIT_RESULT)
+        .arg(head);
     let completed: i64 = complete.invoke_async(conn).await?;
     if completed != 1 {
         return Err("raw completion refused".into());

@@ -234,6 +234,48 @@ async fn lost_claim_reply(fast: bool, marker: &[u8]) {
     delete_matching(&redis_url(), &format!("{namespace}:*"));
 }
 
+/// A batch whose claim pipeline loses its reply (the server applied every claim, the
+/// connection is cut before the answers come back): each item reads its record back by token
+/// and finds its own claim, so every handler runs once and nothing is left claimed. For the
+/// pipeline of fast claims (`SET ... NX GET`) and for the pipeline of scripts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_reply_to_a_batch_claim_is_resolved_item_by_item() {
+    for (fast, marker) in [(true, &b"\r\nNX\r\n"[..]), (false, &b"\r\nclaim\r\n"[..])] {
+        let proxy = proxy::Proxy::start("127.0.0.1:6379".parse().unwrap()).await;
+        let store: SharedStore = Arc::new(redis_server::connect_with(&proxy.url(), fast).await);
+        let namespace = unique_namespace();
+        let items: Vec<(Key, u32)> = (0..30u32)
+            .map(|id| {
+                let key = Key::new(&format!("{namespace}:lost-batch-claim"), 1, &[&id]).unwrap();
+                (key, id)
+            })
+            .collect();
+        let guard = Idempotency::new(Duration::from_secs(60)).store(store.clone());
+        let executions = AtomicUsize::new(0);
+        let handler = |id: u32| {
+            let executions = &executions;
+            async move {
+                executions.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Error>(id)
+            }
+        };
+        proxy.lose_reply_to(marker);
+        let out: Vec<Result<u32, Error>> = guard.run_batch(items.clone(), handler).await;
+        assert_eq!(proxy.lost(), 1, "the proxy lost no reply (fast: {fast})");
+        assert_eq!(
+            out.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+            (0..30u32).collect::<Vec<_>>(),
+            "fast: {fast}"
+        );
+        assert_eq!(executions.load(Ordering::SeqCst), 30, "fast: {fast}");
+        for (key, _) in &items {
+            let record = store.read(key).await.unwrap().unwrap();
+            assert_eq!(record.state, RecordState::Completed, "{key} (fast: {fast})");
+        }
+        delete_matching(&redis_url(), &format!("{namespace}:*"));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_complete_reply_on_a_real_connection_is_resolved_as_completed() {
     let proxy = proxy::Proxy::start("127.0.0.1:6379".parse().unwrap()).await;
@@ -841,6 +883,171 @@ async fn the_fast_claim_is_one_set_and_leaves_the_rest_to_the_script() {
     );
     // Two script runs, each with its own `SET` inside.
     assert_eq!(counted(&before), (2, 2));
+}
+
+/// A batch claim with the fast claim on, counted by a server of the test's own: one `SET`
+/// per item, the script only for the items the `SET` cannot decide (a released record, a
+/// value that is no record), and every answer the single claims give.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_claims_with_one_set_per_item_and_the_script_only_where_needed() {
+    let server = RedisServer::start(&[]);
+    let url = server.url();
+    let store = connect(&url).await;
+    let key = |name: &str| Key::new("fast-batch", 1, &[&name]).unwrap();
+    let hour = Duration::from_secs(3600);
+    // Load the claim script (a short lease is claimed by script).
+    acquired(
+        store
+            .claim(&claim_request(
+                &key("warm"),
+                Duration::from_millis(500),
+                hour,
+            ))
+            .await
+            .unwrap(),
+    );
+    let released = claim_request(&key("released"), hour, hour);
+    let released_fence = acquired(store.claim(&released).await.unwrap());
+    assert!(store
+        .release(&key("released"), &released.token)
+        .await
+        .unwrap());
+    let live = claim_request(&key("live"), hour, hour);
+    let live_fence = acquired(store.claim(&live).await.unwrap());
+    let done = claim_request(&key("done"), hour, hour);
+    let done_fence = acquired(store.claim(&done).await.unwrap());
+    assert!(store
+        .complete(
+            &key("done"),
+            &done.token,
+            &Completion::new(Some(b"receipt".to_vec()), hour)
+        )
+        .await
+        .unwrap());
+    let _: () = redis::cmd("SET")
+        .arg(key("foreign").as_bytes())
+        .arg("not a record")
+        .query(&mut raw(&url))
+        .unwrap();
+
+    let fresh: Vec<ClaimRequest> = (0..20)
+        .map(|i| claim_request(&key(&format!("fresh-{i}")), hour, hour))
+        .collect();
+    let mut batch = fresh.clone();
+    batch.push(claim_request(&key("released"), hour, hour));
+    batch.push(claim_request(&key("live"), hour, hour));
+    batch.push(claim_request(&key("done"), hour, hour));
+    batch.push(claim_request(&key("foreign"), hour, hour));
+    // The same fresh key twice: the first takes it, the second finds the first's claim.
+    batch.push(claim_request(&key("twice"), hour, hour));
+    batch.push(claim_request(&key("twice"), hour, hour));
+    let before = command_calls(&url, &["set", "evalsha"]);
+    let t0 = server_micros(&url);
+    let answers = store.claim_many(&batch).await;
+    let t1 = server_micros(&url);
+    let (sets, scripts) = {
+        let now = command_calls(&url, &["set", "evalsha"]);
+        (now[0] - before[0], now[1] - before[1])
+    };
+    assert_eq!(answers.len(), batch.len());
+    for answer in &answers[..20] {
+        let fence = acquired(answer.as_ref().unwrap().clone());
+        assert!((t0..=t1 + 1_000).contains(&fence), "{fence}");
+    }
+    assert_eq!(
+        acquired(answers[20].as_ref().unwrap().clone()),
+        released_fence + 1,
+        "a released record is taken by the script with the next fence"
+    );
+    assert_eq!(
+        answers[21].as_ref().unwrap().clone(),
+        Claim::InProgress { fence: live_fence }
+    );
+    assert_eq!(
+        answers[22].as_ref().unwrap().clone(),
+        Claim::Completed {
+            fence: done_fence,
+            result: Some(b"receipt".to_vec())
+        }
+    );
+    assert_eq!(
+        answers[23].as_ref().unwrap_err().kind(),
+        StoreErrorKind::Corrupt
+    );
+    let twice = acquired(answers[24].as_ref().unwrap().clone());
+    assert_eq!(
+        answers[25].as_ref().unwrap().clone(),
+        Claim::InProgress { fence: twice }
+    );
+    // 26 `SET`s, and the script's own `SET` for the released record; two script runs.
+    assert_eq!((sets, scripts), (27, 2));
+    let left: String = redis::cmd("GET")
+        .arg(key("foreign").as_bytes())
+        .query(&mut raw(&url))
+        .unwrap();
+    assert_eq!(left, "not a record");
+}
+
+/// A completion that names its claim (the engine's) is matched by the record's head and
+/// writes, byte for byte, the completed record a completion by token alone writes: the
+/// state, the token, the fingerprint, the fence, no lease, the result; also after a renewal
+/// rewrote the lease, with and without a fingerprint, and for a claim the script made.
+#[tokio::test]
+async fn a_completion_naming_its_claim_writes_the_record_a_token_completion_writes() {
+    let server = RedisServer::start(&[]);
+    let url = server.url();
+    let store = connect(&url).await;
+    let scripted = redis_server::connect_with(&url, false).await;
+    let hour = Duration::from_secs(3600);
+    let mut conn = raw(&url);
+    let fp = idempotency::Fingerprint::of(&[&"EUR", &1250u64]);
+    for (case, fingerprint, by_script) in [
+        ("plain", None, false),
+        ("fingerprinted", Some(fp), false),
+        ("scripted", Some(fp), true),
+    ] {
+        let claimer = if by_script { &scripted } else { &store };
+        let token = Token::generate();
+        let mut fences = Vec::new();
+        let keys = [
+            Key::new("named", 1, &[&case, &"by-token"]).unwrap(),
+            Key::new("named", 1, &[&case, &"by-claim"]).unwrap(),
+        ];
+        for key in &keys {
+            let mut req = ClaimRequest::new(key.clone(), token, hour, hour);
+            req.fingerprint = fingerprint;
+            fences.push(acquired(claimer.claim(&req).await.unwrap()));
+            assert!(store.renew(key, &token, hour).await.unwrap(), "{case}");
+        }
+        let done = Completion::new(Some(b"receipt-7".to_vec()), hour);
+        assert!(store.complete(&keys[0], &token, &done).await.unwrap());
+        let named = done
+            .clone()
+            .for_claim(idempotency::AcquiredClaim::new(fences[1], fingerprint));
+        assert!(store.complete(&keys[1], &token, &named).await.unwrap());
+        for (key, fence) in keys.iter().zip(&fences) {
+            let mut expected = b"C".to_vec();
+            expected.extend_from_slice(token.as_bytes());
+            match fingerprint {
+                Some(fp) => {
+                    expected.push(b'F');
+                    expected.extend_from_slice(fp.as_bytes());
+                }
+                None => expected.push(b'-'),
+            }
+            expected.extend_from_slice(format!("{fence}:0:receipt-7").as_bytes());
+            let value: Vec<u8> = redis::cmd("GET")
+                .arg(key.as_bytes())
+                .query(&mut conn)
+                .unwrap();
+            assert_eq!(value, expected, "{case}: {key}");
+            let ttl: i64 = redis::cmd("PTTL")
+                .arg(key.as_bytes())
+                .query(&mut conn)
+                .unwrap();
+            assert!(ttl > 3_590_000, "{case}: the completion's ttl, {ttl} ms");
+        }
+    }
 }
 
 #[tokio::test]

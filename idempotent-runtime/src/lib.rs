@@ -63,8 +63,8 @@ pub use error::{Action, Error, StoreError, StoreErrorKind};
 pub use key::{Key, KeyError, KeyPart};
 pub use policy::{InProgress, OnError, OnLostLease, OnStoreError};
 pub use store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, IntoStore, Record, RecordState,
-    SharedStore, Store, Token,
+    AcquiredClaim, BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, IntoStore, Record,
+    RecordState, SharedStore, Store, Token,
 };
 
 #[cfg(feature = "memory")]

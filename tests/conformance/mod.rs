@@ -190,6 +190,7 @@ macro_rules! conformance_cases {
             handler_that_outlives_its_lease_loses_ownership,
             complete_and_renew_check_the_token,
             completing_a_missing_record_is_refused,
+            a_completion_naming_its_claim_is_decided_by_the_token,
             error_releases_and_the_retry_runs,
             release_never_removes_another_owners_claim,
             held_error_blocks_the_key,

@@ -25,7 +25,10 @@ use tokio::sync::Notify;
 use crate::codec;
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
-use crate::store::{BoxFuture, Claim, ClaimRequest, Completion, RecordState, SharedStore, Token};
+use crate::store::{
+    AcquiredClaim, BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, RecordState,
+    SharedStore, Token,
+};
 
 /// Everything that travels with an acquired claim.
 pub(crate) struct Claimed {
@@ -33,6 +36,8 @@ pub(crate) struct Claimed {
     pub(crate) key: Key,
     pub(crate) token: Token,
     pub(crate) fence: u64,
+    /// The fingerprint the claim was sent with.
+    pub(crate) fingerprint: Option<Fingerprint>,
     pub(crate) lease: Duration,
     pub(crate) ttl: Duration,
     /// When the claim was sent: the lease is measured from here on the caller's clock, which
@@ -56,6 +61,7 @@ impl Claimed {
             key: req.key,
             token: req.token,
             fence,
+            fingerprint: req.fingerprint,
             lease: req.lease,
             ttl: req.ttl,
             sent_at,
@@ -349,10 +355,10 @@ impl Owner {
     /// dropped).
     pub(crate) async fn settle(mut self, result: Option<Vec<u8>>) -> Settled {
         let result = fit(result, self.claim.store.max_result_size());
-        self.phase = Phase::Settling(Completion {
-            result,
-            ttl: self.claim.ttl,
-        });
+        self.phase = Phase::Settling(
+            Completion::new(result, self.claim.ttl)
+                .for_claim(AcquiredClaim::new(self.claim.fence, self.claim.fingerprint)),
+        );
         let Phase::Settling(completion) = &self.phase else {
             return Settled::Deferred;
         };
@@ -427,6 +433,7 @@ async fn complete(claim: &Claimed, completion: &Completion) -> Result<bool, Stor
             let smaller = Completion {
                 result: completion.result.as_deref().and_then(shrink),
                 ttl: completion.ttl,
+                claim: completion.claim,
             };
             complete_resolving(claim, &smaller).await
         }

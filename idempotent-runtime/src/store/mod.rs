@@ -160,6 +160,11 @@ pub trait Store: Send + Sync + 'static {
     /// not its lease ran out). Returns `true` when the record is completed by `token` (also when
     /// it already was, so a retried completion is harmless) and `false` when someone else owns
     /// the key now.
+    ///
+    /// `completion.claim`, when set, is the fence and fingerprint the claim was acquired
+    /// with. A store may use it to recognise the owner's record with less work (Redis
+    /// compares the record's head instead of parsing it), but the answer must be the one the
+    /// token alone gives: a record whose fence differs is still completed if `token` owns it.
     fn complete<'a>(
         &'a self,
         key: &'a Key,
@@ -721,6 +726,35 @@ pub struct Completion {
     pub result: Option<Vec<u8>>,
     /// How long the completed record is kept.
     pub ttl: Duration,
+    /// The claim this completes, as its owner acquired it, when the owner knows it (see
+    /// [`Completion::for_claim`]); `None` for a completion by token alone.
+    pub claim: Option<AcquiredClaim>,
+}
+
+/// How a claim was acquired: its fence and the fingerprint it was sent with. Carried by a
+/// [`Completion`] so that a store can recognise the owner's record cheaply; it never
+/// changes what a completion decides (the token does).
+///
+/// ```
+/// use idempotent_runtime::{AcquiredClaim, Fingerprint};
+///
+/// let claim = AcquiredClaim::new(1_796_130_461_329_139, Some(Fingerprint::of(&[&"EUR"])));
+/// assert_eq!(claim.fence, 1_796_130_461_329_139);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AcquiredClaim {
+    /// The fence [`Claim::Acquired`] answered.
+    pub fence: u64,
+    /// The fingerprint of the [`ClaimRequest`], if it had one.
+    pub fingerprint: Option<Fingerprint>,
+}
+
+impl AcquiredClaim {
+    /// The claim acquired with `fence`, sent with `fingerprint`.
+    pub fn new(fence: u64, fingerprint: Option<Fingerprint>) -> AcquiredClaim {
+        AcquiredClaim { fence, fingerprint }
+    }
 }
 
 /// The state of a stored record.
@@ -803,7 +837,27 @@ impl Completion {
     /// assert_eq!(done.ttl, Duration::from_secs(3600));
     /// ```
     pub fn new(result: Option<Vec<u8>>, ttl: Duration) -> Completion {
-        Completion { result, ttl }
+        Completion {
+            result,
+            ttl,
+            claim: None,
+        }
+    }
+
+    /// The same completion, naming the claim it completes (see [`AcquiredClaim`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotent_runtime::{AcquiredClaim, Completion};
+    ///
+    /// let done = Completion::new(None, Duration::from_secs(3600))
+    ///     .for_claim(AcquiredClaim::new(42, None));
+    /// assert_eq!(done.claim.map(|c| c.fence), Some(42));
+    /// ```
+    #[must_use]
+    pub fn for_claim(mut self, claim: AcquiredClaim) -> Completion {
+        self.claim = Some(claim);
+        self
     }
 }
 

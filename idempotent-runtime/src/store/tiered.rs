@@ -69,10 +69,7 @@ impl TieredStore {
             Ok(Claim::Acquired { .. }) => {}
             Ok(Claim::Completed { result, .. }) if front_owned => {
                 // The front forgot a completed operation: teach it again.
-                let completion = Completion {
-                    result: result.clone(),
-                    ttl: req.ttl,
-                };
+                let completion = Completion::new(result.clone(), req.ttl);
                 self.best_effort(
                     "repair",
                     self.front.complete(&req.key, &req.token, &completion),

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClient;
-use ::redis::{Client, Script, Value};
+use ::redis::{Client, Value};
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::store::redact::redact;
@@ -16,7 +16,7 @@ use crate::store::DEFAULT_MAX_RESULT_SIZE;
 
 use crate::store::redis::batch::SlotMap;
 use crate::store::redis::clock::ServerClock;
-use crate::store::redis::conn::{command_error, connect_error, Conn};
+use crate::store::redis::conn::{command_error, connect_error, Conn, Lua};
 use crate::store::redis::store::{Inner, RedisStore, SCRIPT, SETTLE};
 use crate::store::redis::wire::text;
 
@@ -205,8 +205,8 @@ impl RedisStoreBuilder {
                 clock: ServerClock::default(),
                 slots: SlotMap::default(),
                 conn,
-                script: Script::new(SCRIPT),
-                settle: Script::new(SETTLE),
+                script: Lua::new(SCRIPT),
+                settle: Lua::new(SETTLE),
                 wait_for_replicas: self.wait_for_replicas,
                 run_id: Mutex::new(None),
                 history_resets: AtomicU64::new(0),

@@ -2,7 +2,7 @@
 
 use ::redis::aio::{ConnectionLike, ConnectionManager};
 use ::redis::cluster_async::ClusterConnection;
-use ::redis::{RedisError, Value};
+use ::redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind, Value};
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
@@ -24,14 +24,44 @@ impl Conn {
         }
     }
 
-    pub(super) async fn invoke(
-        &self,
-        invocation: &::redis::ScriptInvocation<'_>,
-    ) -> Result<Value, RedisError> {
-        match self.clone() {
-            Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
-            Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+    /// Sends `cmd`, a call of `lua`, a server's error reply as an error; when the server does
+    /// not have the script (a restarted server, `SCRIPT FLUSH`), loads it and sends the call
+    /// again.
+    pub(super) async fn eval(&self, lua: &Lua, cmd: &Cmd) -> Result<Value, RedisError> {
+        match self.query(cmd).await.and_then(Value::extract_error) {
+            Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                self.query(::redis::cmd("SCRIPT").arg("LOAD").arg(lua.code))
+                    .await
+                    .and_then(Value::extract_error)?;
+                self.query(cmd).await.and_then(Value::extract_error)
+            }
+            other => other,
         }
+    }
+}
+
+/// A script the store calls by its SHA-1 (`EVALSHA`). A call is one command built in one
+/// buffer ([`Lua::call`]), which redis-rs's `ScriptInvocation` would build from a buffer per
+/// argument and then copy.
+pub(super) struct Lua {
+    script: Script,
+    code: &'static str,
+}
+
+impl Lua {
+    pub(super) fn new(code: &'static str) -> Lua {
+        Lua {
+            script: Script::new(code),
+            code,
+        }
+    }
+
+    /// `EVALSHA <sha1> 1 <key>`: a call of the script on `key`, to which the caller adds the
+    /// arguments.
+    pub(super) fn call(&self, key: &[u8]) -> Cmd {
+        let mut cmd = ::redis::cmd("EVALSHA");
+        cmd.arg(self.script.get_hash()).arg(1).arg(key);
+        cmd
     }
 }
 

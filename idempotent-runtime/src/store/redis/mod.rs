@@ -8,7 +8,13 @@
 //! `settle.lua` for completion and release; both are loaded once and called by SHA-1
 //! (`EVALSHA`); after a `SCRIPT FLUSH` or a server restart the `NOSCRIPT` reply makes the
 //! client load them again and retry, transparently. Leases and expiry use the server's clock
-//! (`TIME`, `PX`), never the client's wall clock.
+//! (`TIME`, `PX`), never the client's wall clock. A completion that names its claim
+//! ([`Completion::claim`](crate::Completion::claim), as the engine's do) sends the head of the
+//! owner's in-progress record (state, token, fingerprint, fence): `settle.lua` compares it
+//! with the record's first bytes and writes the completed record without parsing; any other
+//! record goes through the full checks, so the answer is the token's either way. A batch
+//! ([`Store::claim_many`](crate::Store::claim_many)) is one pipeline of the same fast claims,
+//! and a second pipeline of scripts for the items they leave undecided.
 //!
 //! A record is one Redis string holding state, token, fingerprint, fence, lease end and
 //! result, so one key per record and one Redis Cluster slot (the key's `{...}` hash tag

@@ -5,13 +5,23 @@
 -- KEYS[1]  the record's key
 -- ARGV[1]  the operation: complete | release | reopen (an operator's: any state)
 -- ARGV[2]  the owner's token
--- complete: ARGV[3] ttl ms, ARGV[4] result ('' for none)
+-- complete: ARGV[3] ttl ms, ARGV[4] result ('' for none), and, when the owner knows its
+--           claim's fence, ARGV[5] the head of the in-progress record it holds:
+--           'P' .. token .. ('F' .. fingerprint or '-') .. fence .. ':'
 --
 -- The record is read exactly as record.lua reads it (same format, same checks): a value that
 -- is not such a record, or a key of another type, answers IDEMPOTENT_CORRUPT and is left as
 -- it is. The fence is carried over as written.
 
 local v = redis.pcall('GET', KEYS[1])
+-- The common completion first: the key still holds the owner's claim, with the head the owner
+-- knows (state, its token, fingerprint and fence, which a record's first fields are, the
+-- fence ended by its ':'). The completed record is that head's fields, no lease, the result:
+-- what the general path below writes for it, with no parsing.
+if ARGV[5] and type(v) == 'string' and string.find(v, ARGV[5], 1, true) == 1 then
+  redis.call('SET', KEYS[1], 'C' .. string.sub(ARGV[5], 2) .. '0:' .. ARGV[4], 'PX', ARGV[3])
+  return 1
+end
 if type(v) == 'table' then
   return redis.error_reply('IDEMPOTENT_CORRUPT value of another type: ' .. tostring(v.err))
 end

@@ -4,15 +4,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ::redis::{Script, Value};
+use ::redis::Value;
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::redis::batch::{send_again, SlotMap};
 use crate::store::redis::clock::{fast_durations, Estimate, ServerClock};
-use crate::store::redis::conn::{command_error, script_error, Conn};
+use crate::store::redis::conn::{command_error, script_error, Conn, Lua};
 use crate::store::redis::wire::{
-    claim_invocation, decode_claim, decode_record, in_progress_record, int, parse_record, text,
+    claim_cmd, decode_claim, decode_record, in_progress_head, in_progress_record, int,
+    parse_record, text,
 };
 use crate::store::{
     clamped_millis, BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, RecordState,
@@ -25,8 +26,8 @@ pub(super) const SETTLE: &str = include_str!("settle.lua");
 
 pub(super) struct Inner {
     pub(super) conn: Conn,
-    pub(super) script: Script,
-    pub(super) settle: Script,
+    pub(super) script: Lua,
+    pub(super) settle: Lua,
     pub(super) wait_for_replicas: Option<(u32, Duration)>,
     pub(super) run_id: Mutex<Option<String>>,
     pub(super) history_resets: AtomicU64,
@@ -75,12 +76,9 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    async fn call(
-        &self,
-        key: &Key,
-        invocation: &::redis::ScriptInvocation<'_>,
-    ) -> Result<Value, StoreError> {
-        match self.inner.conn.invoke(invocation).await {
+    /// Sends `cmd`, a call of `lua` on `key`.
+    async fn call(&self, key: &Key, lua: &Lua, cmd: &::redis::Cmd) -> Result<Value, StoreError> {
+        match self.inner.conn.eval(lua, cmd).await {
             Ok(value) => {
                 if self.inner.recheck.load(Ordering::Relaxed)
                     && self.inner.recheck.swap(false, Ordering::AcqRel)
@@ -151,21 +149,127 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// Every claim in one pipeline: one round trip. Items the server answers `NOSCRIPT`
-    /// (the script was flushed) are claimed again one by one, which reloads it.
+    /// Every claim in one pipeline: one round trip where the fast claim decides them all. With
+    /// the fast claim on (see [`fast_claim`](Self::fast_claim)), the pipeline is of `SET ... NX
+    /// GET`s and the items they cannot decide (a released record, a run-out lease, a value that
+    /// is no record) follow in a second pipeline of scripts; otherwise it is of scripts.
     async fn claim_pipelined(
         &self,
         reqs: &[&ClaimRequest],
         slot: u16,
     ) -> Vec<Result<Claim, StoreError>> {
-        let invocations: Vec<_> = reqs
+        let mut claims = match self.claim_fast_pipelined(reqs).await {
+            Some(claims) => claims,
+            None => self.claim_scripted(reqs, slot).await,
+        };
+        if claims
             .iter()
-            .map(|req| claim_invocation(&self.inner.script, req))
-            .collect();
+            .any(|claim| matches!(claim, Ok(Claim::Acquired { .. })))
+        {
+            if let Err(err) = self.wait_for_replicas().await {
+                let message = err.to_string();
+                for claim in &mut claims {
+                    if let Ok(Claim::Acquired { .. }) = claim {
+                        *claim = Err(StoreError::new(err.kind(), message.clone()));
+                    }
+                }
+            }
+        }
+        claims
+    }
+
+    /// The fast claims of a batch, as one pipeline of `SET ... NX GET`s, then the script for
+    /// the items they leave undecided; `None` when the fast claim does not apply now.
+    async fn claim_fast_pipelined(
+        &self,
+        reqs: &[&ClaimRequest],
+    ) -> Option<Vec<Result<Claim, StoreError>>> {
+        if !self.inner.fast_claims {
+            return None;
+        }
+        let now = std::time::Instant::now();
+        self.refresh_clock(now);
+        let at = self.inner.clock.estimate(now)?;
         let mut pipe = ::redis::pipe();
         pipe.ignore_errors();
-        for invocation in &invocations {
-            pipe.invoke_script(invocation);
+        let mut fast = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            let cmd = fast_claim_cmd(req, at);
+            fast.push(cmd.is_some());
+            if let Some(cmd) = cmd {
+                pipe.add_command(cmd);
+            }
+        }
+        let mut replies = if fast.iter().any(|&f| f) {
+            match self.inner.conn.pipeline(pipe, 0).await {
+                Ok(replies) => replies.into_iter(),
+                Err(err) => {
+                    if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
+                        self.inner.recheck.store(true, Ordering::Release);
+                    }
+                    // Every item may have been applied: each is resolved by token.
+                    return Some(
+                        reqs.iter()
+                            .map(|req| Err(script_error(&req.key, err.clone())))
+                            .collect(),
+                    );
+                }
+            }
+        } else {
+            Vec::new().into_iter()
+        };
+        let mut claims: Vec<Option<Result<Claim, StoreError>>> = Vec::with_capacity(reqs.len());
+        let mut scripted = Vec::new();
+        for (req, fast) in reqs.iter().zip(fast) {
+            let decided = if fast {
+                match replies.next() {
+                    Some(Value::ServerError(err)) if err.code() == "WRONGTYPE" => None,
+                    Some(Value::ServerError(err)) => Some(Err(script_error(&req.key, err.into()))),
+                    Some(reply) => fast_claim_reply(req, at, reply).map(Ok),
+                    None => Some(Err(StoreError::new(
+                        StoreErrorKind::Protocol,
+                        "a pipeline answered fewer replies than it was sent",
+                    ))),
+                }
+            } else {
+                None
+            };
+            if decided.is_none() {
+                scripted.push(*req);
+            }
+            claims.push(decided);
+        }
+        let mut rest = if scripted.is_empty() {
+            Vec::new().into_iter()
+        } else {
+            self.claim_scripted(&scripted, 0).await.into_iter()
+        };
+        Some(
+            claims
+                .into_iter()
+                .map(|claim| {
+                    claim.or_else(|| rest.next()).unwrap_or_else(|| {
+                        Err(StoreError::new(
+                            StoreErrorKind::Protocol,
+                            "no reply for a claim",
+                        ))
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// Every claim by script in one pipeline. Items the server answers `NOSCRIPT` (the script
+    /// was flushed) are claimed again one by one, which reloads it.
+    async fn claim_scripted(
+        &self,
+        reqs: &[&ClaimRequest],
+        slot: u16,
+    ) -> Vec<Result<Claim, StoreError>> {
+        let mut pipe = ::redis::pipe();
+        pipe.ignore_errors();
+        for req in reqs {
+            pipe.add_command(claim_cmd(&self.inner.script, req));
         }
         let replies: Vec<Value> = match self.inner.conn.pipeline(pipe, slot).await {
             Ok(replies) => replies,
@@ -180,36 +284,33 @@ impl RedisStore {
             }
         };
         let mut claims = Vec::with_capacity(reqs.len());
-        let mut acquired = false;
-        for (req, reply) in reqs.iter().zip(replies) {
-            let claim = match (send_again(&reply), reply) {
-                (Some(moved), _) => {
-                    if moved {
-                        self.inner.slots.invalidate();
+        let mut replies = replies.into_iter();
+        for req in reqs {
+            let claim = match replies.next() {
+                None => Err(StoreError::new(
+                    StoreErrorKind::Protocol,
+                    "a pipeline answered fewer replies than it was sent",
+                )),
+                Some(reply) => match (send_again(&reply), reply) {
+                    (Some(moved), _) => {
+                        if moved {
+                            self.inner.slots.invalidate();
+                        }
+                        self.claim_one_by_script(req).await
                     }
-                    self.claim(req).await
-                }
-                (None, Value::ServerError(err)) => Err(script_error(&req.key, err.into())),
-                (None, reply) => decode_claim(reply),
+                    (None, Value::ServerError(err)) => Err(script_error(&req.key, err.into())),
+                    (None, reply) => decode_claim(reply),
+                },
             };
-            acquired |= matches!(claim, Ok(Claim::Acquired { .. }));
             claims.push(claim);
         }
-        if acquired {
-            if let Err(err) = self.wait_for_replicas().await {
-                let message = err.to_string();
-                return claims
-                    .into_iter()
-                    .map(|claim| match claim {
-                        Ok(Claim::Acquired { .. }) => {
-                            Err(StoreError::new(err.kind(), message.clone()))
-                        }
-                        other => other,
-                    })
-                    .collect();
-            }
-        }
         claims
+    }
+
+    /// One claim by script (which a `NOSCRIPT` reply reloads), without the replica wait.
+    async fn claim_one_by_script(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        let cmd = claim_cmd(&self.inner.script, req);
+        decode_claim(self.call(&req.key, &self.inner.script, &cmd).await?)
     }
 }
 
@@ -281,19 +382,9 @@ impl RedisStore {
         let Some(at) = self.inner.clock.estimate(now) else {
             return Ok(None);
         };
-        let (lease, ttl) = (clamped_millis(req.lease), clamped_millis(req.ttl));
-        let Some(value) =
-            in_progress_record(req, at.upper_us, at.now_ms, at.now_ms.saturating_add(lease))
-        else {
+        let Some(cmd) = fast_claim_cmd(req, at) else {
             return Ok(None);
         };
-        let mut cmd = ::redis::cmd("SET");
-        cmd.arg(req.key.as_bytes())
-            .arg(value)
-            .arg("NX")
-            .arg("PX")
-            .arg(lease.max(ttl))
-            .arg("GET");
         let reply = match self.inner.conn.query(&cmd).await {
             Ok(reply) => reply,
             // WRONGTYPE and the like: the script reports what the key holds.
@@ -305,23 +396,47 @@ impl RedisStore {
                 return Err(script_error(&req.key, err));
             }
         };
-        Ok(match reply {
-            Value::Nil => Some(Claim::Acquired { fence: at.upper_us }),
-            Value::BulkString(old) => decide_existing(req, &old, at),
-            _ => None,
-        })
+        Ok(fast_claim_reply(req, at, reply))
+    }
+}
+
+/// The fast claim of `req` at the estimate `at`: `SET key <in-progress record> NX PX
+/// <lifetime> GET`; `None` for durations the fast claim is not used for or numbers out of the
+/// script's range.
+fn fast_claim_cmd(req: &ClaimRequest, at: Estimate) -> Option<::redis::Cmd> {
+    if !fast_durations(req.lease, req.ttl) {
+        return None;
+    }
+    let (lease, ttl) = (clamped_millis(req.lease), clamped_millis(req.ttl));
+    let value = in_progress_record(req, at.upper_us, at.now_ms, at.now_ms.saturating_add(lease))?;
+    let mut cmd = ::redis::cmd("SET");
+    cmd.arg(req.key.as_bytes())
+        .arg(value)
+        .arg("NX")
+        .arg("PX")
+        .arg(lease.max(ttl))
+        .arg("GET");
+    Some(cmd)
+}
+
+/// What the reply to [`fast_claim_cmd`] decides; `None` where the script must decide.
+fn fast_claim_reply(req: &ClaimRequest, at: Estimate, reply: Value) -> Option<Claim> {
+    match reply {
+        Value::Nil => Some(Claim::Acquired { fence: at.upper_us }),
+        Value::BulkString(old) => decide_existing(req, &old, at),
+        _ => None,
     }
 }
 
 impl RedisStore {
     /// The `settle.lua` call of a completion; a result larger than the store takes is
     /// refused before it is sent.
-    fn complete_invocation<'s>(
-        &'s self,
+    fn complete_cmd(
+        &self,
         key: &Key,
         token: &Token,
         completion: &Completion,
-    ) -> Result<::redis::ScriptInvocation<'s>, StoreError> {
+    ) -> Result<::redis::Cmd, StoreError> {
         let result: &[u8] = completion.result.as_deref().unwrap_or_default();
         if result.len() > self.inner.max_result_size {
             // Never sent: an argument above `proto-max-bulk-len` closes the connection.
@@ -334,14 +449,19 @@ impl RedisStore {
                 ),
             ));
         }
-        let mut invocation = self.inner.settle.prepare_invoke();
-        invocation
-            .key(key.as_bytes())
-            .arg("complete")
+        let mut cmd = self.inner.settle.call(key.as_bytes());
+        cmd.arg("complete")
             .arg(token.as_bytes())
             .arg(clamped_millis(completion.ttl))
             .arg(result);
-        Ok(invocation)
+        if let Some(head) = completion
+            .claim
+            .as_ref()
+            .and_then(|claim| in_progress_head(token, claim))
+        {
+            cmd.arg(head);
+        }
+        Ok(cmd)
     }
 
     /// Settles `items` in one pipeline (to the node of `slot` on a cluster). Items the
@@ -352,35 +472,30 @@ impl RedisStore {
         slot: u16,
     ) -> Vec<Result<bool, StoreError>> {
         let mut settled: Vec<Option<Result<bool, StoreError>>> = Vec::with_capacity(items.len());
-        let mut invocations = Vec::with_capacity(items.len());
+        let mut pipe = ::redis::pipe();
+        pipe.ignore_errors();
+        let mut sent = 0;
         for item in items {
-            let invocation = match &item.action {
+            let cmd = match &item.action {
                 Settle::Complete(completion) => {
-                    self.complete_invocation(&item.key, &item.token, completion)
+                    self.complete_cmd(&item.key, &item.token, completion)
                 }
                 Settle::Release => {
-                    let mut invocation = self.inner.settle.prepare_invoke();
-                    invocation
-                        .key(item.key.as_bytes())
-                        .arg("release")
-                        .arg(item.token.as_bytes());
-                    Ok(invocation)
+                    let mut cmd = self.inner.settle.call(item.key.as_bytes());
+                    cmd.arg("release").arg(item.token.as_bytes());
+                    Ok(cmd)
                 }
             };
-            match invocation {
-                Ok(invocation) => {
-                    invocations.push(invocation);
+            match cmd {
+                Ok(cmd) => {
+                    pipe.add_command(cmd);
+                    sent += 1;
                     settled.push(None);
                 }
                 Err(err) => settled.push(Some(Err(err))),
             }
         }
-        if !invocations.is_empty() {
-            let mut pipe = ::redis::pipe();
-            pipe.ignore_errors();
-            for invocation in &invocations {
-                pipe.invoke_script(invocation);
-            }
+        if sent > 0 {
             let replies = self.inner.conn.pipeline(pipe, slot).await;
             if let Err(err) = &replies {
                 if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
@@ -389,7 +504,7 @@ impl RedisStore {
             }
             let mut replies = match replies {
                 Ok(replies) => replies.into_iter().map(Ok).collect::<Vec<_>>().into_iter(),
-                Err(err) => vec![Err(err); invocations.len()].into_iter(),
+                Err(err) => vec![Err(err); sent].into_iter(),
             };
             for (item, answer) in items.iter().zip(settled.iter_mut()) {
                 if answer.is_some() {
@@ -441,9 +556,9 @@ impl RedisStore {
         key: &Key,
         token: &Token,
     ) -> Result<bool, StoreError> {
-        let mut invocation = self.inner.settle.prepare_invoke();
-        invocation.key(key.as_bytes()).arg(op).arg(token.as_bytes());
-        Ok(int(&self.call(key, &invocation).await?)? == 1)
+        let mut cmd = self.inner.settle.call(key.as_bytes());
+        cmd.arg(op).arg(token.as_bytes());
+        Ok(int(&self.call(key, &self.inner.settle, &cmd).await?)? == 1)
     }
 }
 
@@ -483,10 +598,7 @@ impl Store for RedisStore {
         Box::pin(async move {
             let claim = match self.fast_claim(req).await? {
                 Some(claim) => claim,
-                None => {
-                    let invocation = claim_invocation(&self.inner.script, req);
-                    decode_claim(self.call(&req.key, &invocation).await?)?
-                }
+                None => self.claim_one_by_script(req).await?,
             };
             if let Claim::Acquired { .. } = claim {
                 self.wait_for_replicas().await?;
@@ -528,8 +640,8 @@ impl Store for RedisStore {
         completion: &'a Completion,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let invocation = self.complete_invocation(key, token, completion)?;
-            Ok(int(&self.call(key, &invocation).await?)? == 1)
+            let cmd = self.complete_cmd(key, token, completion)?;
+            Ok(int(&self.call(key, &self.inner.settle, &cmd).await?)? == 1)
         })
     }
 
@@ -575,21 +687,19 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let mut invocation = self.inner.script.prepare_invoke();
-            invocation
-                .key(key.as_bytes())
-                .arg("renew")
+            let mut cmd = self.inner.script.call(key.as_bytes());
+            cmd.arg("renew")
                 .arg(token.as_bytes())
                 .arg(clamped_millis(lease));
-            Ok(int(&self.call(key, &invocation).await?)? == 1)
+            Ok(int(&self.call(key, &self.inner.script, &cmd).await?)? == 1)
         })
     }
 
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         Box::pin(async move {
-            let mut invocation = self.inner.script.prepare_invoke();
-            invocation.key(key.as_bytes()).arg("read");
-            decode_record(key, self.call(key, &invocation).await?)
+            let mut cmd = self.inner.script.call(key.as_bytes());
+            cmd.arg("read");
+            decode_record(key, self.call(key, &self.inner.script, &cmd).await?)
         })
     }
 
@@ -699,13 +809,12 @@ impl Store for RedisStore {
         expect: Expect<'a>,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let mut invocation = self.inner.script.prepare_invoke();
-            invocation.key(key.as_bytes());
+            let mut cmd = self.inner.script.call(key.as_bytes());
             match expect {
-                Expect::Token(token) => invocation.arg("delete").arg(token.as_bytes()),
-                Expect::Corrupt => invocation.arg("delete_corrupt"),
+                Expect::Token(token) => cmd.arg("delete").arg(token.as_bytes()),
+                Expect::Corrupt => cmd.arg("delete_corrupt"),
             };
-            Ok(int(&self.call(key, &invocation).await?)? == 1)
+            Ok(int(&self.call(key, &self.inner.script, &cmd).await?)? == 1)
         })
     }
 }

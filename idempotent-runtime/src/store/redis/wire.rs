@@ -1,31 +1,30 @@
 //! The script's arguments and replies, and the record format it stores.
 
+use std::io::Write as _;
 use std::time::Duration;
 
-use ::redis::{Script, Value};
+use ::redis::{Cmd, Value};
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
-use crate::store::{clamped_millis, Claim, ClaimRequest, Fingerprint, Record, RecordState, Token};
+use crate::store::redis::conn::Lua;
+use crate::store::{
+    clamped_millis, AcquiredClaim, Claim, ClaimRequest, Fingerprint, Record, RecordState, Token,
+};
 
 /// The largest fence or time a record holds: above it, Lua's numbers are not exact integers.
 const MAX_EXACT: u64 = (1 << 53) - 2;
 
-/// The script's arguments for a claim.
-pub(super) fn claim_invocation<'s>(
-    script: &'s Script,
-    req: &ClaimRequest,
-) -> ::redis::ScriptInvocation<'s> {
+/// The claim script's call for a claim.
+pub(super) fn claim_cmd(script: &Lua, req: &ClaimRequest) -> Cmd {
     let fingerprint: &[u8] = req.fingerprint.as_ref().map_or(&[], |f| f.as_bytes());
-    let mut invocation = script.prepare_invoke();
-    invocation
-        .key(req.key.as_bytes())
-        .arg("claim")
+    let mut cmd = script.call(req.key.as_bytes());
+    cmd.arg("claim")
         .arg(req.token.as_bytes())
         .arg(clamped_millis(req.lease))
         .arg(clamped_millis(req.ttl))
         .arg(fingerprint);
-    invocation
+    cmd
 }
 
 pub(super) fn text(value: &Value) -> String {
@@ -133,15 +132,35 @@ pub(super) fn in_progress_record(
     let mut value = Vec::with_capacity(88);
     value.push(b'P');
     value.extend_from_slice(req.token.as_bytes());
-    match &req.fingerprint {
+    push_fingerprint(&mut value, req.fingerprint.as_ref());
+    // Writing to a `Vec` cannot fail.
+    let _ = write!(value, "{fence}:{lease_end_ms}:{now_ms}");
+    Some(value)
+}
+
+/// The first fields of the in-progress record of `claim` owned by `token`, up to and with
+/// the `:` after the fence: what `settle.lua` compares a record's head with to complete it
+/// without parsing. `None` for a fence out of the script's exact range (no record has one).
+pub(super) fn in_progress_head(token: &Token, claim: &AcquiredClaim) -> Option<Vec<u8>> {
+    if claim.fence > MAX_EXACT {
+        return None;
+    }
+    let mut head = Vec::with_capacity(56);
+    head.push(b'P');
+    head.extend_from_slice(token.as_bytes());
+    push_fingerprint(&mut head, claim.fingerprint.as_ref());
+    let _ = write!(head, "{}:", claim.fence);
+    Some(head)
+}
+
+fn push_fingerprint(value: &mut Vec<u8>, fingerprint: Option<&Fingerprint>) {
+    match fingerprint {
         Some(fingerprint) => {
             value.push(b'F');
             value.extend_from_slice(fingerprint.as_bytes());
         }
         None => value.push(b'-'),
     }
-    value.extend_from_slice(format!("{fence}:{lease_end_ms}:{now_ms}").as_bytes());
-    Some(value)
 }
 
 /// A record in the script's format, read as strictly as the script reads it.
