@@ -732,6 +732,18 @@ fn command_calls(url: &str, commands: &[&str]) -> Vec<u64> {
         .collect()
 }
 
+/// The `SET`s and `EVALSHA`s the server ran since `before` (`command_calls` of both).
+fn set_and_script_calls_since(url: &str, before: &[u64]) -> (u64, u64) {
+    let now = command_calls(url, &["set", "evalsha"]);
+    (now[0] - before[0], now[1] - before[1])
+}
+
+/// Claims `key` with a short lease, which the script claims: the script is loaded after it.
+async fn load_the_claim_script(store: &RedisStore, key: &Key) {
+    let short = claim_request(key, Duration::from_millis(500), Duration::from_secs(3600));
+    acquired(store.claim(&short).await.unwrap());
+}
+
 /// The fast claim on a server of the test's own, counted by the server: a fresh key, a
 /// duplicate of a completed record (with its result), a live claim and a payload mismatch
 /// each cost one `SET` and no script; a released record and a run-out lease are decided by
@@ -745,23 +757,11 @@ async fn the_fast_claim_is_one_set_and_leaves_the_rest_to_the_script() {
     let store = connect(&url).await;
     let key = |name: &str| Key::new("fast", 1, &[&name]).unwrap();
     let (sec, hour) = (Duration::from_secs(1), Duration::from_secs(3600));
-    let counted = |before: &[u64]| -> (u64, u64) {
-        let now = command_calls(&url, &["set", "evalsha"]);
-        (now[0] - before[0], now[1] - before[1])
-    };
+    let counted = |before: &[u64]| set_and_script_calls_since(&url, before);
 
-    // The claim script loaded once (a short lease is claimed by script), so no count below
-    // includes the `EVALSHA` that finds it missing.
-    acquired(
-        store
-            .claim(&claim_request(
-                &key("warm"),
-                Duration::from_millis(500),
-                hour,
-            ))
-            .await
-            .unwrap(),
-    );
+    // The claim script loaded once, so no count below includes the `EVALSHA` that finds it
+    // missing.
+    load_the_claim_script(&store, &key("warm")).await;
 
     // A fresh key: one SET, no script; the fence is the server's clock (an estimate at most
     // a millisecond above it).
@@ -895,17 +895,7 @@ async fn a_batch_claims_with_one_set_per_item_and_the_script_only_where_needed()
     let store = connect(&url).await;
     let key = |name: &str| Key::new("fast-batch", 1, &[&name]).unwrap();
     let hour = Duration::from_secs(3600);
-    // Load the claim script (a short lease is claimed by script).
-    acquired(
-        store
-            .claim(&claim_request(
-                &key("warm"),
-                Duration::from_millis(500),
-                hour,
-            ))
-            .await
-            .unwrap(),
-    );
+    load_the_claim_script(&store, &key("warm")).await;
     let released = claim_request(&key("released"), hour, hour);
     let released_fence = acquired(store.claim(&released).await.unwrap());
     assert!(store
@@ -945,10 +935,7 @@ async fn a_batch_claims_with_one_set_per_item_and_the_script_only_where_needed()
     let t0 = server_micros(&url);
     let answers = store.claim_many(&batch).await;
     let t1 = server_micros(&url);
-    let (sets, scripts) = {
-        let now = command_calls(&url, &["set", "evalsha"]);
-        (now[0] - before[0], now[1] - before[1])
-    };
+    let (sets, scripts) = set_and_script_calls_since(&url, &before);
     assert_eq!(answers.len(), batch.len());
     for answer in &answers[..20] {
         let fence = acquired(answer.as_ref().unwrap().clone());
