@@ -24,6 +24,9 @@
 //! - `store_cycles_per_s`, `guard_cycles_per_s`, `attribute_cycles_per_s`,
 //!   `attribute_over_guard` (the attribute's cost over calling the runtime by hand; 1.0 is
 //!   none) and `duplicate_claims_per_s`;
+//! - `batch_items_per_s`: items per second through `run_batch` in batches of 100, and
+//!   `batch_over_guard`, that over the single calls' rate: the engine's own cost per batch
+//!   item, which no round trip hides on this store; `batch_allocs_per_item`;
 //! - `store_allocs_per_cycle`, `guard_allocs_per_cycle`, `attribute_allocs_per_cycle` and
 //!   `duplicate_allocs_per_claim`: allocator calls per claim + complete cycle (per claim for
 //!   duplicates), the median over the rounds;
@@ -156,6 +159,20 @@ async fn guard_pass(guard: &Idempotency, round: u32) {
     }
 }
 
+/// Items per batch in the batch pass.
+const BATCH: u32 = 100;
+
+/// `OPS` items in batches of `BATCH` through [`Idempotency::run_batch`].
+async fn batch_pass(guard: &Idempotency, round: u32) {
+    for start in (0..OPS).step_by(BATCH as usize) {
+        let items: Vec<(Key, u32)> = (start..start + BATCH)
+            .map(|id| (Key::new("bench:batch", 1, &[&round, &id]).unwrap(), id))
+            .collect();
+        let out: Vec<Result<u32, Error>> = guard.run_batch(items, |id| async move { Ok(id) }).await;
+        assert!(out.iter().all(Result::is_ok));
+    }
+}
+
 async fn attribute_pass(store: &Arc<MemoryStore>, round: u32) {
     for id in 0..OPS {
         handler(store, round, id).await.unwrap();
@@ -192,7 +209,8 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let (mut s, mut g, mut a, mut d) = (
+        let (mut s, mut g, mut a, mut d, mut b) = (
+            Side::default(),
             Side::default(),
             Side::default(),
             Side::default(),
@@ -204,8 +222,11 @@ fn main() {
             let store = measure(store_pass(&MemoryStore::new(), round)).await;
             let (guard, attribute, attribute_store) = guard_and_attribute(round).await;
             let duplicate = measure(duplicate_pass(&attribute_store, round)).await;
+            let batch_guard =
+                Idempotency::new(Duration::from_secs(3600)).store(Arc::new(MemoryStore::new()));
+            let batch = measure(batch_pass(&batch_guard, round)).await;
             println!(
-                "round {round}: store {store}, guard {guard}, attribute {attribute}, duplicates {duplicate}"
+                "round {round}: store {store}, guard {guard}, attribute {attribute}, duplicates {duplicate}, batch items {batch}"
             );
             if round > 0 {
                 // Round 0 warms up.
@@ -213,6 +234,7 @@ fn main() {
                 g.push(guard);
                 a.push(attribute);
                 d.push(duplicate);
+                b.push(batch);
             }
         }
 
@@ -241,10 +263,13 @@ fn main() {
         figure("attribute_cycles_per_s", a.per_s(), 0);
         figure("attribute_over_guard", a.per_s() / g.per_s(), 3);
         figure("duplicate_claims_per_s", d.per_s(), 0);
+        figure("batch_items_per_s", b.per_s(), 0);
+        figure("batch_over_guard", b.per_s() / g.per_s(), 3);
         figure("store_allocs_per_cycle", s.allocs(), 2);
         figure("guard_allocs_per_cycle", g.allocs(), 2);
         figure("attribute_allocs_per_cycle", a.allocs(), 2);
         figure("duplicate_allocs_per_claim", d.allocs(), 2);
+        figure("batch_allocs_per_item", b.allocs(), 2);
         figure("store_bytes_per_cycle", s.bytes(), 0);
         figure("guard_bytes_per_cycle", g.bytes(), 0);
         figure("attribute_bytes_per_cycle", a.bytes(), 0);

@@ -308,15 +308,18 @@ where
                     span.record("outcome", "skipped");
                     Err(Error::Skipped { key: req.key }.into())
                 }
-                // Waiting for a live owner: claim again as a single call would.
-                Busy::Retry(_) => Operation::of_parts(
-                    guard.clone(),
-                    req.key,
-                    req.fingerprint,
-                    outcomes.clone(),
-                    check,
+                // Waiting for a live owner: claim again as a single call would. Boxed: a
+                // single call's future is large, and would make every item's as large.
+                Busy::Retry(_) => Box::pin(
+                    Operation::of_parts(
+                        guard.clone(),
+                        req.key,
+                        req.fingerprint,
+                        outcomes.clone(),
+                        check,
+                    )
+                    .run(handler(item)),
                 )
-                .run(handler(item))
                 .await
                 .into_result(),
                 Busy::Reject => {
