@@ -189,6 +189,250 @@ fn conformance_on_a_three_master_cluster() {
     }
 }
 
+/// Batches while the cluster moves slots between masters: the store groups a batch's keys by
+/// the node its map of the slots names, so after a reshard the old node answers `MOVED` for
+/// the keys it gave away; each such key is sent again on its own and the handlers still run
+/// once per key. The slots move twice: between two batches (the second batch's claims meet
+/// `MOVED`, the map read by the first batch being fresh enough to be kept), and while a
+/// batch's handlers run (its settlements meet `MOVED`). The nodes' `INFO errorstats` show
+/// that the `MOVED` replies happened.
+#[test]
+fn batches_follow_slots_moved_during_a_reshard_and_run_each_key_once() {
+    let cluster = RedisCluster::start(3);
+    let ports: Vec<u16> = cluster.nodes.iter().map(RedisServer::port).collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let store: SharedStore = Arc::new(connect(&cluster.url()).await);
+        let guard = Idempotency::new(Duration::from_secs(60)).store(store.clone());
+        let key = |id: u32| Key::new("reshard", 1, &[&id]).unwrap();
+        let items = |ids: std::ops::Range<u32>| -> Vec<(Key, u32)> {
+            ids.map(|id| (key(id), id)).collect()
+        };
+        let executions = Arc::new(AtomicUsize::new(0));
+        let counted = |id: u32| {
+            let executions = executions.clone();
+            async move {
+                executions.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Error>(id)
+            }
+        };
+
+        let first: Vec<Result<u32, Error>> = guard.run_batch(items(0..40), counted).await;
+        assert!(first.iter().all(Result::is_ok), "{first:?}");
+
+        // The slots of the keys of every batch that the first master serves now.
+        let keys: Vec<Vec<u8>> = (0..120).map(|id| key(id).as_bytes().to_vec()).collect();
+        let slots = {
+            let ports = ports.clone();
+            tokio::task::spawn_blocking(move || slots_served_by(&ports, 0, &keys))
+                .await
+                .unwrap()
+        };
+        assert!(
+            slots.len() > 5,
+            "the first master serves few of the keys: {slots:?}"
+        );
+
+        // Between two batches: from the first master to the second.
+        let moved_before = moved_replies(ports[0]);
+        {
+            let (ports, slots) = (ports.clone(), slots.clone());
+            tokio::task::spawn_blocking(move || migrate_slots(&ports, &slots, 0, 1))
+                .await
+                .unwrap();
+        }
+        let second: Vec<Result<u32, Error>> = guard.run_batch(items(0..80), counted).await;
+        for (id, out) in (0..80u32).zip(&second) {
+            match (id < 40, out) {
+                (true, Err(Error::Duplicate { .. })) | (false, Ok(_)) => {}
+                other => panic!("key {id}: {other:?}"),
+            }
+        }
+        assert!(
+            moved_replies(ports[0]) > moved_before,
+            "the claims never met a MOVED reply"
+        );
+        assert_eq!(executions.load(Ordering::SeqCst), 80);
+
+        // While the handlers run: from the second master to the third, before any of the
+        // batch's items settles.
+        let moved_before = moved_replies(ports[1]);
+        let resharded = Arc::new(tokio::sync::Notify::new());
+        let moving = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let moved = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let third: Vec<Result<u32, Error>> = guard
+            .run_batch(items(80..120), |id| {
+                let (ports, slots) = (ports.clone(), slots.clone());
+                let (resharded, moving, moved, executions) = (
+                    resharded.clone(),
+                    moving.clone(),
+                    moved.clone(),
+                    executions.clone(),
+                );
+                async move {
+                    executions.fetch_add(1, Ordering::SeqCst);
+                    // Registered before the flag is read: no wake-up is missed.
+                    let wait = resharded.notified();
+                    if moving.swap(true, Ordering::SeqCst) {
+                        if !moved.load(Ordering::SeqCst) {
+                            wait.await;
+                        }
+                    } else {
+                        tokio::task::spawn_blocking(move || migrate_slots(&ports, &slots, 1, 2))
+                            .await
+                            .unwrap();
+                        moved.store(true, Ordering::SeqCst);
+                        resharded.notify_waiters();
+                    }
+                    Ok::<_, Error>(id)
+                }
+            })
+            .await;
+        assert!(third.iter().all(Result::is_ok), "{third:?}");
+        assert!(
+            moved_replies(ports[1]) > moved_before,
+            "the settlements never met a MOVED reply"
+        );
+        assert_eq!(executions.load(Ordering::SeqCst), 120);
+
+        // Every record is completed where the cluster now keeps it, and a redelivery of every
+        // key runs nothing.
+        for id in 0..120 {
+            let record = store.read(&key(id)).await.unwrap().unwrap();
+            assert_eq!(record.state, RecordState::Completed, "key {id}");
+        }
+        let again: Vec<Result<u32, Error>> = guard.run_batch(items(0..120), counted).await;
+        assert!(again
+            .iter()
+            .all(|out| matches!(out, Err(Error::Duplicate { .. }))));
+        assert_eq!(executions.load(Ordering::SeqCst), 120);
+    });
+}
+
+/// A plain connection to one node of a test cluster.
+fn node(port: u16) -> redis::Connection {
+    raw(&format!("redis://127.0.0.1:{port}"))
+}
+
+/// The `MOVED` replies a node has sent so far (`INFO errorstats`).
+fn moved_replies(port: u16) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("errorstats")
+        .query(&mut node(port))
+        .unwrap();
+    info.lines()
+        .find_map(|line| line.strip_prefix("errorstat_MOVED:count="))
+        .map_or(0, |n| n.trim().parse().unwrap())
+}
+
+/// The distinct slots of `keys` that the node `ports[owner]` serves.
+fn slots_served_by(ports: &[u16], owner: usize, keys: &[Vec<u8>]) -> Vec<u16> {
+    let mut conn = node(ports[owner]);
+    let ranges: redis::Value = redis::cmd("CLUSTER").arg("SLOTS").query(&mut conn).unwrap();
+    let redis::Value::Array(ranges) = ranges else {
+        panic!("CLUSTER SLOTS: {ranges:?}");
+    };
+    let served: Vec<(u16, u16)> = ranges
+        .iter()
+        .filter_map(|range| {
+            let redis::Value::Array(fields) = range else {
+                return None;
+            };
+            let int = |v: &redis::Value| match v {
+                redis::Value::Int(n) => *n,
+                other => panic!("CLUSTER SLOTS field: {other:?}"),
+            };
+            let redis::Value::Array(primary) = &fields[2] else {
+                panic!("CLUSTER SLOTS node: {:?}", fields[2]);
+            };
+            (int(&primary[1]) == i64::from(ports[owner]))
+                .then(|| (int(&fields[0]) as u16, int(&fields[1]) as u16))
+        })
+        .collect();
+    let mut slots: Vec<u16> = keys
+        .iter()
+        .map(|key| {
+            redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(key)
+                .query::<u16>(&mut conn)
+                .unwrap()
+        })
+        .filter(|slot| served.iter().any(|(lo, hi)| (lo..=hi).contains(&slot)))
+        .collect();
+    slots.sort_unstable();
+    slots.dedup();
+    slots
+}
+
+/// Moves `slots` with their keys from the node `ports[from]` to the node `ports[to]`, as
+/// `redis-cli --cluster reshard` does: importing and migrating, `MIGRATE` of the keys, then
+/// the new owner announced to every node.
+fn migrate_slots(ports: &[u16], slots: &[u16], from: usize, to: usize) {
+    let id = |port: u16| -> String {
+        redis::cmd("CLUSTER")
+            .arg("MYID")
+            .query(&mut node(port))
+            .unwrap()
+    };
+    let (source_id, target_id) = (id(ports[from]), id(ports[to]));
+    let (mut source, mut target) = (node(ports[from]), node(ports[to]));
+    for &slot in slots {
+        let () = redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg("IMPORTING")
+            .arg(&source_id)
+            .query(&mut target)
+            .unwrap();
+        let () = redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg("MIGRATING")
+            .arg(&target_id)
+            .query(&mut source)
+            .unwrap();
+        loop {
+            let keys: Vec<Vec<u8>> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(100)
+                .query(&mut source)
+                .unwrap();
+            if keys.is_empty() {
+                break;
+            }
+            let _: redis::Value = redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(ports[to])
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("KEYS")
+                .arg(&keys)
+                .query(&mut source)
+                .unwrap();
+        }
+        for &port in [ports[to], ports[from]].iter().chain(
+            ports
+                .iter()
+                .filter(|&&p| p != ports[to] && p != ports[from]),
+        ) {
+            let () = redis::cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg("NODE")
+                .arg(&target_id)
+                .query(&mut node(port))
+                .unwrap();
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Lost replies on a real connection.
 
