@@ -6,7 +6,8 @@
 //!
 //! Checked: with a business check (`done`), exactly one effect per key; without it, no more
 //! than one plus the lost ownerships reported; no key left in progress once the workload is
-//! over and a lease has passed. Each run prints one line with its figures.
+//! over and a lease has passed. Each run prints one line with its figures. Also: batches on
+//! PostgreSQL and MariaDB whose statements lose their replies at chosen points.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -22,7 +23,7 @@ use std::time::Duration;
 
 use idempotency::redis::RedisStore;
 use idempotency::sql::sqlx::{self, AssertSqlSafe, PgPool};
-use idempotency::sql::PostgresStore;
+use idempotency::sql::{MySqlStore, PostgresStore};
 use idempotency::{Action, Error, Idempotency, Key, RecordState, SharedStore};
 use proxy::Proxy;
 use sql_tables::{Scratch, Server};
@@ -335,4 +336,150 @@ async fn postgres_under_random_connection_faults_keeps_effects_exact() {
     workload
         .run(&proxy, 30, Arc::new(store), Arc::new(direct))
         .await;
+}
+
+/// The host and port of a database URL (`scheme://user@host:port/db`).
+fn server_of(url: &str) -> &str {
+    url.split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap()
+}
+
+/// A batch on a SQL store whose claim statement, then (in a second batch) whose settlement
+/// statement, loses its reply: the proxy forwards the statement, the database commits it, and
+/// the connection is cut before the answer comes back. Each item's outcome is unknown and is
+/// read back by token: the claims are found to be the items' own, the completions done. Every
+/// handler runs once, every record is completed, and a redelivery replays every result. The
+/// markers are values the statements carry as parameters (a key part, a result), so the reply
+/// lost is the one of the statement that ran, not of its preparation; `more` are further
+/// rounds (a name, the marker, the batch's size).
+async fn lost_batch_replies(
+    server: Server,
+    proxied: SharedStore,
+    direct: SharedStore,
+    proxy: &Proxy,
+    more: Vec<(&'static str, Vec<u8>, u32)>,
+) {
+    let namespace = format!("lostbatch{}", std::process::id());
+    let guard = Idempotency::new(Duration::from_secs(60)).store(proxied);
+    let executions = AtomicUsize::new(0);
+    let handler = |id: u32| {
+        let executions = &executions;
+        async move {
+            executions.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Error>(900_000_000 + id)
+        }
+    };
+    let rounds = [
+        ("claim", format!("{namespace}-claim-0007").into_bytes(), 30),
+        ("settle", b"900000007".to_vec(), 30),
+    ];
+    for (round, marker, size) in rounds.into_iter().chain(more) {
+        let items: Vec<(Key, u32)> = (0..size)
+            .map(|id| {
+                let key = Key::new("lost-batch", 1, &[&format!("{namespace}-{round}-{id:04}")]);
+                (key.unwrap(), id)
+            })
+            .collect();
+        let before = executions.load(Ordering::SeqCst);
+        proxy.lose_reply_to(&marker);
+        let lost_before = proxy.lost();
+        let out: Vec<Result<u32, Error>> = guard.batch().replay().run(items.clone(), handler).await;
+        assert_eq!(
+            proxy.lost(),
+            lost_before + 1,
+            "{server:?} {round}: no reply was lost"
+        );
+        for (id, out) in (0..size).zip(&out) {
+            assert_eq!(
+                out.as_ref().unwrap(),
+                &(900_000_000 + id),
+                "{server:?} {round} {id}"
+            );
+        }
+        let ran = usize::try_from(size).unwrap();
+        assert_eq!(
+            executions.load(Ordering::SeqCst),
+            before + ran,
+            "{server:?} {round}"
+        );
+        for (key, _) in &items {
+            let record = direct.read(key).await.unwrap().unwrap();
+            assert_eq!(
+                record.state,
+                RecordState::Completed,
+                "{server:?} {round}: {key}"
+            );
+        }
+        let again: Vec<Result<u32, Error>> =
+            guard.batch().replay().run(items.clone(), handler).await;
+        assert_eq!(
+            executions.load(Ordering::SeqCst),
+            before + ran,
+            "{server:?} {round}"
+        );
+        assert_eq!(
+            again.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+            (0..size).map(|id| 900_000_000 + id).collect::<Vec<_>>()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_replies_to_batch_statements_on_postgres_are_resolved_item_by_item() {
+    let records = Scratch::table(Server::Postgres);
+    let url = records.url().to_string();
+    let server = server_of(&url);
+    let proxy = Proxy::start(addr(server)).await;
+    let proxied_url = url.replacen(server, &proxy.addr().to_string(), 1);
+    let store = PostgresStore::builder(&proxied_url)
+        .table(records.name().to_string())
+        .build()
+        .await
+        .unwrap();
+    let direct = PostgresStore::builder(&url)
+        .table(records.name().to_string())
+        .build()
+        .await
+        .unwrap();
+    lost_batch_replies(
+        Server::Postgres,
+        Arc::new(store),
+        Arc::new(direct),
+        &proxy,
+        Vec::new(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_replies_to_batch_statements_on_mariadb_are_resolved_item_by_item() {
+    let records = Scratch::table(Server::MySql);
+    let url = records.url().to_string();
+    let server = server_of(&url);
+    let proxy = Proxy::start(addr(server)).await;
+    let proxied_url = url.replacen(server, &proxy.addr().to_string(), 1);
+    let store = MySqlStore::builder(&proxied_url)
+        .table(records.name().to_string())
+        .build()
+        .await
+        .unwrap();
+    let direct = MySqlStore::builder(&url)
+        .table(records.name().to_string())
+        .build()
+        .await
+        .unwrap();
+    // Between the batch claim's two statements: the multi-row insert commits, and the
+    // connection is cut while the read of the batch's records is prepared (a batch of a new
+    // size is prepared anew, and only that read has `record_key IN (`).
+    let between = ("between", b"WHERE record_key IN (".to_vec(), 31);
+    lost_batch_replies(
+        Server::MySql,
+        Arc::new(store),
+        Arc::new(direct),
+        &proxy,
+        vec![between],
+    )
+    .await;
 }
