@@ -57,9 +57,11 @@ impl Lua {
     }
 
     /// `EVALSHA <sha1> 1 <key>`: a call of the script on `key`, to which the caller adds the
-    /// arguments.
+    /// arguments; sized for the store's calls (at most 8 words, 160 bytes of arguments past
+    /// the key), so that building it does not grow it.
     pub(super) fn call(&self, key: &[u8]) -> Cmd {
-        let mut cmd = ::redis::cmd("EVALSHA");
+        let mut cmd = Cmd::with_capacity(9, 48 + key.len() + 160);
+        cmd.arg("EVALSHA");
         cmd.arg(self.script.get_hash()).arg(1).arg(key);
         cmd
     }

@@ -409,8 +409,10 @@ fn fast_claim_cmd(req: &ClaimRequest, at: Estimate) -> Option<::redis::Cmd> {
     }
     let (lease, ttl) = (clamped_millis(req.lease), clamped_millis(req.ttl));
     let value = in_progress_record(req, at.upper_us, at.now_ms, at.now_ms.saturating_add(lease))?;
-    let mut cmd = ::redis::cmd("SET");
-    cmd.arg(req.key.as_bytes())
+    let key = req.key.as_bytes();
+    let mut cmd = ::redis::Cmd::with_capacity(7, key.len() + value.len() + 32);
+    cmd.arg("SET")
+        .arg(key)
         .arg(value)
         .arg("NX")
         .arg("PX")
