@@ -11,7 +11,10 @@
 --
 -- The record is read exactly as record.lua reads it (same format, same checks): a value that
 -- is not such a record, or a key of another type, answers IDEMPOTENT_CORRUPT and is left as
--- it is. The fence is carried over as written.
+-- it is. The fence is carried over as written. One exception: a value that starts with the
+-- head the owner sent (its own 16-byte token included, which only its claim wrote) is
+-- completed without reading the fields after the fence (the lease end and the claim's time,
+-- which a completion discards).
 
 local v = redis.pcall('GET', KEYS[1])
 -- The common completion first: the key still holds the owner's claim, with the head the owner
