@@ -49,8 +49,8 @@ struct State {
 }
 
 /// Hashes the batch's own tokens: fresh tokens the engine generated (a per-process salt and
-/// counter), never input an adversary chooses, so a multiply-rotate hash does (a keyed SipHash
-/// per lookup was a tenth of a batch item's time on the in-memory store).
+/// counter), never input an adversary chooses, so a multiply-rotate hash does, for a fraction
+/// of a keyed SipHash's cost (two lookups per batch item).
 #[derive(Default)]
 struct TokenHasher(u64);
 
