@@ -17,11 +17,12 @@
 //! services whose dedup window need not survive a restart. Records are lost when the process
 //! exits.
 
-use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use hashbrown::HashTable;
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
@@ -157,9 +158,21 @@ struct Entry {
     since: Duration,
 }
 
+/// A record in a shard's table, with its key's hash (the store's keyed SipHash), computed
+/// once per operation and kept for the table's growth.
+struct Slot {
+    key: Key,
+    hash: u64,
+    entry: Entry,
+}
+
+fn slot_hash(slot: &Slot) -> u64 {
+    slot.hash
+}
+
 #[derive(Default)]
 struct Shard {
-    map: HashMap<Key, Entry>,
+    map: HashTable<Slot>,
     /// Records left by the last sweep.
     swept_len: usize,
     /// Operations since the last sweep.
@@ -187,10 +200,11 @@ impl Shard {
     fn sweep(&mut self, now: Duration) {
         if self.next_expiry <= now {
             let mut next_expiry = Duration::MAX;
-            self.map.retain(|_, e| {
-                let live = e.expires_at > now;
+            self.map.retain(|slot| {
+                let expires_at = slot.entry.expires_at;
+                let live = expires_at > now;
                 if live {
-                    next_expiry = next_expiry.min(e.expires_at);
+                    next_expiry = next_expiry.min(expires_at);
                 }
                 live
             });
@@ -200,7 +214,7 @@ impl Shard {
         self.ops_since_sweep = 0;
         // A map that held far more records than it does now gives the memory back.
         if self.map.capacity() > 4 * self.swept_len.max(SWEEP_FLOOR) {
-            self.map.shrink_to(2 * self.swept_len);
+            self.map.shrink_to(2 * self.swept_len, slot_hash);
         }
     }
 
@@ -209,12 +223,35 @@ impl Shard {
         self.next_expiry = self.next_expiry.min(at);
     }
 
-    /// The live record of `key`, dropping it first if it has expired.
-    fn live(&mut self, key: &Key, now: Duration) -> Option<&mut Entry> {
-        if self.map.get(key).is_some_and(|e| e.expires_at <= now) {
-            self.map.remove(key);
+    /// The live record of `key` (whose hash is `hash`), dropping it first if it has expired.
+    fn live(&mut self, key: &Key, hash: u64, now: Duration) -> Option<&mut Entry> {
+        match self.map.find_entry(hash, |slot| slot.key == *key) {
+            Ok(found) if found.get().entry.expires_at <= now => {
+                found.remove();
+                None
+            }
+            Ok(found) => Some(&mut found.into_mut().entry),
+            Err(_) => None,
         }
-        self.map.get_mut(key)
+    }
+
+    /// Writes `entry` as the record of `key`, in place of the one it had.
+    fn put(&mut self, key: &Key, hash: u64, entry: Entry) {
+        match self.map.find_mut(hash, |slot| slot.key == *key) {
+            Some(slot) => slot.entry = entry,
+            None => {
+                let key = key.clone();
+                self.map
+                    .insert_unique(hash, Slot { key, hash, entry }, slot_hash);
+            }
+        }
+    }
+
+    /// Removes the record of `key`.
+    fn remove(&mut self, key: &Key, hash: u64) {
+        if let Ok(found) = self.map.find_entry(hash, |slot| slot.key == *key) {
+            found.remove();
+        }
     }
 }
 
@@ -355,20 +392,24 @@ impl MemoryStore {
         }
     }
 
-    fn shard(&self, key: &Key) -> MutexGuard<'_, Shard> {
-        let index = (self.hasher.hash_one(key) as usize) % self.shards.len();
-        lock(&self.shards[index])
+    /// The shard of `key`, locked, and the key's hash: bits 32..48 pick the shard, so the bits
+    /// a shard's table uses (the lowest for the slot, the highest seven for its tag) stay spread
+    /// within each shard.
+    fn shard(&self, key: &Key) -> (MutexGuard<'_, Shard>, u64) {
+        let hash = self.hasher.hash_one(key);
+        let index = ((hash >> 32) & 0xffff) as usize % self.shards.len();
+        (lock(&self.shards[index]), hash)
     }
 
     fn claim_now(&self, req: &ClaimRequest) -> Claim {
         let now = self.clock.now();
-        let mut shard = self.shard(&req.key);
+        let (mut shard, hash) = self.shard(&req.key);
         shard.maybe_sweep(now);
         let mismatch = |e: &Entry| match (e.fingerprint, req.fingerprint) {
             (Some(stored), Some(given)) => stored != given,
             _ => false,
         };
-        let previous_fence = match shard.live(&req.key, now) {
+        let previous_fence = match shard.live(&req.key, hash, now) {
             None => None,
             Some(entry) => match &entry.state {
                 // The same owner claiming again (a retry after a lost reply).
@@ -399,8 +440,9 @@ impl MemoryStore {
         let lease = clamped(req.lease);
         let expires_at = now + clamped(req.ttl).max(lease);
         shard.expires(expires_at);
-        shard.map.insert(
-            req.key.clone(),
+        shard.put(
+            &req.key,
+            hash,
             Entry {
                 state: State::InProgress {
                     lease_until: now + lease,
@@ -417,8 +459,8 @@ impl MemoryStore {
 
     fn complete_now(&self, key: &Key, token: &Token, completion: &Completion) -> bool {
         let now = self.clock.now();
-        let mut shard = self.shard(key);
-        let Some(entry) = shard.live(key, now) else {
+        let (mut shard, hash) = self.shard(key);
+        let Some(entry) = shard.live(key, hash, now) else {
             return false;
         };
         if entry.token != *token {
@@ -442,8 +484,8 @@ impl MemoryStore {
 
     fn release_now(&self, key: &Key, token: &Token) -> bool {
         let now = self.clock.now();
-        let mut shard = self.shard(key);
-        match shard.live(key, now) {
+        let (mut shard, hash) = self.shard(key);
+        match shard.live(key, hash, now) {
             Some(entry)
                 if entry.token == *token && matches!(entry.state, State::InProgress { .. }) =>
             {
@@ -457,8 +499,8 @@ impl MemoryStore {
 
     fn reopen_now(&self, key: &Key, token: &Token) -> bool {
         let now = self.clock.now();
-        let mut shard = self.shard(key);
-        match shard.live(key, now) {
+        let (mut shard, hash) = self.shard(key);
+        match shard.live(key, hash, now) {
             Some(entry) if entry.token == *token => {
                 entry.state = State::Released;
                 entry.since = now;
@@ -470,8 +512,8 @@ impl MemoryStore {
 
     fn renew_now(&self, key: &Key, token: &Token, lease: Duration) -> bool {
         let now = self.clock.now();
-        let mut shard = self.shard(key);
-        match shard.live(key, now) {
+        let (mut shard, hash) = self.shard(key);
+        match shard.live(key, hash, now) {
             Some(entry)
                 if entry.token == *token && matches!(entry.state, State::InProgress { .. }) =>
             {
@@ -486,17 +528,17 @@ impl MemoryStore {
 
     fn read_now(&self, key: &Key) -> Option<Record> {
         let now = self.clock.now();
-        let mut shard = self.shard(key);
-        let entry = shard.live(key, now)?;
+        let (mut shard, hash) = self.shard(key);
+        let entry = shard.live(key, hash, now)?;
         Some(entry.record(now))
     }
 
     fn delete_now(&self, key: &Key, token: &Token) -> bool {
         let now = self.clock.now();
-        let mut shard = self.shard(key);
-        match shard.live(key, now) {
+        let (mut shard, hash) = self.shard(key);
+        match shard.live(key, hash, now) {
             Some(entry) if entry.token == *token => {
-                shard.map.remove(key);
+                shard.remove(key, hash);
                 true
             }
             _ => false,
@@ -516,6 +558,7 @@ impl MemoryStore {
         let mut found: Vec<(&Key, &Entry)> = shard
             .map
             .iter()
+            .map(|slot| (&slot.key, &slot.entry))
             .filter(|(key, entry)| {
                 entry.expires_at > now
                     && key.prefix() == prefix
