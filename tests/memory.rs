@@ -402,3 +402,44 @@ async fn boxed_and_static_stores_are_stores() {
     // The leaked store saw the call: a second one is a duplicate.
     assert!(run_on(leaked).await.unwrap_err().is_duplicate());
 }
+
+/// A large handler future: `SIZE` bytes held across an await.
+macro_rules! large_body {
+    ($size:expr) => {
+        async {
+            let buffer = [7u8; $size];
+            tokio::task::yield_now().await;
+            Ok::<u8, idempotency::Error>(buffer[$size - 1])
+        }
+    };
+}
+
+/// A guarded call's future holds the handler's future a bounded number of times, whatever
+/// its size: once when the body is made from the claim (`run_with`), at most three times when
+/// it was made before (`run`, the attribute: it waits in the call while the key is claimed,
+/// then runs in place). Each further copy would cost every spawned handler its size again in
+/// memory and in copying. Both calls run, so the bodies are real.
+#[tokio::test]
+async fn a_call_holds_its_handler_future_a_bounded_number_of_times() {
+    const SIZE: usize = 4096;
+    let guard =
+        idempotency::Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    let key = |id: u32| Key::new("future-size", 1, &[&id]).unwrap();
+    let small = guard.run(key(0), async { Ok::<u8, idempotency::Error>(7) });
+    let made_before = guard.run(key(1), large_body!(SIZE));
+    let made_from_claim = guard.operation(key(2)).run_with(|_| large_body!(SIZE));
+    let base = std::mem::size_of_val(&small);
+    let before = std::mem::size_of_val(&made_before);
+    let from_claim = std::mem::size_of_val(&made_from_claim);
+    assert!(
+        from_claim < base + 2 * SIZE,
+        "run_with: {from_claim} bytes for a {SIZE}-byte body over {base}"
+    );
+    assert!(
+        before < base + 4 * SIZE,
+        "run: {before} bytes for a {SIZE}-byte body over {base}"
+    );
+    assert_eq!(small.await.unwrap(), 7);
+    assert_eq!(made_before.await.unwrap(), 7);
+    assert_eq!(made_from_claim.await.unwrap(), 7);
+}

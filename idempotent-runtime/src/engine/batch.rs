@@ -280,9 +280,13 @@ where
         Next::Run { fence } => {
             span.record("fence", fence);
             let owner = Owner::new(Arc::new(Claimed::new(store, req, fence, sent_at)));
-            own(owner, &mut check, outcomes, guard.on_lost_lease, |_| {
-                handler(item)
-            })
+            own(
+                owner,
+                &mut check,
+                outcomes,
+                guard.on_lost_lease,
+                &mut Some(|_| handler(item)),
+            )
             .await
         }
         Next::Completed { fence, result } => {

@@ -203,11 +203,11 @@ impl Idempotency {
 
     /// Runs `body` at most once for `key`, with these settings: a shorthand for
     /// `self.operation(key).run(body)`.
-    pub async fn run<R, F>(&self, key: Key, body: F) -> R
+    pub fn run<R, F>(&self, key: Key, body: F) -> impl Future<Output = R>
     where
         R: HandlerResult,
         F: Future<Output = R>,
     {
-        self.operation(key).run(body).await
+        self.operation(key).run(body)
     }
 }

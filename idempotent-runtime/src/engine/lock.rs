@@ -196,7 +196,7 @@ impl LockGuard {
         // Renews until aborted; once the lease is lost it stops renewing and only waits.
         let watchdog = tokio::spawn(async move {
             watch(
-                std::future::pending::<()>(),
+                std::pin::pin!(std::future::pending::<()>()),
                 &watched,
                 OnLostLease::Continue,
             )

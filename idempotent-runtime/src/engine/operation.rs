@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use futures_util::FutureExt as _;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tracing::Instrument;
@@ -15,7 +16,7 @@ use crate::engine::handler::{Done, DoneCheck, HandlerResult, NoDone};
 use crate::engine::idempotency::Idempotency;
 use crate::engine::owner::{Claimed, Owner, PendingClaim, Settled};
 use crate::engine::watch::{watch, Watched};
-use crate::error::Error;
+use crate::error::{Error, StoreError, StoreErrorKind};
 use crate::key::{Key, KeyError, KeyPart};
 use crate::metrics;
 use crate::policy::{OnError, OnLostLease, OnStoreError};
@@ -328,11 +329,13 @@ where
     /// Once `body` returned, its outcome is recorded and the claim is never given back: a
     /// completion the store does not take at once (an outage, a lost reply, this future
     /// dropped) is retried in the background while the lease is renewed.
-    pub async fn run<F>(self, body: F) -> R
+    // Not an `async fn`: each `async fn` layer would keep its own copy of the operation and
+    // the body in the future, which then grows with every layer.
+    pub fn run<F>(self, body: F) -> impl Future<Output = R>
     where
         F: Future<Output = R>,
     {
-        self.run_with(move |_| body).await
+        self.run_with(move |_| body)
     }
 
     /// Like [`run`](Self::run), with a body that receives its claim: key, fence, and the
@@ -357,7 +360,7 @@ where
     /// assert!(out.unwrap().starts_with("deducted"));
     /// # }
     /// ```
-    pub async fn run_with<B, F>(self, body: B) -> R
+    pub fn run_with<B, F>(self, body: B) -> impl Future<Output = R>
     where
         B: FnOnce(Current) -> F,
         F: Future<Output = R>,
@@ -368,10 +371,14 @@ where
             fence = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
-        R::from_result(self.execute(body).instrument(span).await)
+        self.execute(Some(body))
+            .instrument(span)
+            .map(R::from_result)
     }
 
-    async fn execute<B, F>(self, body: B) -> Result<R::Ok, R::Err>
+    /// `body` is an `Option` so that [`own`] can take it out of this future in place: a
+    /// body passed on by value would be stored again in each future it passes through.
+    async fn execute<B, F>(self, mut body: Option<B>) -> Result<R::Ok, R::Err>
     where
         B: FnOnce(Current) -> F,
         F: Future<Output = R>,
@@ -413,6 +420,9 @@ where
                             tracing::warn!(error = %err, "store failed; running unguarded (fail open)");
                             span.record("outcome", "fail_open");
                             metrics::outcome(&req.key, name, "fail_open");
+                            let Some(body) = body.take() else {
+                                return Err(Error::Store(body_taken()).into());
+                            };
                             let unguarded = Claimed::new(store, unwrap_req(req), 0, sent_at);
                             let current = Current::new(Arc::new(unguarded));
                             current.clone().scope(body(current)).await.into_result()
@@ -443,7 +453,7 @@ where
                     span.record("fence", fence);
                     let claimed = Claimed::new(store, unwrap_req(req), fence, sent_at);
                     let owner = Owner::new(Arc::new(claimed));
-                    return own(owner, &mut done, &outcomes, guard.on_lost_lease, body).await;
+                    return own(owner, &mut done, &outcomes, guard.on_lost_lease, &mut body).await;
                 }
                 Next::Completed { fence, result } => {
                     span.record("fence", fence);
@@ -506,14 +516,25 @@ pub(crate) fn unwrap_req(req: Arc<ClaimRequest>) -> ClaimRequest {
     Arc::try_unwrap(req).unwrap_or_else(|shared| (*shared).clone())
 }
 
+/// The error of a call whose body was already taken: never returned, since every caller
+/// hands its body over once.
+fn body_taken() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Protocol,
+        "internal: the handler of this call was already started",
+    )
+}
+
 /// After an acquired claim: the business check, the body under the watchdog, then the
 /// outcome recorded (or the claim given back when the body failed and the policy says so).
+/// `body` is taken out where it starts, so the handler's future is stored once, in this
+/// future, however many futures the body passed through before.
 pub(crate) async fn own<R, D, B, F>(
     owner: Owner,
     done: &mut D,
     outcomes: &Outcomes<R>,
     on_lost: OnLostLease,
-    body: B,
+    body: &mut Option<B>,
 ) -> Result<R::Ok, R::Err>
 where
     R: HandlerResult,
@@ -528,7 +549,7 @@ where
     let _active = metrics::Active::new(&claim.key, name);
     let report = |label: &'static str| metrics::outcome(&claim.key, name, label);
     if let Some(check) = done.start() {
-        match watch(check, &claim, OnLostLease::Continue).await {
+        match watch(std::pin::pin!(check), &claim, OnLostLease::Continue).await {
             Watched::Done(Ok(true)) => {
                 span.record("outcome", "done");
                 report("done_fallback");
@@ -552,7 +573,15 @@ where
 
     let current = Current::new(claim.clone());
     let started = metrics::Started::now();
-    let watched = watch(current.clone().scope(body(current)), &claim, on_lost).await;
+    // One expression without an await, so that nothing holds the body (or the future it
+    // makes) but the pinned future polled below.
+    let body = std::pin::pin!(match body.take() {
+        Some(start) => current.clone().scope(start(current)),
+        // Never: every caller hands its body over once. The owner, dropped, gives the claim
+        // back.
+        None => return Err(Error::Store(body_taken()).into()),
+    });
+    let watched = watch(body, &claim, on_lost).await;
     metrics::handler_duration(&claim.key, name, started);
     let out = match watched {
         Watched::Done(out) => out.into_result(),

@@ -9,7 +9,7 @@
 //! [`Current`](crate::Current)) and, if the policy says so, is cancelled.
 
 use std::future::{poll_fn, Future};
-use std::pin::pin;
+use std::pin::{pin, Pin};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -28,13 +28,14 @@ pub(crate) enum Watched<T> {
     Cancelled,
 }
 
-/// Drives `fut` under `claim`'s lease (see the module docs).
+/// Drives `fut` under `claim`'s lease (see the module docs). The future is pinned by the
+/// caller: taken by value, it would be stored twice in this one (as the argument and as
+/// the pinned local), and a handler's future can be large.
 pub(crate) async fn watch<F: Future>(
-    fut: F,
+    mut fut: Pin<&mut F>,
     claim: &Claimed,
     on_lost: OnLostLease,
 ) -> Watched<F::Output> {
-    let mut fut = pin!(fut);
     // A future that finishes on its first poll needs no timer.
     if let Poll::Ready(out) = poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
         return Watched::Done(out);
