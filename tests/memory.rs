@@ -414,14 +414,34 @@ macro_rules! large_body {
     };
 }
 
+#[idempotency::idempotent(prefix = "future-size:small", keys = [id], ttl = 60, store = store)]
+async fn small_handler(store: &Arc<MemoryStore>, id: u32) -> Result<u8, idempotency::Error> {
+    Ok(7)
+}
+
+#[idempotency::idempotent(prefix = "future-size:large", keys = [id], ttl = 60, store = store)]
+async fn large_handler(store: &Arc<MemoryStore>, id: u32) -> Result<u8, idempotency::Error> {
+    let buffer = [7u8; 4096];
+    tokio::task::yield_now().await;
+    Ok(buffer[4095])
+}
+
 /// A guarded call's future holds the handler's future a bounded number of times, whatever
-/// its size: once when the body is made from the claim (`run_with`), at most three times when
-/// it was made before (`run`, the attribute: it waits in the call while the key is claimed,
-/// then runs in place). Each further copy would cost every spawned handler its size again in
-/// memory and in copying. Both calls run, so the bodies are real.
+/// its size: once when the body is made from the claim (`run_with`, the attribute), at most
+/// three times when it was made before (`run`: it waits in the call while the key is
+/// claimed, then runs in place). Each further copy would cost every spawned handler its size
+/// again in memory and in copying. Every call runs, so the bodies are real.
 #[tokio::test]
 async fn a_call_holds_its_handler_future_a_bounded_number_of_times() {
     const SIZE: usize = 4096;
+    let store = Arc::new(MemoryStore::new());
+    let (small, large) = (small_handler(&store, 1), large_handler(&store, 1));
+    let (small_size, large_size) = (std::mem::size_of_val(&small), std::mem::size_of_val(&large));
+    assert!(
+        large_size < small_size + 2 * SIZE,
+        "attribute: {large_size} bytes for a {SIZE}-byte body over {small_size}"
+    );
+    assert_eq!((small.await.unwrap(), large.await.unwrap()), (7, 7));
     let guard =
         idempotency::Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
     let key = |id: u32| Key::new("future-size", 1, &[&id]).unwrap();

@@ -17,7 +17,7 @@ use crate::validate::{Handler, InProgress};
 /// let __idempotent_on_error = __idempotent_fingerprint.on_error(classify);
 /// let __idempotent_done = __idempotent_on_error.done(|| into_future(check));
 /// let __idempotent_replay = __idempotent_done.replay();
-/// __idempotent_replay.run(async { <fake return of R> { body } }).await
+/// __idempotent_replay.run_with(|_| async { <fake return of R> { body } }).await
 /// ```
 ///
 /// One statement per step (only the steps whose argument was given), each call spanned at
@@ -132,14 +132,15 @@ pub(crate) fn handler(handler: Handler) -> TokenStream {
     let body = &item.block;
     // Not `async move`: the body borrows the parameters it uses, and `done` may borrow them
     // too. The user's block is the tail of the async block, so its `return`s and `?`s are
-    // checked against the declared return type.
-    let body = quote!(async { #fake_return #body });
+    // checked against the declared return type. Made by a closure once the key is claimed
+    // (`run_with`), so the call's future holds the body's future once.
+    let body = quote!(|_| async { #fake_return #body });
     let Chain {
         mut tokens,
         current,
     } = chain;
     let receiver = Ident::new(&current.to_string(), output_span);
-    let run = Ident::new("run", output_span);
+    let run = Ident::new("run_with", output_span);
     let arguments = spanned_group(body, output_span);
     tokens.extend(quote!(#receiver.#run #arguments .await));
 
