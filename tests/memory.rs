@@ -463,3 +463,61 @@ async fn a_call_holds_its_handler_future_a_bounded_number_of_times() {
     assert_eq!(made_before.await.unwrap(), 7);
     assert_eq!(made_from_claim.await.unwrap(), 7);
 }
+
+/// Each new span's name, with its parent's.
+type SpansSeen = Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>;
+
+/// Records each new span's name with its parent's.
+struct Parents(SpansSeen);
+
+impl<S> tracing_subscriber::Layer<S> for Parents
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_new_span(
+        &self,
+        _: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if let Some(span) = ctx.span(id) {
+            let parent = span.parent().map(|parent| parent.name().to_string());
+            self.0
+                .lock()
+                .unwrap()
+                .push((span.name().to_string(), parent));
+        }
+    }
+}
+
+/// A call's span (`idempotency`) is opened when the call first runs, as a child of the span
+/// it runs in, not of wherever its future was made: a consumer that makes the call and then
+/// instruments it sees the call inside its own span.
+#[tokio::test]
+async fn the_call_span_is_a_child_of_the_span_the_call_runs_in() {
+    use tracing::Instrument;
+    use tracing_subscriber::layer::SubscriberExt;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let subscriber = tracing_subscriber::Registry::default().with(Parents(seen.clone()));
+    let _default = tracing::subscriber::set_default(subscriber);
+    let guard =
+        idempotency::Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    let call = guard.run(Key::new("span", 1, &[&1u32]).unwrap(), async {
+        Ok::<u8, idempotency::Error>(7)
+    });
+    let with = guard
+        .operation(Key::new("span", 1, &[&2u32]).unwrap())
+        .run_with(|_| async { Ok::<u8, idempotency::Error>(8) });
+    let consumer = tracing::info_span!("consumer");
+    assert_eq!(call.instrument(consumer.clone()).await.unwrap(), 7);
+    assert_eq!(with.instrument(consumer).await.unwrap(), 8);
+    let seen = seen.lock().unwrap();
+    let calls: Vec<_> = seen
+        .iter()
+        .filter(|(name, _)| name == "idempotency")
+        .collect();
+    assert_eq!(calls.len(), 2, "{seen:?}");
+    for (_, parent) in calls {
+        assert_eq!(parent.as_deref(), Some("consumer"), "{seen:?}");
+    }
+}

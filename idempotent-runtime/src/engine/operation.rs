@@ -365,15 +365,19 @@ where
         B: FnOnce(Current) -> F,
         F: Future<Output = R>,
     {
-        let span = tracing::debug_span!(
-            "idempotency",
-            key = tracing::field::Empty,
-            fence = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-        );
-        self.execute(Some(body))
-            .instrument(span)
-            .map(R::from_result)
+        // The span is made at the first poll, as an `async fn` would make it, so that it is a
+        // child of the span the future runs in; `then` holds the operation, then the call, in
+        // one place.
+        futures_util::future::lazy(|_| {
+            tracing::debug_span!(
+                "idempotency",
+                key = tracing::field::Empty,
+                fence = tracing::field::Empty,
+                outcome = tracing::field::Empty,
+            )
+        })
+        .then(move |span| self.execute(Some(body)).instrument(span))
+        .map(R::from_result)
     }
 
     /// `body` is an `Option` so that [`own`] can take it out of this future in place: a
