@@ -13,9 +13,10 @@
 //!   becomes `done` with the `ttl`.
 //! - **raw**: redis-rs sending the backend's own commands: the fast claim, `SET key <in-progress
 //!   record> NX PX <ttl> GET`, then the completion script (`settle.lua`) by `EVALSHA`, with
-//!   the arguments the store sends (no fingerprint, the 5-byte result `replay` stores for
-//!   `Ok(())`, the head of the claimed record up to its fence). It writes the very record the framework writes, so it is the framework
-//!   without the framework's client-side work.
+//!   the arguments the store sends for a claim it wrote itself (the ttl, the claimed record
+//!   as written, the completed record with the 5-byte result `replay` stores for `Ok(())`).
+//!   It writes the very records the framework writes, so it is the framework without the
+//!   framework's client-side work.
 //! - **framework**: an `#[idempotent(..., replay)]` handler that only returns `Ok(())`, on a
 //!   `RedisStore`. Its completed record carries the token, a fence and the result.
 //!
@@ -55,6 +56,10 @@
 //! ```text
 //! cargo bench --bench redis --features redis
 //! ```
+//!
+//! With `IDEMPOTENT_BENCH_ONLY=seed` (or `raw`, `framework`) it runs only
+//! `IDEMPOTENT_BENCH_OPS` cycles of that side and prints nothing, for a profiler; the keys
+//! are deleted as after a whole run.
 //!
 //! The last lines are the figures, one `name=value` per line:
 //!
@@ -245,25 +250,26 @@ async fn raw_cycle(
     lease_ms: u64,
     ttl_ms: u64,
 ) -> Result<(), BoxError> {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
-    // The record's head, up to the fence's `:`, which the completion names.
+    let fence = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_micros();
+    // The record's head, up to the fence's `:`; claimed at the fence's millisecond.
     let mut head = Vec::with_capacity(40);
     head.push(b'P');
     head.extend_from_slice(token);
     head.push(b'-');
-    head.extend_from_slice(format!("{}:", now.as_micros()).as_bytes());
+    head.extend_from_slice(format!("{fence}:").as_bytes());
     let mut record = head.clone();
-    record.extend_from_slice(
-        format!(
-            "{}:{}",
-            now.as_millis() + u128::from(lease_ms),
-            now.as_millis()
-        )
-        .as_bytes(),
-    );
+    let at_ms = fence / 1000;
+    record.extend_from_slice(format!("{}:{at_ms}", at_ms + u128::from(lease_ms)).as_bytes());
+    // The completed record: the head's fields after the state, no lease, the result.
+    let mut completed = b"C".to_vec();
+    completed.extend_from_slice(&head[1..]);
+    completed.extend_from_slice(b"0:");
+    completed.extend_from_slice(UNIT_RESULT);
     let claimed: Value = redis::cmd("SET")
         .arg(key)
-        .arg(record)
+        .arg(&record)
         .arg("NX")
         .arg("PX")
         .arg(lease_ms.max(ttl_ms))
@@ -274,13 +280,7 @@ async fn raw_cycle(
         return Err(format!("raw claim not acquired: {claimed:?}").into());
     }
     let mut complete = script.prepare_invoke();
-    complete
-        .key(key)
-        .arg("complete")
-        .arg(&token[..])
-        .arg(ttl_ms)
-        .arg(UNIT_RESULT)
-        .arg(head);
+    complete.key(key).arg(ttl_ms).arg(record).arg(completed);
     let completed: i64 = complete.invoke_async(conn).await?;
     if completed != 1 {
         return Err("raw completion refused".into());
@@ -1032,6 +1032,23 @@ async fn run(bench: &Bench) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// `IDEMPOTENT_BENCH_ONLY=seed|raw|framework`: only `IDEMPOTENT_BENCH_OPS` (default 2,000)
+/// cycles of one side at 50 tasks, nothing printed; for a profiler (`valgrind
+/// --tool=callgrind` counts this process's instructions: the difference of two runs with
+/// different counts, divided by the difference of the counts, is the client's work per cycle).
+async fn one_side(bench: &Bench, side: &str) -> Result<(), BoxError> {
+    let side = SIDES
+        .into_iter()
+        .find(|s| s.name() == side)
+        .ok_or_else(|| format!("IDEMPOTENT_BENCH_ONLY={side}: not seed, raw or framework"))?;
+    let ops = match std::env::var("IDEMPOTENT_BENCH_OPS") {
+        Ok(ops) => ops.parse()?,
+        Err(_) => 2_000,
+    };
+    bench.throughput(side, &bench.tag(1), ops, TASKS).await?;
+    Ok(())
+}
+
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> ExitCode {
     let url = std::env::var("IDEMPOTENT_REDIS_URL").unwrap_or_else(|_| DEFAULT_URL.to_string());
@@ -1049,7 +1066,10 @@ async fn main() -> ExitCode {
         bench.lease_ms,
         bench.ttl_ms
     );
-    let outcome = run(&bench).await;
+    let outcome = match std::env::var("IDEMPOTENT_BENCH_ONLY") {
+        Ok(side) => one_side(&bench, &side).await,
+        Err(_) => run(&bench).await,
+    };
 
     // Whatever happened, remove every key of this run.
     let mut removed = 0;

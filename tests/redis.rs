@@ -528,7 +528,7 @@ async fn lost_complete_reply_on_a_real_connection_is_resolved_as_completed() {
     let key = Key::new(&format!("{namespace}:lost-complete"), 1, &[&"order-2"]).unwrap();
     let guard = Idempotency::new(Duration::from_secs(60)).store(store.clone());
 
-    proxy.lose_reply_to(b"\r\ncomplete\r\n");
+    proxy.lose_reply_to(&settle_script_sha());
     let first: Result<u32, Error> = guard
         .operation(key.clone())
         .replay()
@@ -609,7 +609,7 @@ async fn lost_reply_to_a_batch_settlement_is_resolved_item_by_item() {
             Ok::<_, Error>(id * 3)
         }
     };
-    proxy.lose_reply_to(b"\r\ncomplete\r\n");
+    proxy.lose_reply_to(&settle_script_sha());
     let first: Vec<Result<u32, Error>> = guard.batch().replay().run(items(), handler).await;
     assert_eq!(proxy.lost(), 1, "the proxy lost no reply");
     assert_eq!(executions.load(Ordering::SeqCst), 40);
@@ -952,6 +952,17 @@ fn claim_request(key: &Key, lease: Duration, ttl: Duration) -> ClaimRequest {
     ClaimRequest::new(key.clone(), Token::generate(), lease, ttl)
 }
 
+/// The SHA1 of the store's settlement script, which every completion and release names:
+/// what the proxy looks for to lose the reply to a settlement.
+fn settle_script_sha() -> Vec<u8> {
+    redis::Script::new(include_str!(
+        "../idempotent-runtime/src/store/redis/settle.lua"
+    ))
+    .get_hash()
+    .as_bytes()
+    .to_vec()
+}
+
 fn acquired(claim: Claim) -> u64 {
     match claim {
         Claim::Acquired { fence } => fence,
@@ -1240,22 +1251,37 @@ async fn a_completion_naming_its_claim_writes_the_record_a_token_completion_writ
         let claimer = if by_script { &scripted } else { &store };
         let token = Token::generate();
         let mut fences = Vec::new();
+        // By token; naming the fence (renewed: the head matches, the rest does not); naming
+        // fence and lease, renewed or as claimed (a fast claim's record, written again by
+        // its owner; a scripted claim's differs).
         let keys = [
             Key::new("named", 1, &[&case, &"by-token"]).unwrap(),
             Key::new("named", 1, &[&case, &"by-claim"]).unwrap(),
+            Key::new("named", 1, &[&case, &"by-lease-renewed"]).unwrap(),
+            Key::new("named", 1, &[&case, &"by-lease"]).unwrap(),
         ];
-        for key in &keys {
+        for (i, key) in keys.iter().enumerate() {
             let mut req = ClaimRequest::new(key.clone(), token, hour, hour);
             req.fingerprint = fingerprint;
             fences.push(acquired(claimer.claim(&req).await.unwrap()));
-            assert!(store.renew(key, &token, hour).await.unwrap(), "{case}");
+            if i < 3 {
+                assert!(store.renew(key, &token, hour).await.unwrap(), "{case}");
+            }
         }
         let done = Completion::new(Some(b"receipt-7".to_vec()), hour);
         assert!(store.complete(&keys[0], &token, &done).await.unwrap());
-        let named = done
-            .clone()
-            .for_claim(idempotency::AcquiredClaim::new(fences[1], fingerprint));
+        let claim = |i: usize| idempotency::AcquiredClaim::new(fences[i], fingerprint);
+        let named = done.clone().for_claim(claim(1));
         assert!(store.complete(&keys[1], &token, &named).await.unwrap());
+        for i in [2, 3] {
+            let named = done.clone().for_claim(claim(i).with_lease(hour));
+            assert!(store.complete(&keys[i], &token, &named).await.unwrap());
+            // Sent again (a lost reply): the record is the owner's completed one.
+            assert!(store.complete(&keys[i], &token, &named).await.unwrap());
+            // Another owner's completion naming the same claim changes nothing.
+            let other = Token::generate();
+            assert!(!store.complete(&keys[i], &other, &named).await.unwrap());
+        }
         for (key, fence) in keys.iter().zip(&fences) {
             let mut expected = b"C".to_vec();
             expected.extend_from_slice(token.as_bytes());
@@ -1425,6 +1451,10 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
     let mut mine = claim_request(key, long, long);
     mine.token = *token;
     let done = Completion::new(None, long);
+    // As the engine completes: naming a claim (a fence no unreadable value holds) and lease.
+    let named = done.clone().for_claim(
+        idempotency::AcquiredClaim::new(1_796_130_461_329_139, None).with_lease(long),
+    );
     let outcomes = [
         (
             "claim",
@@ -1432,6 +1462,10 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
         ),
         ("claim by its token", store.claim(&mine).await.err()),
         ("complete", store.complete(key, token, &done).await.err()),
+        (
+            "complete naming its claim",
+            store.complete(key, token, &named).await.err(),
+        ),
         ("release", store.release(key, token).await.err()),
         ("renew", store.renew(key, token, long).await.err()),
         ("reopen", store.reopen(key, token).await.err()),

@@ -37,34 +37,45 @@ pub async fn complete_and_renew_check_the_token(b: impl Backend) {
 }
 
 /// A completion that names its claim (as the engine's do) answers what the token alone
-/// decides, whatever the named fence or fingerprint: the claim it names is a hint a store may
-/// use to recognise the record, never a second condition.
+/// decides, whatever the named fence, fingerprint or lease: the claim it names is a hint a
+/// store may use to recognise the record, never a second condition.
 pub async fn a_completion_naming_its_claim_is_decided_by_the_token(b: impl Backend) {
     let store = b.store();
     let prefix = unique_prefix(&b, "named");
     let minute = Duration::from_secs(60);
+    let lease = Duration::from_secs(30);
     let fp = Fingerprint::of(&[&"EUR", &1250u64]);
-    for (case, fingerprint) in [("plain", None), ("fingerprinted", Some(fp))] {
+    for (case, fingerprint, leased) in [
+        ("plain", None, false),
+        ("fingerprinted", Some(fp), false),
+        ("plain-leased", None, true),
+        ("fingerprinted-leased", Some(fp), true),
+    ] {
         let k = key(&prefix, &[&case]);
-        let mut owner = req(&k, Duration::from_secs(30));
+        let mut owner = req(&k, lease);
         owner.fingerprint = fingerprint;
         let Claim::Acquired { fence } = store.claim(&owner).await.unwrap() else {
             panic!("{case}: a fresh key is acquired");
         };
-        let named = |fence, fingerprint| {
-            Completion::new(Some(b"r".to_vec()), minute)
-                .for_claim(AcquiredClaim::new(fence, fingerprint))
+        let named_with = |fence, fingerprint, lease: Duration| {
+            let claim = AcquiredClaim::new(fence, fingerprint);
+            Completion::new(Some(b"r".to_vec()), minute).for_claim(if leased {
+                claim.with_lease(lease)
+            } else {
+                claim
+            })
         };
+        let named = |fence, fingerprint| named_with(fence, fingerprint, lease);
         // A stranger naming the owner's claim exactly is still a stranger.
         assert!(!store
             .complete(&k, &Token::generate(), &named(fence, fingerprint))
             .await
             .unwrap());
-        // The owner naming a wrong fence, or a wrong fingerprint, completes by its token.
-        let wrong = if case == "plain" {
-            named(fence + 1, None)
-        } else {
-            named(fence, Some(Fingerprint::of(&[&"other"])))
+        // The owner naming a wrong fence, fingerprint or lease completes by its token.
+        let wrong = match (fingerprint, leased) {
+            (None, false) => named(fence + 1, None),
+            (Some(_), false) => named(fence, Some(Fingerprint::of(&[&"other"]))),
+            (_, true) => named_with(fence, fingerprint, lease * 2),
         };
         assert!(
             store.complete(&k, &owner.token, &wrong).await.unwrap(),
@@ -90,16 +101,16 @@ pub async fn a_completion_naming_its_claim_is_decided_by_the_token(b: impl Backe
 
         // The common case: the owner names its claim exactly, the record is completed with
         // the claim's fence and fingerprint, and duplicates replay the result.
+        // Named with its lease, not renewed: what a store may have written for the claim.
         let k = key(&prefix, &[&case, &"exact"]);
-        let mut owner = req(&k, Duration::from_secs(30));
+        let mut owner = req(&k, lease);
         owner.fingerprint = fingerprint;
         let Claim::Acquired { fence } = store.claim(&owner).await.unwrap() else {
             panic!("{case}: a fresh key is acquired");
         };
-        assert!(store
-            .renew(&k, &owner.token, Duration::from_secs(30))
-            .await
-            .unwrap());
+        if !leased {
+            assert!(store.renew(&k, &owner.token, lease).await.unwrap());
+        }
         assert!(store
             .complete(&k, &owner.token, &named(fence, fingerprint))
             .await

@@ -356,8 +356,10 @@ impl Owner {
     pub(crate) async fn settle(mut self, result: Option<Vec<u8>>) -> Settled {
         let result = fit(result, self.claim.store.max_result_size());
         self.phase = Phase::Settling(
-            Completion::new(result, self.claim.ttl)
-                .for_claim(AcquiredClaim::new(self.claim.fence, self.claim.fingerprint)),
+            Completion::new(result, self.claim.ttl).for_claim(
+                AcquiredClaim::new(self.claim.fence, self.claim.fingerprint)
+                    .with_lease(self.claim.lease),
+            ),
         );
         let Phase::Settling(completion) = &self.phase else {
             return Settled::Deferred;

@@ -731,15 +731,18 @@ pub struct Completion {
     pub claim: Option<AcquiredClaim>,
 }
 
-/// How a claim was acquired: its fence and the fingerprint it was sent with. Carried by a
-/// [`Completion`] so that a store can recognise the owner's record cheaply; it never
-/// changes what a completion decides (the token does).
+/// How a claim was acquired: its fence, the fingerprint and the lease it was sent with.
+/// Carried by a [`Completion`] so that a store can recognise the owner's record cheaply; it
+/// never changes what a completion decides (the token does).
 ///
 /// ```
+/// use std::time::Duration;
 /// use idempotent_runtime::{AcquiredClaim, Fingerprint};
 ///
-/// let claim = AcquiredClaim::new(1_796_130_461_329_139, Some(Fingerprint::of(&[&"EUR"])));
+/// let claim = AcquiredClaim::new(1_796_130_461_329_139, Some(Fingerprint::of(&[&"EUR"])))
+///     .with_lease(Duration::from_secs(30));
 /// assert_eq!(claim.fence, 1_796_130_461_329_139);
+/// assert_eq!(claim.lease, Some(Duration::from_secs(30)));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -748,12 +751,25 @@ pub struct AcquiredClaim {
     pub fence: u64,
     /// The fingerprint of the [`ClaimRequest`], if it had one.
     pub fingerprint: Option<Fingerprint>,
+    /// The lease of the [`ClaimRequest`], when the owner names it.
+    pub lease: Option<Duration>,
 }
 
 impl AcquiredClaim {
     /// The claim acquired with `fence`, sent with `fingerprint`.
     pub fn new(fence: u64, fingerprint: Option<Fingerprint>) -> AcquiredClaim {
-        AcquiredClaim { fence, fingerprint }
+        AcquiredClaim {
+            fence,
+            fingerprint,
+            lease: None,
+        }
+    }
+
+    /// The same claim, sent with a lease of `lease` ([`ClaimRequest::lease`]).
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> AcquiredClaim {
+        self.lease = Some(lease);
+        self
     }
 }
 

@@ -9,10 +9,13 @@
 //! (`EVALSHA`); after a `SCRIPT FLUSH` or a server restart the `NOSCRIPT` reply makes the
 //! client load them again and retry, transparently. Leases and expiry use the server's clock
 //! (`TIME`, `PX`), never the client's wall clock. A completion that names its claim
-//! ([`Completion::claim`](crate::Completion::claim), as the engine's do) sends the head of the
-//! owner's in-progress record (state, token, fingerprint, fence): `settle.lua` compares it
-//! with the record's first bytes and writes the completed record without parsing; any other
-//! record goes through the full checks, so the answer is the token's either way. A batch
+//! ([`Completion::claim`](crate::Completion::claim), as the engine's do) lets `settle.lua`
+//! skip parsing: with the claim's lease, the owner writes again the record its fast claim
+//! wrote (claimed at the fence's millisecond, so the fence and the lease give every byte of
+//! it) and the completed record, and the script is a compare-and-set, as a hand-written
+//! completion is; a record renewed since is recognised by its head (state, token,
+//! fingerprint, fence) and completed without parsing; any other record goes through the full
+//! checks, so the answer is the token's either way. A batch
 //! ([`Store::claim_many`](crate::Store::claim_many)) is one pipeline of the same fast claims,
 //! and a second pipeline of scripts for the items they leave undecided.
 //!

@@ -12,8 +12,8 @@ use crate::store::redis::batch::{send_again, SlotMap};
 use crate::store::redis::clock::{fast_durations, Estimate, ServerClock};
 use crate::store::redis::conn::{command_error, script_error, Conn, Lua};
 use crate::store::redis::wire::{
-    claim_cmd, decode_claim, decode_record, in_progress_head, in_progress_record, int,
-    parse_record, text,
+    claim_cmd, decode_claim, decode_record, fast_claim_record, fast_completion, in_progress_head,
+    int, parse_record, text,
 };
 use crate::store::{
     clamped_millis, BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, RecordState,
@@ -408,7 +408,7 @@ fn fast_claim_cmd(req: &ClaimRequest, at: Estimate) -> Option<::redis::Cmd> {
         return None;
     }
     let (lease, ttl) = (clamped_millis(req.lease), clamped_millis(req.ttl));
-    let value = in_progress_record(req, at.upper_us, at.now_ms, at.now_ms.saturating_add(lease))?;
+    let value = fast_claim_record(req, at.upper_us, lease)?;
     let key = req.key.as_bytes();
     let mut cmd = ::redis::Cmd::with_capacity(7, key.len() + value.len() + 32);
     cmd.arg("SET")
@@ -451,10 +451,27 @@ impl RedisStore {
                 ),
             ));
         }
+        let ttl = clamped_millis(completion.ttl);
         let mut cmd = self.inner.settle.call(key.as_bytes());
+        // A claim this store's fast claim may have written: the owner writes that record
+        // again and the completed one, and the script compares and sets (three arguments).
+        let fast = completion
+            .claim
+            .as_ref()
+            .filter(|_| self.inner.fast_claims)
+            .and_then(|claim| {
+                let lease = claim
+                    .lease
+                    .filter(|&lease| fast_durations(lease, completion.ttl))?;
+                fast_completion(token, claim, clamped_millis(lease), result)
+            });
+        if let Some((claimed, completed)) = fast {
+            cmd.arg(ttl).arg(claimed).arg(completed);
+            return Ok(cmd);
+        }
         cmd.arg("complete")
             .arg(token.as_bytes())
-            .arg(clamped_millis(completion.ttl))
+            .arg(ttl)
             .arg(result);
         if let Some(head) = completion
             .claim

@@ -117,11 +117,12 @@ pub(super) fn decode_record(key: &Key, value: Value) -> Result<Option<Record>, S
     Ok(Some(record.with_expires_in(expires_in)))
 }
 
-/// An in-progress record for `req` in the script's format (as its `encode` writes it), with
-/// `fence`, claimed at `now_ms` with the lease ending at `lease_end_ms`; `None` when a number
-/// is out of the script's exact range.
-pub(super) fn in_progress_record(
-    req: &ClaimRequest,
+/// An in-progress record in the script's format (as its `encode` writes it): owned by
+/// `token`, with `fingerprint` and `fence`, claimed at `now_ms` with the lease ending at
+/// `lease_end_ms`; `None` when a number is out of the script's exact range.
+fn encode_in_progress(
+    token: &Token,
+    fingerprint: Option<&Fingerprint>,
     fence: u64,
     now_ms: u64,
     lease_end_ms: u64,
@@ -131,11 +132,53 @@ pub(super) fn in_progress_record(
     }
     let mut value = Vec::with_capacity(88);
     value.push(b'P');
-    value.extend_from_slice(req.token.as_bytes());
-    push_fingerprint(&mut value, req.fingerprint.as_ref());
+    value.extend_from_slice(token.as_bytes());
+    push_fingerprint(&mut value, fingerprint);
     // Writing to a `Vec` cannot fail.
     let _ = write!(value, "{fence}:{lease_end_ms}:{now_ms}");
     Some(value)
+}
+
+/// The in-progress record the fast claim writes for `req` with `fence` (the server's clock
+/// in microseconds, as estimated): claimed at the fence's millisecond, the lease ending
+/// `lease_ms` after it. Its owner can write it again from the fence and the lease alone,
+/// which [`fast_completion`] does.
+pub(super) fn fast_claim_record(req: &ClaimRequest, fence: u64, lease_ms: u64) -> Option<Vec<u8>> {
+    let at_ms = fence / 1_000;
+    encode_in_progress(
+        &req.token,
+        req.fingerprint.as_ref(),
+        fence,
+        at_ms,
+        at_ms.checked_add(lease_ms)?,
+    )
+}
+
+/// `settle.lua`'s three-argument completion of a claim the fast claim wrote: the record as
+/// [`fast_claim_record`] wrote it for `claim` (acquired with a lease of `lease_ms`), and the
+/// completed record that replaces it (what the script's own completion writes: the state,
+/// the token, the fingerprint and the fence as they were, no lease, `result`). `None` for
+/// numbers out of the script's exact range.
+pub(super) fn fast_completion(
+    token: &Token,
+    claim: &AcquiredClaim,
+    lease_ms: u64,
+    result: &[u8],
+) -> Option<(Vec<u8>, Vec<u8>)> {
+    let at_ms = claim.fence / 1_000;
+    let lease_end_ms = at_ms.checked_add(lease_ms)?;
+    if lease_end_ms > MAX_EXACT {
+        return None;
+    }
+    let mut claimed = in_progress_head(token, claim)?;
+    let head = claimed.len();
+    let _ = write!(claimed, "{lease_end_ms}:{at_ms}");
+    let mut completed = Vec::with_capacity(head + 2 + result.len());
+    completed.push(b'C');
+    completed.extend_from_slice(&claimed[1..head]);
+    completed.extend_from_slice(b"0:");
+    completed.extend_from_slice(result);
+    Some((claimed, completed))
 }
 
 /// The first fields of the in-progress record of `claim` owned by `token`, up to and with
@@ -145,7 +188,7 @@ pub(super) fn in_progress_head(token: &Token, claim: &AcquiredClaim) -> Option<V
     if claim.fence > MAX_EXACT {
         return None;
     }
-    let mut head = Vec::with_capacity(56);
+    let mut head = Vec::with_capacity(88);
     head.push(b'P');
     head.extend_from_slice(token.as_bytes());
     push_fingerprint(&mut head, claim.fingerprint.as_ref());
@@ -214,6 +257,47 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_owner_writes_again_the_record_its_fast_claim_wrote() {
+        let key = Key::new("t", 1, &[&1u8]).unwrap();
+        let lease = Duration::from_secs(30);
+        for fingerprint in [None, Some(Fingerprint::of(&[&"EUR", &1250u64]))] {
+            let mut req = ClaimRequest::new(key.clone(), Token::generate(), lease, lease);
+            req.fingerprint = fingerprint;
+            let fence = 1_796_130_461_329_139;
+            let written = fast_claim_record(&req, fence, 30_000).unwrap();
+            let claim = AcquiredClaim::new(fence, fingerprint).with_lease(lease);
+            let (claimed, completed) =
+                fast_completion(&req.token, &claim, 30_000, b"receipt-7").unwrap();
+            assert_eq!(
+                claimed, written,
+                "the completion names the claim byte for byte"
+            );
+            let record = parse_record(&written, 1_796_130_461_329).unwrap();
+            assert_eq!(
+                record.state,
+                RecordState::InProgress { lease_left: lease },
+                "claimed at the fence's millisecond"
+            );
+            assert_eq!(record.age, Some(Duration::ZERO));
+            // What the script's own completion writes for that record.
+            let mut expected = vec![b'C'];
+            expected.extend_from_slice(
+                &written[1..written.len() - b"1796130491329:1796130461329".len()],
+            );
+            expected.extend_from_slice(b"0:receipt-7");
+            assert_eq!(completed, expected);
+            let record = parse_record(&completed, 0).unwrap();
+            assert_eq!(
+                (record.state, record.fence, record.fingerprint),
+                (RecordState::Completed, fence, fingerprint)
+            );
+            assert_eq!(record.result.as_deref(), Some(&b"receipt-7"[..]));
+        }
+        let claim = AcquiredClaim::new(MAX_EXACT + 1, None);
+        assert_eq!(fast_completion(&Token::generate(), &claim, 1, b""), None);
+    }
+
+    #[test]
     fn records_round_trip_through_the_wire_format() {
         let token = Token::generate();
         let mut bytes = vec![b'P'];
@@ -244,7 +328,8 @@ mod tests {
             Duration::from_secs(2),
             Duration::from_secs(9),
         );
-        let claimed = in_progress_record(&req, 12, 1000, 3000).unwrap();
+        let claimed =
+            encode_in_progress(&req.token, req.fingerprint.as_ref(), 12, 1000, 3000).unwrap();
         let record = parse_record(&claimed, 1750).unwrap();
         assert_eq!(record.age, Some(Duration::from_millis(750)));
         assert_eq!(record.result, None);
