@@ -1452,9 +1452,9 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
     mine.token = *token;
     let done = Completion::new(None, long);
     // As the engine completes: naming a claim (a fence no unreadable value holds) and lease.
-    let named = done.clone().for_claim(
-        idempotency::AcquiredClaim::new(1_796_130_461_329_139, None).with_lease(long),
-    );
+    let named = done
+        .clone()
+        .for_claim(idempotency::AcquiredClaim::new(1_796_130_461_329_139, None).with_lease(long));
     let outcomes = [
         (
             "claim",
