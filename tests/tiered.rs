@@ -17,9 +17,11 @@ use std::time::Duration;
 use conformance::{unique_namespace, Backend, Down};
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
+use idempotency::store::Settlement;
 use idempotency::store::TieredStore;
 use idempotency::{
-    BoxFuture, Error, Idempotency, Key, MemoryStore, RecordState, SharedStore, Store,
+    BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, MemoryStore, Record,
+    RecordState, SharedStore, Store, StoreError, Token,
 };
 use redis_server::{delete_matching, redis_url};
 
@@ -87,6 +89,120 @@ conformance_suite!(redis_over_postgres);
 
 fn guard(store: SharedStore) -> Idempotency {
     Idempotency::new(Duration::from_secs(60)).store(store)
+}
+
+/// A real in-memory store whose releases wait for the case to let them through, so that a
+/// case can look at the other layer while a release is under way (no real store can be held
+/// at that point on demand).
+struct HeldReleases {
+    inner: MemoryStore,
+    entered: tokio::sync::Semaphore,
+    gate: tokio::sync::Semaphore,
+}
+
+impl HeldReleases {
+    fn new() -> HeldReleases {
+        HeldReleases {
+            inner: MemoryStore::new(),
+            entered: tokio::sync::Semaphore::new(0),
+            gate: tokio::sync::Semaphore::new(0),
+        }
+    }
+    /// Returns once a release reached this store, and holds it there.
+    async fn release_entered(&self) {
+        self.entered.acquire().await.unwrap().forget();
+    }
+    /// Lets one held release through.
+    fn let_through(&self) {
+        self.gate.add_permits(1);
+    }
+}
+
+impl Store for HeldReleases {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        self.inner.claim(req)
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.complete(key, token, completion)
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            self.entered.add_permits(1);
+            self.gate.acquire().await.unwrap().forget();
+            self.inner.release(key, token).await
+        })
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.renew(key, token, lease)
+    }
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.inner.read(key)
+    }
+}
+
+/// A claim given back is released on the front first, then on the back (single and batch
+/// settlements): while the front's release is under way the back still holds the claim, so
+/// whoever sees the back released (the record of truth) finds the front released too, and
+/// the next delivery is acquired at once with the next fence instead of being told by the
+/// front that the call is still in flight.
+#[tokio::test]
+async fn a_claim_given_back_is_released_on_the_front_before_the_back() {
+    let front = Arc::new(HeldReleases::new());
+    let back = Arc::new(MemoryStore::new());
+    let store = Arc::new(TieredStore::new(front.clone(), back.clone()));
+    for batch in [false, true] {
+        let key = Key::new("tiered-release", 1, &[&batch]).unwrap();
+        let minute = Duration::from_secs(60);
+        let owner = ClaimRequest::new(key.clone(), Token::generate(), minute, minute);
+        let Claim::Acquired { fence } = store.claim(&owner).await.unwrap() else {
+            panic!("a fresh key is acquired");
+        };
+        let release = tokio::spawn({
+            let (store, key, token) = (store.clone(), key.clone(), owner.token);
+            async move {
+                if batch {
+                    let mut answers = store
+                        .complete_many(&[Settlement::release(key, token)])
+                        .await;
+                    answers.pop().unwrap()
+                } else {
+                    store.release(&key, &token).await
+                }
+            }
+        });
+        front.release_entered().await;
+        let held = back.read(&key).await.unwrap().unwrap();
+        assert!(
+            matches!(held.state, RecordState::InProgress { .. }),
+            "batch: {batch}: the back was released before the front: {:?}",
+            held.state
+        );
+        front.let_through();
+        assert!(release.await.unwrap().unwrap(), "batch: {batch}");
+        for layer in [front.read(&key), back.read(&key)] {
+            let record = layer.await.unwrap().unwrap();
+            assert_eq!(record.state, RecordState::Released, "batch: {batch}");
+        }
+        let next = ClaimRequest::new(key.clone(), Token::generate(), minute, minute);
+        match store.claim(&next).await.unwrap() {
+            Claim::Acquired { fence: next } => assert_eq!(next, fence + 1, "batch: {batch}"),
+            other => panic!("batch: {batch}: the next delivery got {other:?}"),
+        }
+    }
 }
 
 #[tokio::test]

@@ -5,7 +5,8 @@
 //! - A **first delivery** claims the front, then the back (same token), and completes the back,
 //!   then the front. The back's answer is authoritative: its fence is the one returned, and a
 //!   back that knows the operation (completed, or claimed by someone else) wins over a front
-//!   that forgot it.
+//!   that forgot it. A claim given back is released on the front, then on the back: once the
+//!   back says released, the front does too, and the next delivery is acquired at once.
 //! - **The front loses data** (restart, eviction, failover): the front says `Acquired`, the
 //!   back says `Completed` or `InProgress`, and that is the answer (the front is repaired for
 //!   a completed record). Nothing runs twice.
@@ -85,6 +86,18 @@ impl TieredStore {
             _ => {}
         }
         back
+    }
+
+    /// Settles `items` on the front, best effort (nothing is sent for none).
+    async fn front_batch(&self, items: &[Settlement]) {
+        if items.is_empty() {
+            return;
+        }
+        for answer in self.front.complete_many(items).await {
+            if let Err(err) = answer {
+                tracing::warn!(error = %err, "front store settlement failed; the back store stays authoritative");
+            }
+        }
     }
 
     async fn best_effort(&self, what: &str, op: BoxFuture<'_, Result<bool, StoreError>>) {
@@ -178,38 +191,40 @@ impl Store for TieredStore {
         key: &'a Key,
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        // The front first: once the back, the record of truth, says released, the front no
+        // longer holds the claim either (unless its release failed), so the next delivery is
+        // acquired instead of being told by the front that the call is still in flight.
         Box::pin(async move {
-            let released = self.back.release(key, token).await?;
             self.best_effort("release", self.front.release(key, token))
                 .await;
-            Ok(released)
+            self.back.release(key, token).await
         })
     }
 
-    /// The back's batch (the answers), then the front's, best effort, for the items the
-    /// back settled (completions) or answered (releases), as the single calls do.
+    /// As the single calls do, a layer at a time: the front's releases, best effort; the
+    /// back's batch (the answers); the front's completions, best effort, for the items the
+    /// back completed.
     fn complete_many<'a>(
         &'a self,
         items: &'a [Settlement],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         Box::pin(async move {
+            let releases: Vec<Settlement> = items
+                .iter()
+                .filter(|item| matches!(item.action, Settle::Release))
+                .cloned()
+                .collect();
+            self.front_batch(&releases).await;
             let settled = self.back.complete_many(items).await;
-            let front: Vec<Settlement> = items
+            let completed: Vec<Settlement> = items
                 .iter()
                 .zip(&settled)
-                .filter(|(item, answer)| match item.action {
-                    Settle::Complete(_) => matches!(answer, Ok(true)),
-                    _ => answer.is_ok(),
+                .filter(|(item, answer)| {
+                    matches!(item.action, Settle::Complete(_)) && matches!(answer, Ok(true))
                 })
                 .map(|(item, _)| item.clone())
                 .collect();
-            if !front.is_empty() {
-                for answer in self.front.complete_many(&front).await {
-                    if let Err(err) = answer {
-                        tracing::warn!(error = %err, "front store settlement failed; the back store stays authoritative");
-                    }
-                }
-            }
+            self.front_batch(&completed).await;
             settled
         })
     }
