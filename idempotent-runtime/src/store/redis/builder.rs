@@ -142,7 +142,10 @@ impl RedisStoreBuilder {
     /// refreshed every half second), moved forward by the client's monotonic clock, with a
     /// bound on the error; the fast claim is used only while that bound is at most a
     /// millisecond and for leases and ttls of at least a second, so fences still grow across
-    /// expiry and the lease is off by at most a thousandth. A record the `SET` finds that
+    /// expiry. The claim is recorded at the estimate's upper bound (the fence, in
+    /// microseconds; its millisecond for the claim's time and the lease's start), so that the
+    /// owner's completion can name the record byte for byte; the lease therefore ends at most
+    /// 2 ms late, never earlier than the millisecond's rounding. A record the `SET` finds that
     /// needs a decision on the server's clock (a released record, a lease at or near its end,
     /// a value that is no record) is claimed by the script, as without the fast claim.
     ///
