@@ -1725,3 +1725,175 @@ async fn durations_beyond_a_century_are_clamped_to_a_century() {
     }
     delete_matching(&url, &format!("{namespace}:*"));
 }
+
+/// What a store answered, with fences counted from the key's first acquisition on that store
+/// (each store takes a new key's fence from its own clock; every later acquisition is + 1).
+#[derive(Debug, PartialEq, Eq)]
+enum Seen {
+    Claim(&'static str, i128, Option<Vec<u8>>),
+    Settled(bool),
+    Record(Option<SeenRecord>),
+    Failed(StoreErrorKind),
+}
+
+/// A record as [`Seen`] compares it: state, relative fence, result, fingerprint, token.
+type SeenRecord = (&'static str, i128, Option<Vec<u8>>, Option<[u8; 16]>, Token);
+
+/// A small deterministic generator (xorshift64*), so a failing sequence can be replayed.
+struct Dice(u64);
+
+impl Dice {
+    fn roll(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+/// Random sequences of claims, completions (by token, naming the fence, naming fence and
+/// lease, naming a wrong claim, retried), releases, renewals, batch settlements and reads on
+/// one key, sent to the Redis store (with the fast claim and with scripts only) and to the
+/// in-memory store: every answer of Redis is the in-memory store's. The leases and ttls are
+/// long, so no answer depends on time; what differs between the compare-and-set, head and
+/// full paths of the completion script would show as a different answer or record.
+#[tokio::test]
+async fn every_sequence_of_operations_is_answered_as_the_in_memory_store_answers_it() {
+    let url = redis_url();
+    let namespace = unique_namespace();
+    let minute = Duration::from_secs(60);
+    let fingerprints = [
+        None,
+        Some(idempotency::Fingerprint::of(&[&"EUR"])),
+        Some(idempotency::Fingerprint::of(&[&"USD"])),
+    ];
+    let results = [None, Some(b"r1".to_vec()), Some(b"receipt-2".to_vec())];
+    for fast in [true, false] {
+        let redis: SharedStore = Arc::new(redis_server::connect_with(&url, fast).await);
+        for seed in 1..=150u64 {
+            let memory: SharedStore = Arc::new(idempotency::MemoryStore::new());
+            let stores: [&dyn Store; 2] = [redis.as_ref(), memory.as_ref()];
+            let key = Key::new(&format!("{namespace}:model"), 1, &[&fast, &seed]).unwrap();
+            let mut dice = Dice(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            // Per owner: token, fingerprint, and on each store the fence it acquired.
+            let mut owners: Vec<(Token, Option<idempotency::Fingerprint>, [Option<u64>; 2])> =
+                Vec::new();
+            let mut base: [Option<u64>; 2] = [None, None];
+            let mut trace = Vec::new();
+            for step in 0..14 {
+                let op = if owners.is_empty() { 0 } else { dice.roll(7) };
+                let who = if owners.is_empty() {
+                    0
+                } else {
+                    dice.roll(owners.len() as u64) as usize
+                };
+                let (result, naming) = (results[dice.roll(3) as usize].clone(), dice.roll(4));
+                let fingerprint = fingerprints[dice.roll(3) as usize];
+                let token = Token::generate();
+                trace.push(format!("{op}/{who}/{naming}"));
+                let mut seen = Vec::new();
+                for (side, &store) in stores.iter().enumerate() {
+                    let rel = |fence: u64, base: &[Option<u64>; 2]| {
+                        i128::from(fence) - i128::from(base[side].unwrap_or(fence))
+                    };
+                    let answer = match op {
+                        0 => {
+                            let mut req = ClaimRequest::new(key.clone(), token, minute, minute);
+                            req.fingerprint = fingerprint;
+                            if side == 0 {
+                                owners.push((token, fingerprint, [None, None]));
+                            }
+                            match store.claim(&req).await {
+                                Ok(Claim::Acquired { fence }) => {
+                                    base[side].get_or_insert(fence);
+                                    if let Some(owner) = owners.last_mut() {
+                                        owner.2[side] = Some(fence);
+                                    }
+                                    Seen::Claim("acquired", rel(fence, &base), None)
+                                }
+                                Ok(Claim::Completed { fence, result }) => {
+                                    Seen::Claim("completed", rel(fence, &base), result)
+                                }
+                                Ok(Claim::InProgress { fence }) => {
+                                    Seen::Claim("in progress", rel(fence, &base), None)
+                                }
+                                Ok(Claim::Mismatch { fence }) => {
+                                    Seen::Claim("mismatch", rel(fence, &base), None)
+                                }
+                                Ok(other) => panic!("unknown answer {other:?}"),
+                                Err(err) => Seen::Failed(err.kind()),
+                            }
+                        }
+                        1 | 2 => {
+                            let (token, fp, fences) = owners[who];
+                            let mut done = Completion::new(result.clone(), minute);
+                            if let Some(fence) = fences[side] {
+                                let claim = match naming {
+                                    0 => None,
+                                    1 => Some(idempotency::AcquiredClaim::new(fence, fp)),
+                                    2 => Some(
+                                        idempotency::AcquiredClaim::new(fence, fp)
+                                            .with_lease(minute),
+                                    ),
+                                    _ => Some(
+                                        idempotency::AcquiredClaim::new(fence + 1, fp)
+                                            .with_lease(minute),
+                                    ),
+                                };
+                                if let Some(claim) = claim {
+                                    done = done.for_claim(claim);
+                                }
+                            }
+                            let outcome = if op == 1 {
+                                store.complete(&key, &token, &done).await
+                            } else {
+                                let item = Settlement::complete(key.clone(), token, done);
+                                store.complete_many(&[item]).await.remove(0)
+                            };
+                            outcome.map_or_else(|e| Seen::Failed(e.kind()), Seen::Settled)
+                        }
+                        3 | 4 => {
+                            let token = owners[who].0;
+                            let outcome = if op == 3 {
+                                store.release(&key, &token).await
+                            } else {
+                                let item = Settlement::release(key.clone(), token);
+                                store.complete_many(&[item]).await.remove(0)
+                            };
+                            outcome.map_or_else(|e| Seen::Failed(e.kind()), Seen::Settled)
+                        }
+                        5 => store
+                            .renew(&key, &owners[who].0, minute)
+                            .await
+                            .map_or_else(|e| Seen::Failed(e.kind()), Seen::Settled),
+                        _ => match store.read(&key).await {
+                            Ok(record) => Seen::Record(record.map(|r| {
+                                let state = match r.state {
+                                    RecordState::InProgress { .. } => "in progress",
+                                    RecordState::Completed => "completed",
+                                    RecordState::Released => "released",
+                                    _ => "other",
+                                };
+                                // (A released record's fingerprint decides nothing: Redis does
+                                // not keep it, the in-memory store does.)
+                                let fingerprint = r
+                                    .fingerprint
+                                    .filter(|_| state != "released")
+                                    .map(|f| *f.as_bytes());
+                                (state, rel(r.fence, &base), r.result, fingerprint, r.token)
+                            })),
+                            Err(err) => Seen::Failed(err.kind()),
+                        },
+                    };
+                    seen.push(answer);
+                }
+                assert_eq!(
+                    seen[0], seen[1],
+                    "fast claims: {fast}, seed {seed}, step {step}: redis (left) and memory \
+                     (right) differ after {trace:?}"
+                );
+            }
+        }
+    }
+    delete_matching(&url, &format!("{namespace}:*"));
+}
