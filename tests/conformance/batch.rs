@@ -371,7 +371,8 @@ pub async fn a_batch_dropped_while_settling_still_records_every_outcome(b: impl 
 /// `complete_many` answers each item, in order, as the single `complete` or `release` would
 /// have: its own completion, a stale token, a completion retried by its owner, a release, a
 /// release by someone else, a key without a record, a lease that ran out but is still the
-/// owner's, and two settlements of one key (the second meets the first's outcome).
+/// owner's, two settlements of one key (the second meets the first's outcome, a completion
+/// then a release and a release then a completion), and a release retried by its owner.
 pub async fn complete_many_answers_as_single_settlements_would(b: impl Backend) {
     let store = b.store();
     let prefix = unique_prefix(&b, "settle-many");
@@ -398,6 +399,9 @@ pub async fn complete_many_answers_as_single_settlements_would(b: impl Backend) 
     let (k7, t7) = owned(7, Duration::from_millis(5)).await;
     tokio::time::sleep(Duration::from_millis(30)).await;
     let (k8, t8) = owned(8, minute).await;
+    let (k9, t9) = owned(9, minute).await;
+    assert!(store.release(&k9, &t9).await.unwrap());
+    let (k10, t10) = owned(10, minute).await;
     let stranger = Token::generate();
     let items = vec![
         Settlement::complete(k1.clone(), t1, done("r1")),
@@ -409,6 +413,9 @@ pub async fn complete_many_answers_as_single_settlements_would(b: impl Backend) 
         Settlement::complete(k7.clone(), t7, done("r7")),
         Settlement::complete(k8.clone(), t8, done("r8")),
         Settlement::release(k8.clone(), t8),
+        Settlement::release(k9.clone(), t9),
+        Settlement::release(k10.clone(), t10),
+        Settlement::complete(k10.clone(), t10, done("r10")),
     ];
     let answers: Vec<bool> = store
         .complete_many(&items)
@@ -418,7 +425,7 @@ pub async fn complete_many_answers_as_single_settlements_would(b: impl Backend) 
         .collect();
     assert_eq!(
         answers,
-        [true, false, true, true, false, false, true, true, false]
+        [true, false, true, true, false, false, true, true, false, false, true, false]
     );
     let state = |k: &Key| {
         let store = store.clone();
@@ -440,6 +447,8 @@ pub async fn complete_many_answers_as_single_settlements_would(b: impl Backend) 
     assert_eq!(state(&k6).await, None);
     assert_eq!(state(&k7).await, completed("r7"));
     assert_eq!(state(&k8).await, completed("r8"));
+    assert_eq!(state(&k9).await, Some((RecordState::Released, None)));
+    assert_eq!(state(&k10).await, Some((RecordState::Released, None)));
     assert!(store.complete_many(&[]).await.is_empty());
 }
 

@@ -219,6 +219,11 @@ pub trait Driver: Database {
     /// zero when the dialect settles a batch one key at a time.
     const SETTLE_BATCH: usize = 0;
 
+    /// Whether [`settle_batch`](Driver::settle_batch) takes releases too; when `false`, a
+    /// batch's releases (and every later settlement of their keys) are sent one by one, after
+    /// its completions.
+    const BATCH_RELEASES: bool = true;
+
     /// Completes or releases `items` (distinct keys, at most
     /// [`SETTLE_BATCH`](Driver::SETTLE_BATCH) of them, results within the statement's size)
     /// with one statement, and reports for each item, in order, whether it settled its

@@ -256,7 +256,8 @@ const SETTLE_BATCH_BYTES: usize = 4 << 20;
 /// items and [`SETTLE_BATCH_BYTES`] of results each); an item the statement did not settle
 /// is answered as a single write that matched nothing ([`owned`]: someone else's key, or
 /// [`StoreErrorKind::Corrupt`]). Later occurrences of a key, results larger than the store
-/// takes, and databases without a batch statement are settled one by one.
+/// takes, databases without a batch statement and releases where the batch statement cannot
+/// report them exactly ([`Driver::BATCH_RELEASES`]) are settled one by one.
 pub(super) async fn complete_many_on<DB: Dialect>(
     conn: &mut DB::Connection,
     sql: &Statements,
@@ -273,7 +274,10 @@ pub(super) async fn complete_many_on<DB: Dialect>(
                 continue;
             }
         }
-        if DB::SETTLE_BATCH > 0 && firsts.insert(item.key.as_bytes()) {
+        // A key met first in an item the batch statement does not take goes one by one, with
+        // every later item of it, in order.
+        let batchable = DB::BATCH_RELEASES || matches!(item.action, Settle::Complete(_));
+        if DB::SETTLE_BATCH > 0 && firsts.insert(item.key.as_bytes()) && batchable {
             distinct.push(i);
         } else {
             single.push(i);

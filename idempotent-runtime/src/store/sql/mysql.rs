@@ -339,6 +339,12 @@ impl Driver for MySql {
 
     const SETTLE_BATCH: usize = 500;
 
+    /// A multiple-table `UPDATE` does not say which rows it changed, and the read after it
+    /// cannot tell a record this statement released from one its owner had released before
+    /// (a single release answers `false` for that one): releases, the rare settlement of a
+    /// batch, go one by one.
+    const BATCH_RELEASES: bool = false;
+
     /// One multiple-table `UPDATE`; when it changed fewer rows than it was given, the
     /// records are read to tell which items it settled (a record of the item's token in the
     /// state the item leaves).
