@@ -13,8 +13,8 @@
 //!
 //! The cases live in one file per rule (`claim`, `lease`, `complete`, `release`,
 //! `store_errors`, `done`, `fingerprint`, `cancellation`, `unknown_outcomes`), plus
-//! `policies`, `batch`, `settle`, `admin` (the operator's API) and the fault wrappers in
-//! `faults`; this file holds the
+//! `policies`, `batch`, `settle`, `admin` (the operator's API), `model` (the in-memory store
+//! as a model of every other) and the fault wrappers in `faults`; this file holds the
 //! [`Backend`] trait, the helpers they share and the one list of cases
 //! ([`conformance_cases!`]).
 
@@ -43,6 +43,7 @@ mod done;
 mod faults;
 mod fingerprint;
 mod lease;
+mod model;
 mod policies;
 mod release;
 mod settle;
@@ -58,6 +59,7 @@ pub use done::*;
 pub use faults::*;
 pub use fingerprint::*;
 pub use lease::*;
+pub use model::*;
 pub use policies::*;
 pub use release::*;
 pub use settle::*;
@@ -231,7 +233,8 @@ macro_rules! conformance_cases {
             a_batch_checks_payloads_replays_and_asks_done_per_item,
             a_batch_claim_that_answers_fewer_items_fails_the_rest,
             a_failed_batch_settlement_is_recorded_item_by_item,
-            an_operator_deletes_records_and_purges_a_prefix
+            an_operator_deletes_records_and_purges_a_prefix,
+            every_sequence_is_answered_as_the_in_memory_store_answers_it
         );
     };
 }

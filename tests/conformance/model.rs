@@ -1,0 +1,223 @@
+//! The in-memory store as a model: random sequences of operations on one key get the same
+//! answers from the store under test.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency::store::Settlement;
+use idempotency::{
+    AcquiredClaim, Claim, ClaimRequest, Completion, Fingerprint, Key, MemoryStore, RecordState,
+    SharedStore, Store, StoreErrorKind, Token,
+};
+
+use super::{unique_prefix, Backend};
+
+/// What a store answered, with fences counted from the key's first acquisition on that store
+/// (each store takes a new key's fence from its own clock; every later acquisition is + 1).
+#[derive(Debug, PartialEq, Eq)]
+enum Seen {
+    Claim(&'static str, i128, Option<Vec<u8>>),
+    Settled(bool),
+    Record(Option<SeenRecord>),
+    Failed(StoreErrorKind),
+}
+
+/// A record as [`Seen`] compares it: state, relative fence, result, fingerprint, token.
+type SeenRecord = (&'static str, i128, Option<Vec<u8>>, Option<[u8; 16]>, Token);
+
+/// A small deterministic generator (xorshift64*), so that a failing sequence replays.
+struct Dice(u64);
+
+impl Dice {
+    fn roll(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+/// One step of a sequence, as the dice chose it.
+struct Step {
+    op: u64,
+    owner: usize,
+    /// How a completion names its claim: not at all, by fence, by fence and lease, wrongly.
+    naming: u64,
+    result: Option<Vec<u8>>,
+    fingerprint: Option<Fingerprint>,
+    token: Token,
+}
+
+/// An owner of the key: its token and fingerprint, and on each store the fence it acquired.
+struct Owner {
+    token: Token,
+    fingerprint: Option<Fingerprint>,
+    fences: [Option<u64>; 2],
+}
+
+/// Random sequences of claims (each by a new owner, with one of three fingerprints),
+/// completions (by token, naming the fence, naming fence and lease, naming a wrong claim;
+/// retried at random), releases, renewals, batch settlements of one item and reads on one
+/// key, sent to the store under test and to a fresh in-memory store: every answer is the
+/// in-memory store's. Leases and ttls are long, so no answer depends on time; a store whose
+/// fast paths (a compare-and-set completion, a completion by head, a native claim) answered
+/// otherwise than its general path would show here as a different answer or record.
+pub async fn every_sequence_is_answered_as_the_in_memory_store_answers_it(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix(&b, "model");
+    // Fences of in-progress, completed and mismatch answers are compared where the store
+    // reports the owner's (a tiered store answers those from its front).
+    let owners_fence = b.answers_carry_the_owners_fence();
+    for seed in 1..=80u64 {
+        let memory: SharedStore = Arc::new(MemoryStore::new());
+        let stores: [&dyn Store; 2] = [store.as_ref(), memory.as_ref()];
+        let key = Key::new(&prefix, 1, &[&seed]).unwrap();
+        let mut dice = Dice(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut owners: Vec<Owner> = Vec::new();
+        let mut base: [Option<u64>; 2] = [None, None];
+        let mut trace = Vec::new();
+        for step in 0..14 {
+            let step_now = roll(&mut dice, owners.len());
+            trace.push(format!(
+                "{}/{}/{}",
+                step_now.op, step_now.owner, step_now.naming
+            ));
+            if step_now.op == 0 {
+                owners.push(Owner {
+                    token: step_now.token,
+                    fingerprint: step_now.fingerprint,
+                    fences: [None, None],
+                });
+            }
+            let mut seen = Vec::new();
+            for (side, &on) in stores.iter().enumerate() {
+                let answer = apply(on, side, &key, &step_now, &mut owners, &mut base).await;
+                seen.push(match answer {
+                    Seen::Claim(kind, _, result) if !owners_fence && kind != "acquired" => {
+                        Seen::Claim(kind, 0, result)
+                    }
+                    other => other,
+                });
+            }
+            assert_eq!(
+                seen[0], seen[1],
+                "seed {seed}, step {step}: the store (left) and the in-memory store (right) \
+                 differ after {trace:?} (op/owner/naming)"
+            );
+        }
+    }
+}
+
+fn roll(dice: &mut Dice, owners: usize) -> Step {
+    let fingerprints = [
+        None,
+        Some(Fingerprint::of(&[&"EUR"])),
+        Some(Fingerprint::of(&[&"USD"])),
+    ];
+    let results = [None, Some(b"r1".to_vec()), Some(b"receipt-2".to_vec())];
+    let op = if owners == 0 { 0 } else { dice.roll(7) };
+    Step {
+        op,
+        owner: if owners == 0 {
+            0
+        } else {
+            dice.roll(owners as u64) as usize
+        },
+        naming: dice.roll(4),
+        result: results[dice.roll(3) as usize].clone(),
+        fingerprint: fingerprints[dice.roll(3) as usize],
+        token: Token::generate(),
+    }
+}
+
+/// Sends `step` to `store` (side 0: the store under test, 1: the model).
+async fn apply(
+    store: &dyn Store,
+    side: usize,
+    key: &Key,
+    step: &Step,
+    owners: &mut [Owner],
+    base: &mut [Option<u64>; 2],
+) -> Seen {
+    let minute = Duration::from_secs(60);
+    let rel = |fence: u64, base: &[Option<u64>; 2]| {
+        i128::from(fence) - i128::from(base[side].unwrap_or(fence))
+    };
+    let failed = |err: idempotency::StoreError| Seen::Failed(err.kind());
+    match step.op {
+        0 => {
+            let mut req = ClaimRequest::new(key.clone(), step.token, minute, minute);
+            req.fingerprint = step.fingerprint;
+            match store.claim(&req).await {
+                Ok(Claim::Acquired { fence }) => {
+                    base[side].get_or_insert(fence);
+                    if let Some(owner) = owners.last_mut() {
+                        owner.fences[side] = Some(fence);
+                    }
+                    Seen::Claim("acquired", rel(fence, base), None)
+                }
+                Ok(Claim::Completed { fence, result }) => {
+                    Seen::Claim("completed", rel(fence, base), result)
+                }
+                Ok(Claim::InProgress { fence }) => {
+                    Seen::Claim("in progress", rel(fence, base), None)
+                }
+                Ok(Claim::Mismatch { fence }) => Seen::Claim("mismatch", rel(fence, base), None),
+                Ok(other) => panic!("an answer the model does not know: {other:?}"),
+                Err(err) => failed(err),
+            }
+        }
+        1 | 2 => {
+            let owner = &owners[step.owner];
+            let mut done = Completion::new(step.result.clone(), minute);
+            if let Some(fence) = owner.fences[side] {
+                let named = |fence| AcquiredClaim::new(fence, owner.fingerprint);
+                match step.naming {
+                    0 => {}
+                    1 => done = done.for_claim(named(fence)),
+                    2 => done = done.for_claim(named(fence).with_lease(minute)),
+                    _ => done = done.for_claim(named(fence + 1).with_lease(minute)),
+                }
+            }
+            let outcome = if step.op == 1 {
+                store.complete(key, &owner.token, &done).await
+            } else {
+                let item = Settlement::complete(key.clone(), owner.token, done);
+                store.complete_many(&[item]).await.remove(0)
+            };
+            outcome.map_or_else(failed, Seen::Settled)
+        }
+        3 | 4 => {
+            let token = owners[step.owner].token;
+            let outcome = if step.op == 3 {
+                store.release(key, &token).await
+            } else {
+                let item = Settlement::release(key.clone(), token);
+                store.complete_many(&[item]).await.remove(0)
+            };
+            outcome.map_or_else(failed, Seen::Settled)
+        }
+        5 => store
+            .renew(key, &owners[step.owner].token, minute)
+            .await
+            .map_or_else(failed, Seen::Settled),
+        _ => match store.read(key).await {
+            Ok(record) => Seen::Record(record.map(|r| {
+                let state = match r.state {
+                    RecordState::InProgress { .. } => "in progress",
+                    RecordState::Completed => "completed",
+                    RecordState::Released => "released",
+                    _ => "other",
+                };
+                // A released record's fingerprint decides nothing: some stores keep it,
+                // Redis does not.
+                let fingerprint = r
+                    .fingerprint
+                    .filter(|_| state != "released")
+                    .map(|f| *f.as_bytes());
+                (state, rel(r.fence, base), r.result, fingerprint, r.token)
+            })),
+            Err(err) => failed(err),
+        },
+    }
+}
