@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::store::Settlement;
+use idempotency::store::{Expect, Settlement};
 use idempotency::{
     AcquiredClaim, Claim, ClaimRequest, Completion, Fingerprint, Key, MemoryStore, RecordState,
     SharedStore, Store, StoreErrorKind, Token,
@@ -55,10 +55,10 @@ struct Owner {
     fences: [Option<u64>; 2],
 }
 
-/// Random sequences of claims (each by a new owner, with one of three fingerprints),
-/// completions (by token, naming the fence, naming fence and lease, naming a wrong claim;
-/// retried at random), releases, renewals, batch settlements of one item and reads on one
-/// key, sent to the store under test and to a fresh in-memory store: every answer is the
+/// Random sequences of claims (each by a new owner, with one of three fingerprints; single or
+/// as a batch of one), completions (by token, naming the fence, naming fence and lease,
+/// naming a wrong claim; retried at random), releases, renewals, batch settlements of one
+/// item, an operator's reopening and deletion by token, and reads on one key, sent to the store under test and to a fresh in-memory store: every answer is the
 /// in-memory store's. Leases and ttls are long, so no answer depends on time; a store whose
 /// fast paths (a compare-and-set completion, a completion by head, a native claim) answered
 /// otherwise than its general path would show here as a different answer or record.
@@ -68,7 +68,7 @@ pub async fn every_sequence_is_answered_as_the_in_memory_store_answers_it(b: imp
     // Fences of in-progress, completed and mismatch answers are compared where the store
     // reports the owner's (a tiered store answers those from its front).
     let owners_fence = b.answers_carry_the_owners_fence();
-    for seed in 1..=80u64 {
+    for seed in 1..=120u64 {
         let memory: SharedStore = Arc::new(MemoryStore::new());
         let stores: [&dyn Store; 2] = [store.as_ref(), memory.as_ref()];
         let key = Key::new(&prefix, 1, &[&seed]).unwrap();
@@ -76,13 +76,13 @@ pub async fn every_sequence_is_answered_as_the_in_memory_store_answers_it(b: imp
         let mut owners: Vec<Owner> = Vec::new();
         let mut base: [Option<u64>; 2] = [None, None];
         let mut trace = Vec::new();
-        for step in 0..14 {
+        for step in 0..20 {
             let step_now = roll(&mut dice, owners.len());
             trace.push(format!(
                 "{}/{}/{}",
                 step_now.op, step_now.owner, step_now.naming
             ));
-            if step_now.op == 0 {
+            if matches!(step_now.op, 0 | 7) {
                 owners.push(Owner {
                     token: step_now.token,
                     fingerprint: step_now.fingerprint,
@@ -115,7 +115,7 @@ fn roll(dice: &mut Dice, owners: usize) -> Step {
         Some(Fingerprint::of(&[&"USD"])),
     ];
     let results = [None, Some(b"r1".to_vec()), Some(b"receipt-2".to_vec())];
-    let op = if owners == 0 { 0 } else { dice.roll(7) };
+    let op = if owners == 0 { 0 } else { dice.roll(10) };
     Step {
         op,
         owner: if owners == 0 {
@@ -145,10 +145,15 @@ async fn apply(
     };
     let failed = |err: idempotency::StoreError| Seen::Failed(err.kind());
     match step.op {
-        0 => {
+        0 | 7 => {
             let mut req = ClaimRequest::new(key.clone(), step.token, minute, minute);
             req.fingerprint = step.fingerprint;
-            match store.claim(&req).await {
+            let claim = if step.op == 0 {
+                store.claim(&req).await
+            } else {
+                store.claim_many(std::slice::from_ref(&req)).await.remove(0)
+            };
+            match claim {
                 Ok(Claim::Acquired { fence }) => {
                     base[side].get_or_insert(fence);
                     if let Some(owner) = owners.last_mut() {
@@ -201,6 +206,20 @@ async fn apply(
             .renew(key, &owners[step.owner].token, minute)
             .await
             .map_or_else(failed, Seen::Settled),
+        8 => store
+            .reopen(key, &owners[step.owner].token)
+            .await
+            .map_or_else(failed, Seen::Settled),
+        9 => {
+            let deleted = store
+                .delete(key, Expect::Token(&owners[step.owner].token))
+                .await;
+            if matches!(deleted, Ok(true)) {
+                // The key starts again: its next fence comes from the store's clock.
+                base[side] = None;
+            }
+            deleted.map_or_else(failed, Seen::Settled)
+        }
         _ => match store.read(key).await {
             Ok(record) => Seen::Record(record.map(|r| {
                 let state = match r.state {
