@@ -383,3 +383,33 @@ async fn batches_take_the_single_call_paths_through_the_layers() {
         );
     }
 }
+
+/// A batch that completes and then releases one key (the release meets the completion and
+/// changes nothing) leaves the front completed, as the back is: a key the batch completes
+/// keeps its settlements' order on the front.
+#[tokio::test]
+async fn a_batch_completing_and_releasing_one_key_keeps_the_front_completed() {
+    let front = Arc::new(MemoryStore::new());
+    let back = Arc::new(MemoryStore::new());
+    let store = TieredStore::new(front.clone(), back.clone());
+    let key = Key::new("tiered-order", 1, &[&1u8]).unwrap();
+    let minute = Duration::from_secs(60);
+    let owner = ClaimRequest::new(key.clone(), Token::generate(), minute, minute);
+    assert!(matches!(
+        store.claim(&owner).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+    let answers: Vec<bool> = store
+        .complete_many(&[
+            Settlement::complete(key.clone(), owner.token, Completion::new(None, minute)),
+            Settlement::release(key.clone(), owner.token),
+        ])
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(answers, [true, false]);
+    for layer in [front.read(&key), back.read(&key)] {
+        assert_eq!(layer.await.unwrap().unwrap().state, RecordState::Completed);
+    }
+}

@@ -25,6 +25,7 @@
 //! front's own fence, which each layer takes from its own clock: read it as information, not
 //! as the owner's fence.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use crate::error::StoreError;
@@ -203,28 +204,36 @@ impl Store for TieredStore {
 
     /// As the single calls do, a layer at a time: the front's releases, best effort; the
     /// back's batch (the answers); the front's completions, best effort, for the items the
-    /// back completed.
+    /// back completed. A key the batch also completes keeps its settlements' order on the
+    /// front: its release goes there after the back's answer, as its completion does.
     fn complete_many<'a>(
         &'a self,
         items: &'a [Settlement],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         Box::pin(async move {
+            let completing: HashSet<&[u8]> = items
+                .iter()
+                .filter(|item| matches!(item.action, Settle::Complete(_)))
+                .map(|item| item.key.as_bytes())
+                .collect();
+            let release_first = |item: &Settlement| !completing.contains(item.key.as_bytes());
             let releases: Vec<Settlement> = items
                 .iter()
-                .filter(|item| matches!(item.action, Settle::Release))
+                .filter(|item| matches!(item.action, Settle::Release) && release_first(item))
                 .cloned()
                 .collect();
             self.front_batch(&releases).await;
             let settled = self.back.complete_many(items).await;
-            let completed: Vec<Settlement> = items
+            let after: Vec<Settlement> = items
                 .iter()
                 .zip(&settled)
-                .filter(|(item, answer)| {
-                    matches!(item.action, Settle::Complete(_)) && matches!(answer, Ok(true))
+                .filter(|(item, answer)| match item.action {
+                    Settle::Complete(_) => matches!(answer, Ok(true)),
+                    _ => !release_first(item) && answer.is_ok(),
                 })
                 .map(|(item, _)| item.clone())
                 .collect();
-            self.front_batch(&completed).await;
+            self.front_batch(&after).await;
             settled
         })
     }
