@@ -58,53 +58,196 @@ struct Owner {
 /// Random sequences of claims (each by a new owner, with one of three fingerprints; single or
 /// as a batch of one), completions (by token, naming the fence, naming fence and lease,
 /// naming a wrong claim; retried at random), releases, renewals, batch settlements of one
-/// item, an operator's reopening and deletion by token, and reads on one key, sent to the store under test and to a fresh in-memory store: every answer is the
-/// in-memory store's. Leases and ttls are long, so no answer depends on time; a store whose
-/// fast paths (a compare-and-set completion, a completion by head, a native claim) answered
-/// otherwise than its general path would show here as a different answer or record.
+/// item, an operator's reopening and deletion by token, and reads, on two keys, with batch
+/// claims and batch settlements of both keys at once, sent to the store under test and to a
+/// fresh in-memory store: every answer is the in-memory store's. Leases and ttls are long,
+/// so no answer depends on time; a store whose fast paths (a compare-and-set completion, a
+/// completion by head, a native claim) answered otherwise than its general path would show
+/// here as a different answer or record.
 pub async fn every_sequence_is_answered_as_the_in_memory_store_answers_it(b: impl Backend) {
     let store = b.store();
     let prefix = unique_prefix(&b, "model");
     // Fences of in-progress, completed and mismatch answers are compared where the store
     // reports the owner's (a tiered store answers those from its front).
     let owners_fence = b.answers_carry_the_owners_fence();
+    let normal = |answer: Seen| match answer {
+        Seen::Claim(kind, _, result) if !owners_fence && kind != "acquired" => {
+            Seen::Claim(kind, 0, result)
+        }
+        other => other,
+    };
     for seed in 1..=120u64 {
         let memory: SharedStore = Arc::new(MemoryStore::new());
         let stores: [&dyn Store; 2] = [store.as_ref(), memory.as_ref()];
-        let key = Key::new(&prefix, 1, &[&seed]).unwrap();
         let mut dice = Dice(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
-        let mut owners: Vec<Owner> = Vec::new();
-        let mut base: [Option<u64>; 2] = [None, None];
+        let mut keys: [KeyState; 2] = [0u8, 1].map(|k| KeyState {
+            key: Key::new(&prefix, 1, &[&seed, &k]).unwrap(),
+            owners: Vec::new(),
+            base: [None, None],
+        });
         let mut trace = Vec::new();
-        for step in 0..20 {
-            let step_now = roll(&mut dice, owners.len());
-            trace.push(format!(
-                "{}/{}/{}",
-                step_now.op, step_now.owner, step_now.naming
-            ));
-            if matches!(step_now.op, 0 | 7) {
-                owners.push(Owner {
-                    token: step_now.token,
-                    fingerprint: step_now.fingerprint,
-                    fences: [None, None],
-                });
-            }
-            let mut seen = Vec::new();
-            for (side, &on) in stores.iter().enumerate() {
-                let answer = apply(on, side, &key, &step_now, &mut owners, &mut base).await;
-                seen.push(match answer {
-                    Seen::Claim(kind, _, result) if !owners_fence && kind != "acquired" => {
-                        Seen::Claim(kind, 0, result)
+        for step in 0..24 {
+            let mut seen: [Vec<Seen>; 2] = [Vec::new(), Vec::new()];
+            if dice.roll(6) == 0 {
+                // Both keys in one batch: claimed by new owners, or settled by known ones.
+                let steps = [0, 1].map(|k| roll(&mut dice, keys[k].owners.len()));
+                let claim = keys.iter().any(|k| k.owners.is_empty()) || dice.roll(2) == 0;
+                trace.push(format!("batch {}", if claim { "claim" } else { "settle" }));
+                if claim {
+                    for (k, s) in keys.iter_mut().zip(&steps) {
+                        k.owners.push(Owner {
+                            token: s.token,
+                            fingerprint: s.fingerprint,
+                            fences: [None, None],
+                        });
                     }
-                    other => other,
-                });
+                }
+                for (side, &on) in stores.iter().enumerate() {
+                    let answers = if claim {
+                        claim_both(on, side, &mut keys, &steps).await
+                    } else {
+                        settle_both(on, side, &keys, &steps).await
+                    };
+                    seen[side] = answers.into_iter().map(normal).collect();
+                }
+            } else {
+                let k = dice.roll(2) as usize;
+                let state = &mut keys[k];
+                let step_now = roll(&mut dice, state.owners.len());
+                trace.push(format!(
+                    "{k}:{}/{}/{}",
+                    step_now.op, step_now.owner, step_now.naming
+                ));
+                if matches!(step_now.op, 0 | 7) {
+                    state.owners.push(Owner {
+                        token: step_now.token,
+                        fingerprint: step_now.fingerprint,
+                        fences: [None, None],
+                    });
+                }
+                for (side, &on) in stores.iter().enumerate() {
+                    let answer = apply(
+                        on,
+                        side,
+                        &state.key,
+                        &step_now,
+                        &mut state.owners,
+                        &mut state.base,
+                    )
+                    .await;
+                    seen[side].push(normal(answer));
+                }
             }
             assert_eq!(
                 seen[0], seen[1],
                 "seed {seed}, step {step}: the store (left) and the in-memory store (right) \
-                 differ after {trace:?} (op/owner/naming)"
+                 differ after {trace:?} (key:op/owner/naming)"
             );
         }
+    }
+}
+
+/// One key of a sequence: its owners and, on each store, the fence of its first acquisition.
+struct KeyState {
+    key: Key,
+    owners: Vec<Owner>,
+    base: [Option<u64>; 2],
+}
+
+/// Claims both keys in one batch, for the owners just added.
+async fn claim_both(
+    store: &dyn Store,
+    side: usize,
+    keys: &mut [KeyState; 2],
+    steps: &[Step; 2],
+) -> Vec<Seen> {
+    let minute = Duration::from_secs(60);
+    let reqs: Vec<ClaimRequest> = keys
+        .iter()
+        .zip(steps)
+        .map(|(k, s)| {
+            let mut req = ClaimRequest::new(k.key.clone(), s.token, minute, minute);
+            req.fingerprint = s.fingerprint;
+            req
+        })
+        .collect();
+    let answers = store.claim_many(&reqs).await;
+    keys.iter_mut()
+        .zip(answers)
+        .map(|(k, answer)| seen_claim(answer, side, &mut k.owners, &mut k.base))
+        .collect()
+}
+
+/// Settles both keys in one batch: each a completion (named as its step says) or a release by
+/// one of its known owners.
+async fn settle_both(
+    store: &dyn Store,
+    side: usize,
+    keys: &[KeyState; 2],
+    steps: &[Step; 2],
+) -> Vec<Seen> {
+    let items: Vec<Settlement> = keys
+        .iter()
+        .zip(steps)
+        .map(|(k, s)| {
+            let owner = &k.owners[s.owner];
+            if s.op % 2 == 0 {
+                Settlement::release(k.key.clone(), owner.token)
+            } else {
+                Settlement::complete(k.key.clone(), owner.token, completion(s, owner, side))
+            }
+        })
+        .collect();
+    store
+        .complete_many(&items)
+        .await
+        .into_iter()
+        .map(|answer| answer.map_or_else(|e| Seen::Failed(e.kind()), Seen::Settled))
+        .collect()
+}
+
+/// The completion of `step` by `owner` on side `side`, naming its claim as the step says.
+fn completion(step: &Step, owner: &Owner, side: usize) -> Completion {
+    let minute = Duration::from_secs(60);
+    let mut done = Completion::new(step.result.clone(), minute);
+    if let Some(fence) = owner.fences[side] {
+        let named = |fence| AcquiredClaim::new(fence, owner.fingerprint);
+        match step.naming {
+            0 => {}
+            1 => done = done.for_claim(named(fence)),
+            2 => done = done.for_claim(named(fence).with_lease(minute)),
+            _ => done = done.for_claim(named(fence + 1).with_lease(minute)),
+        }
+    }
+    done
+}
+
+/// A claim's answer, fences relative to the key's first acquisition on this side; an
+/// acquisition is the last owner's.
+fn seen_claim(
+    claim: Result<Claim, idempotency::StoreError>,
+    side: usize,
+    owners: &mut [Owner],
+    base: &mut [Option<u64>; 2],
+) -> Seen {
+    let rel = |fence: u64, base: &[Option<u64>; 2]| {
+        i128::from(fence) - i128::from(base[side].unwrap_or(fence))
+    };
+    match claim {
+        Ok(Claim::Acquired { fence }) => {
+            base[side].get_or_insert(fence);
+            if let Some(owner) = owners.last_mut() {
+                owner.fences[side] = Some(fence);
+            }
+            Seen::Claim("acquired", rel(fence, base), None)
+        }
+        Ok(Claim::Completed { fence, result }) => {
+            Seen::Claim("completed", rel(fence, base), result)
+        }
+        Ok(Claim::InProgress { fence }) => Seen::Claim("in progress", rel(fence, base), None),
+        Ok(Claim::Mismatch { fence }) => Seen::Claim("mismatch", rel(fence, base), None),
+        Ok(other) => panic!("an answer the model does not know: {other:?}"),
+        Err(err) => Seen::Failed(err.kind()),
     }
 }
 
@@ -153,37 +296,11 @@ async fn apply(
             } else {
                 store.claim_many(std::slice::from_ref(&req)).await.remove(0)
             };
-            match claim {
-                Ok(Claim::Acquired { fence }) => {
-                    base[side].get_or_insert(fence);
-                    if let Some(owner) = owners.last_mut() {
-                        owner.fences[side] = Some(fence);
-                    }
-                    Seen::Claim("acquired", rel(fence, base), None)
-                }
-                Ok(Claim::Completed { fence, result }) => {
-                    Seen::Claim("completed", rel(fence, base), result)
-                }
-                Ok(Claim::InProgress { fence }) => {
-                    Seen::Claim("in progress", rel(fence, base), None)
-                }
-                Ok(Claim::Mismatch { fence }) => Seen::Claim("mismatch", rel(fence, base), None),
-                Ok(other) => panic!("an answer the model does not know: {other:?}"),
-                Err(err) => failed(err),
-            }
+            seen_claim(claim, side, owners, base)
         }
         1 | 2 => {
             let owner = &owners[step.owner];
-            let mut done = Completion::new(step.result.clone(), minute);
-            if let Some(fence) = owner.fences[side] {
-                let named = |fence| AcquiredClaim::new(fence, owner.fingerprint);
-                match step.naming {
-                    0 => {}
-                    1 => done = done.for_claim(named(fence)),
-                    2 => done = done.for_claim(named(fence).with_lease(minute)),
-                    _ => done = done.for_claim(named(fence + 1).with_lease(minute)),
-                }
-            }
+            let done = completion(step, owner, side);
             let outcome = if step.op == 1 {
                 store.complete(key, &owner.token, &done).await
             } else {
