@@ -205,6 +205,79 @@ async fn a_claim_given_back_is_released_on_the_front_before_the_back() {
     }
 }
 
+/// A release dropped after the front let the claim go and before the back did (the caller's
+/// task cancelled mid-release) leaves the back, the record of truth, holding the claim: the
+/// next delivery is told the call is in flight, whatever the front says, until the lease
+/// runs out; then it is acquired with the next fence. Nothing runs twice, and the key is
+/// busy no longer than the lease (single and batch releases).
+#[tokio::test]
+async fn a_release_dropped_between_the_layers_keeps_the_key_busy_until_the_lease() {
+    let front = Arc::new(MemoryStore::new());
+    let back = Arc::new(HeldReleases::new());
+    let store = Arc::new(TieredStore::new(front.clone(), back.clone()));
+    let lease = Duration::from_millis(400);
+    let ttl = Duration::from_secs(60);
+    for batch in [false, true] {
+        let key = Key::new("tiered-dropped-release", 1, &[&batch]).unwrap();
+        let owner = ClaimRequest::new(key.clone(), Token::generate(), lease, ttl);
+        let Claim::Acquired { fence } = store.claim(&owner).await.unwrap() else {
+            panic!("a fresh key is acquired");
+        };
+        let release = tokio::spawn({
+            let (store, key, token) = (store.clone(), key.clone(), owner.token);
+            async move {
+                if batch {
+                    drop(
+                        store
+                            .complete_many(&[Settlement::release(key, token)])
+                            .await,
+                    );
+                } else {
+                    drop(store.release(&key, &token).await);
+                }
+            }
+        });
+        back.release_entered().await;
+        release.abort();
+        assert!(release.await.unwrap_err().is_cancelled(), "batch: {batch}");
+        let front_record = front.read(&key).await.unwrap().unwrap();
+        assert_eq!(front_record.state, RecordState::Released, "batch: {batch}");
+        let held = back.read(&key).await.unwrap().unwrap();
+        assert!(
+            matches!(held.state, RecordState::InProgress { .. }),
+            "batch: {batch}: the dropped release reached the back: {:?}",
+            held.state
+        );
+        let early = ClaimRequest::new(key.clone(), Token::generate(), lease, ttl);
+        assert_eq!(
+            store.claim(&early).await.unwrap(),
+            Claim::InProgress { fence },
+            "batch: {batch}: a delivery while the back holds the claim"
+        );
+        let early_many = store.claim_many(std::slice::from_ref(&early)).await;
+        assert_eq!(
+            early_many.into_iter().next().unwrap().unwrap(),
+            Claim::InProgress { fence },
+            "batch: {batch}: a batch delivery while the back holds the claim"
+        );
+        // The lease is on the stores' clock: once it has run out, the claim is free.
+        tokio::time::sleep(lease + Duration::from_millis(100)).await;
+        let next = ClaimRequest::new(key.clone(), Token::generate(), lease, ttl);
+        assert_eq!(
+            store.claim(&next).await.unwrap(),
+            Claim::Acquired { fence: fence + 1 },
+            "batch: {batch}: the delivery after the lease"
+        );
+        assert!(
+            !store
+                .complete(&key, &owner.token, &Completion::new(None, ttl))
+                .await
+                .unwrap(),
+            "batch: {batch}: the first owner completes after the takeover"
+        );
+    }
+}
+
 #[tokio::test]
 async fn front_losing_its_data_runs_nothing_twice() {
     let mut front_server = redis_server::RedisServer::start(&[]);
