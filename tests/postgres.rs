@@ -240,6 +240,72 @@ async fn fresh() -> (Scratch, PostgresStore) {
 
 fresh_store_cases!(Pg, fresh);
 
+/// The generic plan of a prepared statement is made once per connection and kept. Made on
+/// a table that is empty and was never analyzed (a new deployment, a table just truncated),
+/// a batch statement that joins its input with the table is a sequential scan of the table,
+/// and every later batch on that connection scans the whole table as it grows. The batch
+/// statements look their keys up by primary key whatever the statistics: the generic plans
+/// made on such a table must not scan it, nor go through the `expires_at` index (which
+/// would read every live record).
+#[tokio::test]
+async fn batch_statements_look_their_keys_up_on_a_table_without_statistics() {
+    let (records, store) = fresh().await;
+    let table = store.table().to_string();
+    let mut conn = store.pool().acquire().await.unwrap();
+    // No analyze may give the table statistics while the case looks at its plans.
+    let setup = format!(
+        "ALTER TABLE {table} SET (autovacuum_enabled = false);
+         SET plan_cache_mode = force_generic_plan;"
+    );
+    sqlx::raw_sql(AssertSqlSafe(setup))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let claim_many = store.statements().claim_many().unwrap();
+    let settle_many = store.statements().settle_many().unwrap();
+    let statements = [
+        (
+            "claim_many",
+            claim_many,
+            "(ARRAY['\\x01'::bytea], ARRAY['p'], ARRAY['\\x02'::bytea], ARRAY[1::int8], \
+             ARRAY[NULL::bytea], ARRAY[1::int8])",
+        ),
+        (
+            "settle_many",
+            settle_many,
+            "(ARRAY['\\x01'::bytea], ARRAY['\\x02'::bytea], ARRAY[NULL::bytea], \
+             ARRAY[1::int8], ARRAY[true])",
+        ),
+    ];
+    for (name, sql, args) in statements {
+        let prepare = format!("PREPARE {name} AS {sql}");
+        sqlx::raw_sql(AssertSqlSafe(prepare))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let explain = format!("EXPLAIN (COSTS OFF) EXECUTE {name}{args}");
+        let lines: Vec<String> = sqlx::query_scalar(AssertSqlSafe(explain))
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap();
+        let plan = lines.join("\n");
+        assert!(
+            plan.contains("_pkey"),
+            "{name}: no lookup by primary key:\n{plan}"
+        );
+        let scans = |line: &&str| {
+            line.contains("Seq Scan on") || (line.contains("Scan") && line.contains("expires_at"))
+        };
+        assert!(
+            !plan.lines().any(|line| scans(&line)),
+            "{name}: scans the table:\n{plan}"
+        );
+    }
+    drop(conn);
+    store.pool().close().await;
+    drop(records);
+}
+
 #[tokio::test]
 async fn batch_answers_as_single_claims_would() {
     // In a scratch schema: the statement counter's table and function go with it, even when

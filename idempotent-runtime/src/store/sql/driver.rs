@@ -166,6 +166,13 @@ impl Statements {
     pub fn claim_many(&self) -> Option<&str> {
         Some(&*self.claim_many).filter(|sql| !sql.is_empty())
     }
+
+    /// The statement that completes and releases a batch of keys at once (owner-checked), or
+    /// `None` when the database settles a batch one key at a time. On MySQL and SQLite it
+    /// holds a `{rows}` marker, replaced by one row of placeholders per item when it is sent.
+    pub fn settle_many(&self) -> Option<&str> {
+        Some(&*self.settle_many).filter(|sql| !sql.is_empty())
+    }
 }
 
 /// A database the SQL store speaks. Sealed: implemented for sqlx's `Postgres`, `MySql` and

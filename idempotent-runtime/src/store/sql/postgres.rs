@@ -138,6 +138,12 @@ const CLAIM_ASYNC: &str = claim_statement!(async_state!());
 /// overlapping batches lock their rows in the same order). Each taken key is returned by
 /// `taken`; the live record of every other key is returned as of the statement's snapshot,
 /// as the single claim does. Rows come back in no particular order, `record_key` first.
+///
+/// The live records are looked up with `record_key = ANY($1)`, not by joining `input`: a
+/// connection keeps the generic plan of a prepared statement, and a join planned while the
+/// table was empty or never analyzed (a new table, one just truncated) is a sequential scan
+/// that every later batch then pays in full as the table grows. `ANY` on the primary key is
+/// an index lookup of the batch's keys whatever the table's statistics.
 /// [`CLAIM_MANY`], with `$state` as in [`claim_statement!`].
 macro_rules! claim_many_statement {
     ($state:expr) => {
@@ -172,7 +178,7 @@ UNION ALL
 SELECT t.record_key, t.state, t.token, t.fence, t.fingerprint, t.result,
        GREATEST(0, (EXTRACT(EPOCH FROM t.lease_until - statement_timestamp()) * 1000000)::int8)
 FROM idempotent_records AS t
-WHERE t.record_key IN (SELECT record_key FROM input)
+WHERE t.record_key = ANY($1::bytea[])
   AND t.expires_at > statement_timestamp()
   AND t.record_key NOT IN (SELECT record_key FROM taken)"
         )
@@ -219,7 +225,9 @@ LIMIT $4"
 /// Completes and releases the items of five parallel arrays (key, token, result, ttl,
 /// complete?), each as [`COMPLETE`] or [`RELEASE`] would, and returns the keys it settled.
 /// An item whose record is already completed by its token is settled again (unchanged), as a
-/// retried completion is.
+/// retried completion is. `record_key = ANY($1)` makes the rows an index lookup of the
+/// batch's keys whatever the table's statistics, as in [`CLAIM_MANY`]: joined with `input`
+/// alone, the generic plan made on a new or truncated table scans the whole table.
 const SETTLE_MANY: &str = concat!(
     "\
 WITH input AS (
@@ -235,7 +243,7 @@ UPDATE idempotent_records AS r SET
                       ELSE r.updated_at END,
     state = CASE WHEN i.complete THEN 'completed' ELSE 'released' END
 FROM input AS i
-WHERE r.record_key = i.record_key AND r.token = i.token
+WHERE r.record_key = ANY($1::bytea[]) AND r.record_key = i.record_key AND r.token = i.token
   AND (r.state = 'in_progress' OR (i.complete AND r.state = 'completed'))
   AND ",
     readable!("r."),
