@@ -51,6 +51,11 @@
 //! - `postgres_tx_seed_ops_per_s`, `postgres_tx_framework_ops_per_s`: median transactions per
 //!   second; `postgres_tx_ratio`, framework over seed. Both commit once per operation, so the
 //!   ratio shows the cost of the store's statements inside one transaction.
+//! - `<db>_combined_seed_ops_per_s`, `<db>_combined_framework_ops_per_s`,
+//!   `<db>_combined_ratio_vs_seed_design`: the seed design against the framework on the same
+//!   store behind a `CombiningStore` with at most 8 batches on their way (concurrent claims
+//!   and completions sent as `claim_many` / `complete_many` batches), 6 more rounds of the
+//!   two taking turns, on both databases. Every statement commits durably.
 //! - `postgres_async_claims_seed_ops_per_s`, `postgres_async_claims_framework_ops_per_s`,
 //!   `postgres_async_claims_ratio_vs_seed_design`: the seed design against the framework on a
 //!   store with `asynchronous_claims(true)` (claims commit without waiting for the WAL flush;
@@ -80,6 +85,7 @@ use std::time::{Duration, Instant};
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe, Row};
 use idempotency::sql::{Dialect, SqlStore};
+use idempotency::store::CombiningStore;
 use idempotency::{Error, Idempotency, Key, Token};
 use sql_tables::{Scratch, Server};
 use stats::{figure, median, per_s};
@@ -394,6 +400,9 @@ struct Bench<DB: Db> {
     /// On PostgreSQL, the framework on a store of the same table whose claims commit
     /// asynchronously (`SqlStoreBuilder::asynchronous_claims`).
     async_guard: Option<Idempotency>,
+    /// The framework on the same store behind a `CombiningStore` (at most `POOL` batches on
+    /// their way).
+    combined_guard: Idempotency,
     /// The store's, the seed design's and the business tables, dropped with the bench.
     _tables: Vec<Scratch>,
 }
@@ -442,6 +451,13 @@ impl<DB: Db> Bench<DB> {
         } else {
             None
         };
+        let combined_guard =
+            Idempotency::new(TTL)
+                .lease(LEASE)
+                .store(Arc::new(CombiningStore::new(
+                    Arc::new(store.clone()),
+                    POOL as usize,
+                )));
         let sql = Statements {
             claim: store.statements().claim().into(),
             complete: store.statements().complete().into(),
@@ -455,6 +471,7 @@ impl<DB: Db> Bench<DB> {
             seed_table,
             business,
             async_guard,
+            combined_guard,
             _tables: tables,
         })
     }
@@ -491,6 +508,43 @@ impl<DB: Db> Bench<DB> {
                 .await
             }
         }
+    }
+
+    async fn combined_pass(self: &Arc<Self>, ops: usize, run: usize) -> f64 {
+        self.empty(self.store.table()).await;
+        drive(self, ops, run, |b, key, _| async move {
+            let out: Result<(), Error> = b.combined_guard.run(key, async { Ok(()) }).await;
+            out.unwrap();
+        })
+        .await
+    }
+
+    /// The seed design against the framework on a `CombiningStore`: a warm-up, then
+    /// `ROUNDS` rounds, the two taking turns going first; returns the medians (seed,
+    /// combined).
+    async fn combined_rounds(self: &Arc<Self>, name: &str, run: &mut usize) -> [f64; 2] {
+        *run += 1;
+        self.pass(Side::Seed, WARMUP_OPS, *run).await;
+        *run += 1;
+        self.combined_pass(WARMUP_OPS, *run).await;
+        let (mut seeds, mut combined) = (Vec::new(), Vec::new());
+        for round in 0..ROUNDS {
+            for turn in 0..2 {
+                *run += 1;
+                if (round + turn) % 2 == 0 {
+                    seeds.push(self.pass(Side::Seed, OPS, *run).await);
+                } else {
+                    combined.push(self.combined_pass(OPS, *run).await);
+                }
+            }
+            println!(
+                "{name} combined round {}: seed {:.0}, framework_combined {:.0} ops/s",
+                round + 1,
+                seeds[round],
+                combined[round]
+            );
+        }
+        [median(&seeds), median(&combined)]
     }
 
     /// Warm-up, then `ROUNDS` rotating rounds; returns the medians, in `SIDES`' order.
@@ -686,10 +740,12 @@ fn main() {
         let postgres = bench.rounds("postgres", &mut run).await;
         let [tx_seed, tx_framework] = bench.tx_rounds(&mut run).await;
         let [async_seed, async_framework] = bench.async_rounds(&mut run).await;
+        let postgres_combined = bench.combined_rounds("postgres", &mut run).await;
         bench.store.pool().close().await;
         drop(bench);
         let bench = Bench::<sqlx::MySql>::open(Server::MySql, false).await;
         let mysql = bench.rounds("mysql", &mut run).await;
+        let mysql_combined = bench.combined_rounds("mysql", &mut run).await;
         bench.store.pool().close().await;
         drop(bench);
         for (name, [seed, raw, framework]) in [("postgres", postgres), ("mysql", mysql)] {
@@ -698,6 +754,16 @@ fn main() {
             figure(&format!("{name}_ratio_vs_seed_design"), framework / seed, 3);
             figure(&format!("{name}_raw_ops_per_s"), raw, 0);
             figure(&format!("{name}_ratio"), framework / raw, 3);
+        }
+        for (name, [seed, combined]) in [("postgres", postgres_combined), ("mysql", mysql_combined)]
+        {
+            figure(&format!("{name}_combined_seed_ops_per_s"), seed, 0);
+            figure(&format!("{name}_combined_framework_ops_per_s"), combined, 0);
+            figure(
+                &format!("{name}_combined_ratio_vs_seed_design"),
+                combined / seed,
+                3,
+            );
         }
         figure("postgres_tx_seed_ops_per_s", tx_seed, 0);
         figure("postgres_tx_framework_ops_per_s", tx_framework, 0);

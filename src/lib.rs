@@ -54,6 +54,7 @@
 //! | `RedisStore` | `redis` | a shared, fast window (standalone or Cluster) |
 //! | `sql::PostgresStore`, `MySqlStore`, `SqliteStore` | `postgres`, `mysql`, `sqlite` | durable records, claims inside the business transaction (`run_in_tx`) |
 //! | [`store::TieredStore`] | any two | Redis in front of SQL |
+//! | [`store::CombiningStore`] | any | concurrent single calls sent as batches (one commit for many on PostgreSQL) |
 //!
 //! [`connect`] builds any of them from a URL (`redis://`, `postgres://`, `mysql://`,
 //! `sqlite:`, `memory:`). A store is a hint, not the truth: Redis loses acknowledged writes on

@@ -72,6 +72,17 @@ async fn mysql() -> MySql {
 
 conformance_suite!(mysql);
 
+/// The conformance suite on concurrent single calls sent as batches (`CombiningStore`).
+mod combined_calls {
+    use super::*;
+
+    async fn mysql_combined() -> conformance::Combined<MySql> {
+        conformance::Combined::new(mysql().await, 8)
+    }
+
+    conformance_suite!(mysql_combined);
+}
+
 struct Maria;
 
 impl Harness for Maria {

@@ -79,6 +79,39 @@ async fn postgres() -> Postgres {
 
 conformance_suite!(postgres);
 
+/// The conformance suite on concurrent single calls sent as batches (`CombiningStore`).
+mod combined_calls {
+    use super::*;
+
+    async fn postgres_combined() -> conformance::Combined<Postgres> {
+        conformance::Combined::new(postgres().await, 8)
+    }
+
+    conformance_suite!(postgres_combined);
+
+    /// 150 orders, each delivered three times, ten deliveries in flight, on a store that
+    /// sends them as batches (at most two on their way): every order runs exactly once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_deliveries_sent_as_batches_run_each_order_once() {
+        let backend = postgres().await;
+        let combined = idempotency::store::CombiningStore::new(backend.store.clone(), 2);
+        let guard = Idempotency::new(Duration::from_secs(3600))
+            .lease(Duration::from_secs(5))
+            .store(Arc::new(combined));
+        let ledger = Arc::new(Ledger::default());
+        deliver_all(&guard, &ledger, orders(0..150, 3)).await;
+        assert_eq!(ledger.executions(), 150);
+        let effects = ledger.effects.lock().unwrap().clone();
+        assert_eq!(effects.len(), 150);
+        assert!(effects.values().all(|&n| n == 1), "{effects:?}");
+        for order in effects.keys() {
+            let key = Key::new("order:consume", 1, &[order]).unwrap();
+            let record = backend.store.read(&key).await.unwrap().unwrap();
+            assert_eq!(record.state, RecordState::Completed, "{order}");
+        }
+    }
+}
+
 struct Pg;
 
 impl Harness for Pg {

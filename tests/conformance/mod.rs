@@ -84,6 +84,38 @@ pub trait Backend: Send + Sync + 'static {
     }
 }
 
+/// `backend` behind a [`CombiningStore`](idempotency::store::CombiningStore): the suite on
+/// concurrent single calls sent as batches.
+pub struct Combined<B> {
+    backend: B,
+    store: SharedStore,
+}
+
+impl<B: Backend> Combined<B> {
+    pub fn new(backend: B, max_in_flight: usize) -> Combined<B> {
+        let store = std::sync::Arc::new(idempotency::store::CombiningStore::new(
+            backend.store(),
+            max_in_flight,
+        ));
+        Combined { backend, store }
+    }
+}
+
+impl<B: Backend> Backend for Combined<B> {
+    fn namespace(&self) -> &str {
+        self.backend.namespace()
+    }
+    fn store(&self) -> SharedStore {
+        self.store.clone()
+    }
+    fn lose_data<'a>(&'a self, prefix: &'a str) -> BoxFuture<'a, ()> {
+        self.backend.lose_data(prefix)
+    }
+    fn answers_carry_the_owners_fence(&self) -> bool {
+        self.backend.answers_carry_the_owners_fence()
+    }
+}
+
 /// Whether an answer's fence `seen` is the owner's fence `owner`, as far as `b` reports it.
 fn same_fence(b: &impl Backend, seen: u64, owner: u64) -> bool {
     seen == owner || !b.answers_carry_the_owners_fence()

@@ -23,6 +23,7 @@ use sha2::{Digest, Sha256};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::{Key, KeyPart};
 
+mod combining;
 #[cfg(feature = "memory")]
 pub mod memory;
 mod redact;
@@ -33,6 +34,7 @@ pub mod sql;
 mod tiered;
 mod url;
 
+pub use combining::CombiningStore;
 pub use tiered::TieredStore;
 pub use url::{connect, ConnectError};
 

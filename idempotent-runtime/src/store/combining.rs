@@ -1,0 +1,370 @@
+//! Concurrent single calls sent as batches: [`CombiningStore`].
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use crate::error::{StoreError, StoreErrorKind};
+use crate::key::Key;
+use crate::store::{
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, ScanCursor, ScanPage, Settlement,
+    SharedStore, Store, Token,
+};
+
+/// The most items one combined batch carries.
+const MAX_BATCH: usize = 100;
+
+type Claimed = oneshot::Sender<Result<Claim, StoreError>>;
+type Settled = oneshot::Sender<Result<bool, StoreError>>;
+
+/// A store that sends concurrent claims, completions and releases together, as
+/// [`claim_many`](Store::claim_many) and [`complete_many`](Store::complete_many) batches of
+/// the store it wraps.
+///
+/// A call is sent at once while fewer than `max_in_flight` batches are on their way; beyond
+/// that it waits, and every call that arrived meanwhile goes with it in the next batch. An
+/// idle store adds no delay; a busy one sends one statement (one commit, on SQL) for many
+/// calls instead of one each. On PostgreSQL, whose batch claim and batch settlement are one
+/// statement each, claim + complete cycles of 50 concurrent callers on a pool of 8 ran at
+/// 1.1 to 1.7 times one hand-written statement per call (`benches/sql.rs`). On MariaDB a
+/// batch claim costs two statements, and small batches measured 0.74 to 0.90 of the
+/// store without it: measure before using it there. On Redis, whose batches are pipelines,
+/// it saves little.
+///
+/// Every call is answered as the wrapped store answers it alone: a batch's answers are per
+/// item ([`Store::complete_many`]'s contract), two claims of one key never share a batch,
+/// and the settlements of one key are sent in the order they were made, one batch after the
+/// other. A call whose caller went away before its batch was sent is not sent; a claim
+/// acquired for a caller that went away while its batch was on its way is released at once
+/// (a direct call would keep the key until the lease ran out). Batch calls
+/// (`claim_many`, `complete_many`) and every other method go to the wrapped store directly.
+///
+/// It sends its batches from tasks of the Tokio runtime the calls are made on; called
+/// outside a Tokio runtime, each call goes to the wrapped store directly.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use idempotent_runtime::store::CombiningStore;
+/// use idempotent_runtime::{Idempotency, MemoryStore};
+///
+/// // On SQL stores, at most as many batches in flight as the pool has connections.
+/// let store = CombiningStore::new(Arc::new(MemoryStore::new()), 8);
+/// let guard = Idempotency::new(Duration::from_secs(3600)).store(Arc::new(store));
+/// # let _ = guard;
+/// ```
+pub struct CombiningStore {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    inner: SharedStore,
+    max_in_flight: usize,
+    queues: Mutex<Queues>,
+}
+
+#[derive(Default)]
+struct Queues {
+    claims: VecDeque<(ClaimRequest, Claimed)>,
+    settlements: VecDeque<(Settlement, Settled)>,
+    /// The keys of the settlements on their way.
+    settling: HashSet<Vec<u8>>,
+    /// Batches on their way, or senders about to take one.
+    senders: usize,
+    /// The kind of batch the next sender takes first, so neither queue waits on the other.
+    claims_next: bool,
+}
+
+enum Work {
+    Claims(Vec<(ClaimRequest, Claimed)>),
+    Settlements(Vec<(Settlement, Settled)>),
+}
+
+impl CombiningStore {
+    /// Wraps `inner`, with at most `max_in_flight` batches on their way at once (at least
+    /// one). For a SQL store, its pool's connection count.
+    pub fn new(inner: SharedStore, max_in_flight: usize) -> CombiningStore {
+        CombiningStore {
+            shared: Arc::new(Shared {
+                inner,
+                max_in_flight: max_in_flight.max(1),
+                queues: Mutex::new(Queues::default()),
+            }),
+        }
+    }
+
+    fn inner(&self) -> &SharedStore {
+        &self.shared.inner
+    }
+}
+
+impl std::fmt::Debug for CombiningStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CombiningStore")
+            .field("inner", &self.shared.inner.name())
+            .field("max_in_flight", &self.shared.max_in_flight)
+            .finish_non_exhaustive()
+    }
+}
+
+fn abandoned() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::OutcomeUnknown,
+        "the combined batch carrying this call was abandoned",
+    )
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queues> {
+        self.queues
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Starts a sender if fewer than `max_in_flight` are running (called with a call queued).
+    fn wake(self: &Arc<Self>, mut queues: MutexGuard<'_, Queues>) {
+        if queues.senders < self.max_in_flight {
+            queues.senders += 1;
+            drop(queues);
+            let shared = Arc::clone(self);
+            tokio::spawn(async move { shared.send().await });
+        }
+    }
+
+    /// Takes the next batch that can go, or, with none, retires this sender.
+    fn take(&self) -> Option<Work> {
+        let mut queues = self.lock();
+        let claims_first = queues.claims_next;
+        queues.claims_next = !claims_first;
+        for claims in [claims_first, !claims_first] {
+            let work = if claims {
+                take_claims(&mut queues)
+            } else {
+                take_settlements(&mut queues)
+            };
+            if work.is_some() {
+                return work;
+            }
+        }
+        queues.senders -= 1;
+        None
+    }
+
+    /// Sends batches until none can go.
+    async fn send(self: Arc<Self>) {
+        // Retires this sender even if a batch panics, so the queues keep moving.
+        struct Retire<'a>(&'a Shared, bool);
+        impl Drop for Retire<'_> {
+            fn drop(&mut self) {
+                if self.1 {
+                    self.0.lock().senders -= 1;
+                }
+            }
+        }
+        while let Some(work) = self.take() {
+            let mut retire = Retire(&self, true);
+            match work {
+                Work::Claims(batch) => self.send_claims(batch).await,
+                Work::Settlements(batch) => self.send_settlements(batch).await,
+            }
+            retire.1 = false;
+        }
+    }
+
+    async fn send_claims(&self, batch: Vec<(ClaimRequest, Claimed)>) {
+        let (reqs, answers): (Vec<ClaimRequest>, Vec<Claimed>) = batch.into_iter().unzip();
+        let mut claims = self.inner.claim_many(&reqs).await.into_iter();
+        for (req, answer) in reqs.iter().zip(answers) {
+            let claim = claims.next().unwrap_or_else(|| Err(abandoned()));
+            if let Err(Ok(Claim::Acquired { .. })) = answer.send(claim) {
+                // Its caller went away while the batch was on its way: give the key back.
+                if let Err(err) = self.inner.release(&req.key, &req.token).await {
+                    tracing::warn!(error = %err, "releasing a claim whose caller went away failed; the key is free once its lease runs out");
+                }
+            }
+        }
+    }
+
+    async fn send_settlements(&self, batch: Vec<(Settlement, Settled)>) {
+        let (items, answers): (Vec<Settlement>, Vec<Settled>) = batch.into_iter().unzip();
+        let settled = self.inner.complete_many(&items).await;
+        {
+            let mut queues = self.lock();
+            for item in &items {
+                queues.settling.remove(item.key.as_bytes());
+            }
+        }
+        let mut settled = settled.into_iter();
+        for answer in answers {
+            let _ = answer.send(settled.next().unwrap_or_else(|| Err(abandoned())));
+        }
+    }
+}
+
+/// The queued claims that can go together, oldest first: one per key (another claim of a
+/// key waits for the next batch), none whose caller went away.
+fn take_claims(queues: &mut Queues) -> Option<Work> {
+    let mut batch = Vec::new();
+    let mut keys = HashSet::new();
+    let mut kept = VecDeque::new();
+    while let Some((req, answer)) = queues.claims.pop_front() {
+        if answer.is_closed() {
+            continue;
+        }
+        if batch.len() < MAX_BATCH && keys.insert(req.key.as_bytes().to_vec()) {
+            batch.push((req, answer));
+        } else {
+            kept.push_back((req, answer));
+        }
+    }
+    queues.claims = kept;
+    (!batch.is_empty()).then_some(Work::Claims(batch))
+}
+
+/// The queued settlements that can go together, oldest first: those of keys with no
+/// settlement on its way, every settlement of one key in one batch in order (the wrapped
+/// store answers them as it would one after the other). Settlements go even when their
+/// caller went away: a completion records an effect that ran.
+fn take_settlements(queues: &mut Queues) -> Option<Work> {
+    let mut batch = Vec::new();
+    let mut kept = VecDeque::new();
+    let mut blocked: HashSet<Vec<u8>> = HashSet::new();
+    let mut taken: HashSet<Vec<u8>> = HashSet::new();
+    while let Some((item, answer)) = queues.settlements.pop_front() {
+        let key = item.key.as_bytes();
+        let goes = !blocked.contains(key)
+            && !queues.settling.contains(key)
+            && (batch.len() < MAX_BATCH || taken.contains(key));
+        if goes {
+            taken.insert(key.to_vec());
+            batch.push((item, answer));
+        } else {
+            // Later settlements of this key wait behind this one.
+            blocked.insert(key.to_vec());
+            kept.push_back((item, answer));
+        }
+    }
+    queues.settlements = kept;
+    if batch.is_empty() {
+        return None;
+    }
+    queues.settling.extend(taken);
+    Some(Work::Settlements(batch))
+}
+
+impl Store for CombiningStore {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(async move {
+            if tokio::runtime::Handle::try_current().is_err() {
+                return self.inner().claim(req).await;
+            }
+            let (tx, rx) = oneshot::channel();
+            {
+                let mut queues = self.shared.lock();
+                queues.claims.push_back((req.clone(), tx));
+                self.shared.wake(queues);
+            }
+            rx.await.unwrap_or_else(|_| Err(abandoned()))
+        })
+    }
+
+    fn claim_many<'a>(
+        &'a self,
+        reqs: &'a [ClaimRequest],
+    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
+        self.inner().claim_many(reqs)
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let item = Settlement::complete(key.clone(), *token, completion.clone());
+        Box::pin(async move { self.settle(item).await })
+    }
+
+    fn complete_many<'a>(
+        &'a self,
+        items: &'a [Settlement],
+    ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
+        self.inner().complete_many(items)
+    }
+
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let item = Settlement::release(key.clone(), *token);
+        Box::pin(async move { self.settle(item).await })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner().renew(key, token, lease)
+    }
+
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.inner().read(key)
+    }
+
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner().reopen(key, token)
+    }
+
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        cursor: &'a ScanCursor,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+        self.inner().scan(prefix, cursor, limit)
+    }
+
+    fn delete<'a>(
+        &'a self,
+        key: &'a Key,
+        expect: Expect<'a>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner().delete(key, expect)
+    }
+
+    fn max_result_size(&self) -> usize {
+        self.inner().max_result_size()
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner().name()
+    }
+}
+
+impl CombiningStore {
+    async fn settle(&self, item: Settlement) -> Result<bool, StoreError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            let mut answers = self
+                .inner()
+                .complete_many(std::slice::from_ref(&item))
+                .await;
+            return answers.pop().unwrap_or_else(|| Err(abandoned()));
+        }
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut queues = self.shared.lock();
+            queues.settlements.push_back((item, tx));
+            self.shared.wake(queues);
+        }
+        rx.await.unwrap_or_else(|_| Err(abandoned()))
+    }
+}
