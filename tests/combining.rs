@@ -8,6 +8,7 @@
 
 use std::future::Future;
 use std::pin::pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -15,7 +16,7 @@ use std::time::Duration;
 use idempotency::store::{CombiningStore, Settle, Settlement};
 use idempotency::{
     BoxFuture, Claim, ClaimRequest, Completion, Key, MemoryStore, Record, RecordState, Store,
-    StoreError, Token,
+    StoreError, StoreErrorKind, Token,
 };
 use tokio::sync::Semaphore;
 
@@ -33,6 +34,8 @@ struct Gated {
     entered: Semaphore,
     gate: Semaphore,
     released: Semaphore,
+    /// The next batch settlement panics once through the gate.
+    panic_next: AtomicBool,
 }
 
 impl Gated {
@@ -43,6 +46,7 @@ impl Gated {
             entered: Semaphore::new(0),
             gate: Semaphore::new(0),
             released: Semaphore::new(0),
+            panic_next: AtomicBool::new(false),
         })
     }
     /// Returns once a batch call reached this store, and holds it there.
@@ -120,6 +124,10 @@ impl Store for Gated {
                 })
                 .collect();
             self.held(Batch::Settlements(items_seen)).await;
+            assert!(
+                !self.panic_next.swap(false, Ordering::SeqCst),
+                "the store panics mid-batch"
+            );
             self.inner.complete_many(items).await
         })
     }
@@ -343,6 +351,41 @@ async fn settlements_of_one_key_go_in_order_one_batch_after_another() {
     );
     let record = inner.read(&k.key).await.unwrap().unwrap();
     assert_eq!(record.state, RecordState::Completed);
+}
+
+/// A batch the wrapped store never answers (it panicked) answers its calls "outcome
+/// unknown", and the calls queued behind it are still sent and answered.
+#[tokio::test]
+async fn calls_behind_a_batch_that_never_returns_are_still_answered() {
+    let inner = Gated::new();
+    let store = CombiningStore::new(inner.clone(), 1);
+    let (k, j) = (request(&key("k")), request(&key("j")));
+    for req in [&k, &j] {
+        assert!(matches!(
+            inner.inner.claim(req).await.unwrap(),
+            Claim::Acquired { .. }
+        ));
+    }
+    let completion = Completion::new(None, Duration::from_secs(60));
+    let mut complete_k = pin!(store.complete(&k.key, &k.token, &completion));
+    assert!(poll_once(complete_k.as_mut()).is_pending());
+    inner.batch_entered().await;
+    let mut complete_j = pin!(store.complete(&j.key, &j.token, &completion));
+    let mut retry_k = pin!(store.complete(&k.key, &k.token, &completion));
+    assert!(poll_once(complete_j.as_mut()).is_pending());
+    assert!(poll_once(retry_k.as_mut()).is_pending());
+    inner.panic_next.store(true, Ordering::SeqCst);
+    inner.let_through();
+    let lost = within(complete_k).await.unwrap_err();
+    assert_eq!(lost.kind(), StoreErrorKind::OutcomeUnknown, "{lost}");
+    inner.batch_entered().await;
+    inner.let_through();
+    assert!(within(complete_j).await.unwrap());
+    assert!(within(retry_k).await.unwrap());
+    assert_eq!(
+        inner.batches()[1],
+        Batch::Settlements(vec![(name(&j.key), "complete"), (name(&k.key), "complete")])
+    );
 }
 
 /// Outside a Tokio runtime, calls go to the wrapped store directly.

@@ -154,12 +154,26 @@ impl Shared {
 
     /// Sends batches until none can go.
     async fn send(self: Arc<Self>) {
-        // Retires this sender even if a batch panics, so the queues keep moving.
-        struct Retire<'a>(&'a Shared, bool);
+        /// Retires this sender if its batch never returns (the wrapped store panicked, or the
+        /// runtime is shutting down) and starts another for the calls still queued, so that
+        /// they are answered all the same.
+        struct Retire<'a>(&'a Arc<Shared>, bool);
         impl Drop for Retire<'_> {
             fn drop(&mut self) {
-                if self.1 {
-                    self.0.lock().senders -= 1;
+                if !self.1 {
+                    return;
+                }
+                let mut queues = self.0.lock();
+                queues.senders -= 1;
+                let queued = !queues.claims.is_empty() || !queues.settlements.is_empty();
+                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                    return;
+                };
+                if queued && queues.senders < self.0.max_in_flight {
+                    queues.senders += 1;
+                    drop(queues);
+                    let shared = Arc::clone(self.0);
+                    runtime.spawn(async move { shared.send().await });
                 }
             }
         }
@@ -188,14 +202,20 @@ impl Shared {
     }
 
     async fn send_settlements(&self, batch: Vec<(Settlement, Settled)>) {
-        let (items, answers): (Vec<Settlement>, Vec<Settled>) = batch.into_iter().unzip();
-        let settled = self.inner.complete_many(&items).await;
-        {
-            let mut queues = self.lock();
-            for item in &items {
-                queues.settling.remove(item.key.as_bytes());
+        /// The batch's keys are no longer on their way once it returned, or never will.
+        struct Unmark<'a>(&'a Shared, &'a [Settlement]);
+        impl Drop for Unmark<'_> {
+            fn drop(&mut self) {
+                let mut queues = self.0.lock();
+                for item in self.1 {
+                    queues.settling.remove(item.key.as_bytes());
+                }
             }
         }
+        let (items, answers): (Vec<Settlement>, Vec<Settled>) = batch.into_iter().unzip();
+        let unmark = Unmark(self, &items);
+        let settled = self.inner.complete_many(&items).await;
+        drop(unmark);
         let mut settled = settled.into_iter();
         for answer in answers {
             let _ = answer.send(settled.next().unwrap_or_else(|| Err(abandoned())));
