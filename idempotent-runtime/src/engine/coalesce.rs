@@ -25,8 +25,8 @@ use tokio::sync::{oneshot, Notify};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, ScanCursor, ScanPage, Settle,
-    Settlement, SharedStore, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, ScanCursor, ScanPage, Settlement,
+    SharedStore, Store, Token,
 };
 
 type Answer = oneshot::Sender<Result<bool, StoreError>>;
@@ -126,7 +126,7 @@ impl Coalescing {
         };
         let mut answer = match joined {
             Ok(answer) => answer,
-            Err(item) => return direct(&self.inner, &item).await,
+            Err(item) => return item.send_alone(&*self.inner).await,
         };
         loop {
             let notified = self.changed.notified();
@@ -178,13 +178,6 @@ fn abandoned() -> StoreError {
         StoreErrorKind::OutcomeUnknown,
         "the batched settlement carrying this item was abandoned",
     )
-}
-
-async fn direct(store: &SharedStore, item: &Settlement) -> Result<bool, StoreError> {
-    match &item.action {
-        Settle::Complete(completion) => store.complete(&item.key, &item.token, completion).await,
-        Settle::Release => store.release(&item.key, &item.token).await,
-    }
 }
 
 impl Store for Coalescing {

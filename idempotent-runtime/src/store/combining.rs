@@ -304,8 +304,11 @@ impl Store for CombiningStore {
         token: &'a Token,
         completion: &'a Completion,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        let item = Settlement::complete(key.clone(), *token, completion.clone());
-        Box::pin(async move { self.settle(item).await })
+        Box::pin(self.settle(Settlement::complete(
+            key.clone(),
+            *token,
+            completion.clone(),
+        )))
     }
 
     fn complete_many<'a>(
@@ -320,8 +323,7 @@ impl Store for CombiningStore {
         key: &'a Key,
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        let item = Settlement::release(key.clone(), *token);
-        Box::pin(async move { self.settle(item).await })
+        Box::pin(self.settle(Settlement::release(key.clone(), *token)))
     }
 
     fn renew<'a>(
@@ -374,11 +376,7 @@ impl Store for CombiningStore {
 impl CombiningStore {
     async fn settle(&self, item: Settlement) -> Result<bool, StoreError> {
         if tokio::runtime::Handle::try_current().is_err() {
-            let mut answers = self
-                .inner()
-                .complete_many(std::slice::from_ref(&item))
-                .await;
-            return answers.pop().unwrap_or_else(|| Err(abandoned()));
+            return item.send_alone(&**self.inner()).await;
         }
         let (tx, rx) = oneshot::channel();
         {

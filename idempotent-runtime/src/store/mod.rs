@@ -187,12 +187,7 @@ pub trait Store: Send + Sync + 'static {
         Box::pin(async move {
             let mut settled = Vec::with_capacity(items.len());
             for item in items {
-                settled.push(match &item.action {
-                    Settle::Complete(completion) => {
-                        self.complete(&item.key, &item.token, completion).await
-                    }
-                    Settle::Release => self.release(&item.key, &item.token).await,
-                });
+                settled.push(item.send_alone(self).await);
             }
             settled
         })
@@ -333,6 +328,17 @@ impl Settlement {
             key,
             token,
             action: Settle::Release,
+        }
+    }
+
+    /// Sends this settlement to `store` alone: its `complete` or `release`.
+    pub(crate) fn send_alone<'a, S: Store + ?Sized>(
+        &'a self,
+        store: &'a S,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        match &self.action {
+            Settle::Complete(completion) => store.complete(&self.key, &self.token, completion),
+            Settle::Release => store.release(&self.key, &self.token),
         }
     }
 }
