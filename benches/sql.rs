@@ -17,7 +17,9 @@
 //!   key = $2 AND token = $3`, which must affect one row. No lease, expiry, fence, takeover
 //!   of a crashed owner or payload check: the baseline the framework is held to.
 //! - **raw**: raw sqlx sending the store's own claim and completion SQL text to the store's
-//!   table, bound and checked by hand: the framework without its client-side work.
+//!   table, bound and checked by hand: the framework without its client-side work. On
+//!   MariaDB the claim is the insert-only statement the store sends first
+//!   (`Statements::claim_fresh`), which acquires every fresh key alone.
 //! - **framework**: `Idempotency::run` on the `SqlStore`, with a body that returns `Ok(())`.
 //!
 //! A warm-up pass of each side (1,500 cycles) comes first; then 6 rounds of one pass of each
@@ -103,7 +105,8 @@ const TTL: Duration = Duration::from_secs(3600);
 
 /// The SQL text every side sends, held as the store holds its own.
 struct Statements {
-    /// The store's claim.
+    /// The store's claim of a fresh key: the insert-only claim where the store sends one
+    /// first (MariaDB), else its claim.
     claim: Arc<str>,
     /// The store's completion.
     complete: Arc<str>,
@@ -249,7 +252,7 @@ impl Db for sqlx::MySql {
             .execute(store.pool())
             .await
             .unwrap();
-        // The claim leaves the new fence in LAST_INSERT_ID(), 0 when the key was not free.
+        // The claim leaves the new fence in LAST_INSERT_ID(), 0 when it did not take the key.
         assert_ne!(claimed.last_insert_id(), 0, "not acquired");
         let done = sqlx::query(AssertSqlSafe(sql.complete.clone()))
             .bind(None::<&[u8]>)
@@ -459,7 +462,11 @@ impl<DB: Db> Bench<DB> {
                     POOL as usize,
                 )));
         let sql = Statements {
-            claim: store.statements().claim().into(),
+            claim: store
+                .statements()
+                .claim_fresh()
+                .unwrap_or(store.statements().claim())
+                .into(),
             complete: store.statements().complete().into(),
             seed_claim: DB::seed_claim(&seed_table).into(),
             seed_complete: DB::seed_complete(&seed_table).into(),

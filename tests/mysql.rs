@@ -1,8 +1,8 @@
-//! The MySQL store on a real MariaDB: the conformance suite (one table per case), the
-//! business-transaction API, batched expiry, exact-byte keys (no collation), the claim's
-//! single round trip for acquisitions, fences from the database's clock, corrupt rows, results
-//! the server or the table refuses (`max_allowed_packet`, a smaller column), and the longest
-//! durations.
+//! The MySQL store on a real MariaDB: the conformance suite (one table per case, also on the
+//! statements MySQL gets), the business-transaction API, batched expiry, exact-byte keys (no
+//! collation), the statements a claim sends, fences from the database's clock, corrupt rows,
+//! results the server or the table refuses (`max_allowed_packet`, a smaller column), and the
+//! longest durations.
 //!
 //! Needs MariaDB (or MySQL) at `IDEMPOTENT_MYSQL_URL` (default
 //! `mysql://root@127.0.0.1:3306/test`).
@@ -81,6 +81,47 @@ mod combined_calls {
     }
 
     conformance_suite!(mysql_combined);
+}
+
+/// The conformance suite and the batch and corrupt-row cases on the statements MySQL gets
+/// (no `INSERT ... RETURNING`: a claim statement, then a read of a record it did not take),
+/// which this MariaDB would otherwise never run.
+mod plain_claims {
+    use super::*;
+
+    async fn mysql_plain() -> MySql {
+        let table = Scratch::table(Server::MySql);
+        let store = MySqlStore::builder(table.url())
+            .table(table.name().to_string())
+            .plain_claims(true)
+            .build()
+            .await
+            .unwrap();
+        MySql {
+            store: Arc::new(store),
+            table,
+        }
+    }
+
+    conformance_suite!(mysql_plain);
+
+    #[tokio::test]
+    async fn batch_answers_as_single_claims_would() {
+        let b = mysql_plain().await;
+        sql_cases::batch_answers_as_single_claims_would::<Maria>(&b.store).await;
+    }
+
+    #[tokio::test]
+    async fn corrupt_records_are_reported_as_corrupt() {
+        let b = mysql_plain().await;
+        sql_cases::corrupt_records_are_reported_as_corrupt::<Maria>(&b.store).await;
+    }
+
+    #[tokio::test]
+    async fn claim_sent_again_with_its_token_is_acquired() {
+        let b = mysql_plain().await;
+        sql_cases::claim_sent_again_with_its_token_is_acquired::<Maria>(&b.store).await;
+    }
 }
 
 struct Maria;
@@ -271,52 +312,130 @@ async fn result_above_max_allowed_packet_is_rejected() {
     assert!(store.complete(&key, &owner.token, &done).await.unwrap());
 }
 
-/// How many `SELECT`s the store's one connection has run.
-async fn selects(store: &MySqlStore) -> u64 {
-    let value: String = sqlx::query_scalar(
-        "SELECT CAST(VARIABLE_VALUE AS CHAR) FROM information_schema.SESSION_STATUS \
-         WHERE VARIABLE_NAME = 'COM_SELECT'",
+/// How many `INSERT`s and `SELECT`s the store's one connection has run (this read is one
+/// more `SELECT`).
+async fn statements(store: &MySqlStore) -> (u64, u64) {
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT VARIABLE_NAME, CAST(VARIABLE_VALUE AS CHAR) \
+         FROM information_schema.SESSION_STATUS \
+         WHERE VARIABLE_NAME IN ('COM_INSERT', 'COM_SELECT')",
     )
-    .fetch_one(store.pool())
+    .fetch_all(store.pool())
     .await
     .unwrap();
-    value.parse().unwrap()
+    let count = |name: &str| -> u64 {
+        let (_, value) = rows.iter().find(|(n, _)| n == name).unwrap();
+        value.parse().unwrap()
+    };
+    (count("COM_INSERT"), count("COM_SELECT"))
 }
 
-#[tokio::test]
-async fn acquisitions_take_one_statement_and_duplicates_two() {
-    let records = Scratch::table(Server::MySql);
-    // One connection, so the session counters are the store's.
-    let store = MySqlStore::builder(records.url())
+/// A store with one connection, so that the session counters are the store's; with
+/// `plain`, on the statements MySQL gets.
+async fn one_connection(records: &Scratch, plain: bool) -> MySqlStore {
+    MySqlStore::builder(records.url())
         .table(records.name().to_string())
         .max_connections(1)
+        .plain_claims(plain)
         .build()
         .await
-        .unwrap();
-    let key = Key::new("round-trips", 1, &[&1u8]).unwrap();
-    let lease = Duration::from_secs(30);
-    let ttl = Duration::from_secs(60);
-    // Each probe itself is one SELECT.
-    let claim = async |expected_selects: u64| {
-        let before = selects(&store).await;
-        let r = req(&key, lease, ttl);
-        let claim = store.claim(&r).await.unwrap();
-        assert_eq!(
-            selects(&store).await - before - 1,
-            expected_selects,
-            "{claim:?}"
-        );
-        (claim, r)
-    };
+        .unwrap()
+}
 
-    // A fresh insert reports its fence in the statement's own reply.
-    let (first, owner) = claim(0).await;
-    let fence = acquired(Ok(first));
-    // A duplicate reads the record it met.
-    assert_eq!(claim(1).await.0, Claim::InProgress { fence });
-    // A takeover of a released record reports its new fence in the reply too.
+/// The `INSERT`s and `SELECT`s `call` sends on `store`'s one connection, and its output.
+async fn counted<T>(
+    store: &MySqlStore,
+    call: impl std::future::Future<Output = T>,
+) -> ((u64, u64), T) {
+    let before = statements(store).await;
+    let out = call.await;
+    let after = statements(store).await;
+    // The first read is one more `SELECT`.
+    ((after.0 - before.0, after.1 - before.1 - 1), out)
+}
+
+/// The `(INSERT, SELECT)` statements each kind of claim sends.
+struct Sent {
+    fresh: (u64, u64),
+    duplicate: (u64, u64),
+    /// The owner's own claim sent again (its reply lost): its acquisition.
+    again: (u64, u64),
+    /// A takeover of a released record.
+    takeover: (u64, u64),
+    /// A batch of a held key and two fresh ones.
+    batch: (u64, u64),
+}
+
+/// Sends each kind of claim on a store with one connection (`plain`: the statements MySQL
+/// gets) and checks its answer and the statements it sent.
+async fn claims_send(plain: bool, expected: Sent) {
+    let records = Scratch::table(Server::MySql);
+    let store = one_connection(&records, plain).await;
+    let key = Key::new("round-trips", 1, &[&1u8]).unwrap();
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+
+    let owner = req(&key, lease, ttl);
+    let (sent, first) = counted(&store, store.claim(&owner)).await;
+    let fence = acquired(first);
+    assert_eq!(sent, expected.fresh, "a fresh key");
+    let (sent, duplicate) = counted(&store, store.claim(&req(&key, lease, ttl))).await;
+    assert_eq!(duplicate.unwrap(), Claim::InProgress { fence });
+    assert_eq!(sent, expected.duplicate, "a duplicate");
+    let (sent, again) = counted(&store, store.claim(&owner)).await;
+    assert_eq!(again.unwrap(), Claim::Acquired { fence });
+    assert_eq!(sent, expected.again, "the owner's claim sent again");
     assert!(store.release(&key, &owner.token).await.unwrap());
-    assert_eq!(claim(0).await.0, Claim::Acquired { fence: fence + 1 });
+    let (sent, takeover) = counted(&store, store.claim(&req(&key, lease, ttl))).await;
+    assert_eq!(takeover.unwrap(), Claim::Acquired { fence: fence + 1 });
+    assert_eq!(sent, expected.takeover, "a takeover of a released record");
+
+    let fresh = |i: u8| req(&Key::new("round-trips", 1, &[&i]).unwrap(), lease, ttl);
+    let batch = [req(&key, lease, ttl), fresh(2), fresh(3)];
+    let (sent, claims) = counted(&store, store.claim_many(&batch)).await;
+    assert_eq!(sent, expected.batch, "a batch");
+    assert_eq!(
+        claims[0].as_ref().unwrap(),
+        &Claim::InProgress { fence: fence + 1 }
+    );
+    for claim in claims.into_iter().skip(1) {
+        acquired(claim);
+    }
+}
+
+/// Claims on MariaDB (10.5 and later): a fresh key is acquired by one insert-only statement;
+/// any other claim, a duplicate or a takeover, is answered by a second statement that
+/// returns the record (`RETURNING`), with no read. A batch is one statement.
+#[tokio::test]
+async fn mariadb_claims_fresh_keys_in_one_statement_and_others_in_two() {
+    claims_send(
+        false,
+        Sent {
+            fresh: (1, 0),
+            duplicate: (2, 0),
+            again: (2, 0),
+            takeover: (2, 0),
+            batch: (1, 0),
+        },
+    )
+    .await;
+}
+
+/// Claims on the statements MySQL gets (no `RETURNING`): one statement that reports an
+/// acquisition in its reply, fresh key or takeover; a claim that did not take the key reads
+/// the record it met. A batch is one statement and a read.
+#[tokio::test]
+async fn mysql_claims_report_acquisitions_in_the_reply_and_read_the_rest() {
+    claims_send(
+        true,
+        Sent {
+            fresh: (1, 0),
+            duplicate: (1, 1),
+            again: (1, 1),
+            takeover: (1, 0),
+            batch: (1, 1),
+        },
+    )
+    .await;
 }
 
 #[tokio::test]

@@ -1,5 +1,5 @@
 //! The simulation's invariants on real servers: a workload of duplicate deliveries runs against
-//! real Redis and real PostgreSQL through a TCP proxy that, at random, cuts connections before
+//! real Redis, real PostgreSQL and real MariaDB through a TCP proxy that, at random, cuts connections before
 //! a request reaches the server and drops replies after the server applied the request; calls
 //! are also dropped at random (a timeout around the handler). Effects are rows in a PostgreSQL
 //! business table written over a direct connection.
@@ -338,6 +338,40 @@ async fn postgres_under_random_connection_faults_keeps_effects_exact() {
         .await;
 }
 
+/// MariaDB's claims: a fresh key is one statement, any other claim two (the second
+/// returning the record), so a fault may fall between them or on either reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mariadb_under_random_connection_faults_keeps_effects_exact() {
+    let (_records, proxy, store, direct) = proxied_mariadb(false).await;
+    let workload = Workload::new("mariadb").await;
+    workload.run(&proxy, 30, store, direct).await;
+}
+
+/// A MariaDB store through a new proxy (8 connections; with `plain`, on the statements MySQL
+/// gets), and a store of the same table without it: the table (dropped with it), the proxy
+/// and the two stores.
+async fn proxied_mariadb(plain: bool) -> (Scratch, Proxy, SharedStore, SharedStore) {
+    let records = Scratch::table(Server::MySql);
+    let url = records.url().to_string();
+    let server = server_of(&url);
+    let proxy = Proxy::start(addr(server)).await;
+    let proxied_url = url.replacen(server, &proxy.addr().to_string(), 1);
+    let store = MySqlStore::builder(&proxied_url)
+        .table(records.name().to_string())
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(2))
+        .plain_claims(plain)
+        .build()
+        .await
+        .unwrap();
+    let direct = MySqlStore::builder(&url)
+        .table(records.name().to_string())
+        .build()
+        .await
+        .unwrap();
+    (records, proxy, Arc::new(store), Arc::new(direct))
+}
+
 /// The host and port of a database URL (`scheme://user@host:port/db`).
 fn server_of(url: &str) -> &str {
     url.split('@')
@@ -455,31 +489,22 @@ async fn lost_replies_to_batch_statements_on_postgres_are_resolved_item_by_item(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_replies_to_batch_statements_on_mariadb_are_resolved_item_by_item() {
-    let records = Scratch::table(Server::MySql);
-    let url = records.url().to_string();
-    let server = server_of(&url);
-    let proxy = Proxy::start(addr(server)).await;
-    let proxied_url = url.replacen(server, &proxy.addr().to_string(), 1);
-    let store = MySqlStore::builder(&proxied_url)
-        .table(records.name().to_string())
-        .build()
-        .await
-        .unwrap();
-    let direct = MySqlStore::builder(&url)
-        .table(records.name().to_string())
-        .build()
-        .await
-        .unwrap();
-    // Between the batch claim's two statements: the multi-row insert commits, and the
-    // connection is cut while the read of the batch's records is prepared (a batch of a new
-    // size is prepared anew, and only that read has `record_key IN (`).
+    // The batch claim is one statement (`RETURNING`): the claim round loses its reply.
+    lost_mariadb_batch_replies(false, Vec::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_replies_to_batch_statements_in_mysql_form_are_resolved_item_by_item() {
+    // The statements MySQL gets: the batch claim is a multi-row insert, then a read of the
+    // batch's records. Between the two, the insert commits, and the connection is cut while
+    // the read is prepared (a batch of a new size is prepared anew, and only that read has
+    // `record_key IN (`).
     let between = ("between", b"WHERE record_key IN (".to_vec(), 31);
-    lost_batch_replies(
-        Server::MySql,
-        Arc::new(store),
-        Arc::new(direct),
-        &proxy,
-        vec![between],
-    )
-    .await;
+    lost_mariadb_batch_replies(true, vec![between]).await;
+}
+
+/// [`lost_batch_replies`] on MariaDB; with `plain`, on the statements MySQL gets.
+async fn lost_mariadb_batch_replies(plain: bool, more: Vec<(&'static str, Vec<u8>, u32)>) {
+    let (_records, proxy, store, direct) = proxied_mariadb(plain).await;
+    lost_batch_replies(Server::MySql, store, direct, &proxy, more).await;
 }

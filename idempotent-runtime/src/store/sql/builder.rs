@@ -65,6 +65,7 @@ pub struct SqlStoreBuilder<DB: Dialect> {
     migrate: bool,
     max_result_size: usize,
     asynchronous_claims: bool,
+    plain_claims: bool,
 }
 
 /// Where a [`SqlStoreBuilder`] gets its connections.
@@ -94,6 +95,7 @@ impl<DB: Dialect> Clone for SqlStoreBuilder<DB> {
             migrate: self.migrate,
             max_result_size: self.max_result_size,
             asynchronous_claims: self.asynchronous_claims,
+            plain_claims: self.plain_claims,
         }
     }
 }
@@ -112,6 +114,7 @@ impl<DB: Dialect> fmt::Debug for SqlStoreBuilder<DB> {
             .field("migrate", &self.migrate)
             .field("max_result_size", &self.max_result_size)
             .field("asynchronous_claims", &self.asynchronous_claims)
+            .field("plain_claims", &self.plain_claims)
             .finish()
     }
 }
@@ -126,6 +129,7 @@ impl<DB: Dialect> SqlStoreBuilder<DB> {
             migrate: true,
             max_result_size: DEFAULT_MAX_RESULT_SIZE,
             asynchronous_claims: false,
+            plain_claims: false,
         }
     }
 
@@ -189,6 +193,16 @@ impl<DB: Dialect> SqlStoreBuilder<DB> {
     /// ```
     pub fn asynchronous_claims(mut self, on: bool) -> Self {
         self.asynchronous_claims = on;
+        self
+    }
+
+    /// Sends the claims a server without `INSERT ... RETURNING` gets (MySQL), even to a
+    /// server that has it (MariaDB 10.5 and later): a claim statement followed by a read of
+    /// the record it did not take. The test suite runs both forms on MariaDB with it; an
+    /// application has no reason to set it.
+    #[doc(hidden)]
+    pub fn plain_claims(mut self, on: bool) -> Self {
+        self.plain_claims = on;
         self
     }
 
@@ -279,7 +293,17 @@ impl<DB: Dialect> SqlStoreBuilder<DB> {
         let capacity = DB::result_capacity(&pool)
             .await
             .map_err(|e| store_error::<DB>(e, Phase::Read, "limits read"))?;
-        let tx_sql = Arc::new(Statements::render(&DB::SQL, &table));
+        let reporting = DB::reports_claims(&pool)
+            .await
+            .map_err(|e| store_error::<DB>(e, Phase::Read, "server version read"))?;
+        let render = |statements: Statements| {
+            Arc::new(if reporting && !self.plain_claims {
+                statements
+            } else {
+                statements.without_reporting()
+            })
+        };
+        let tx_sql = render(Statements::render(&DB::SQL, &table));
         let sql = if self.asynchronous_claims {
             if DB::SQL.claim_async.is_empty() {
                 return Err(StoreError::new(
@@ -290,7 +314,7 @@ impl<DB: Dialect> SqlStoreBuilder<DB> {
                     ),
                 ));
             }
-            Arc::new(Statements::render_async_claims(&DB::SQL, &table))
+            render(Statements::render_async_claims(&DB::SQL, &table))
         } else {
             tx_sql.clone()
         };

@@ -73,6 +73,20 @@ pub struct Templates {
     /// settlement did not settle), `record_key` first; empty when not needed. It may hold a `{keys}` marker that the
     /// driver replaces with one placeholder per key.
     pub seen_many: &'static str,
+    /// A claim that only inserts: it takes an absent key and leaves any record alone, and
+    /// is sent before [`claim_reporting`](Templates::claim_reporting), which answers the
+    /// keys it did not take. Empty where the claim statement is sent alone; dropped when the
+    /// server cannot send `claim_reporting` ([`Driver::reports_claims`]).
+    pub claim_fresh: &'static str,
+    /// The claim statement, returning the record it leaves (the record columns, as
+    /// [`seen`](Templates::seen) reads them). Empty where the claim reports its outcome
+    /// otherwise; dropped when the server cannot send it ([`Driver::reports_claims`]).
+    pub claim_reporting: &'static str,
+    /// The batch claim statement, returning `record_key` and the record columns of every
+    /// key it was given, so that no read follows it. Empty where the batch claim reports its
+    /// records otherwise; dropped when the server cannot send it
+    /// ([`Driver::reports_claims`]).
+    pub claim_many_reporting: &'static str,
 }
 
 /// The SQL of one store: the templates, rendered for its table.
@@ -99,6 +113,11 @@ pub struct Statements {
     pub(crate) claim_many: Arc<str>,
     #[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
     pub(crate) seen_many: Arc<str>,
+    pub(crate) claim_fresh: Arc<str>,
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    pub(crate) claim_reporting: Arc<str>,
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    pub(crate) claim_many_reporting: Arc<str>,
 }
 
 impl Statements {
@@ -127,12 +146,34 @@ impl Statements {
             settle_many: render(templates.settle_many),
             claim_many: render(templates.claim_many),
             seen_many: render(templates.seen_many),
+            claim_fresh: render(templates.claim_fresh),
+            claim_reporting: render(templates.claim_reporting),
+            claim_many_reporting: render(templates.claim_many_reporting),
         }
+    }
+
+    /// Drops the statements that return rows from a write, for a server that cannot send
+    /// them ([`Driver::reports_claims`]): the claims are then the plain statements, followed
+    /// by reads.
+    pub(crate) fn without_reporting(mut self) -> Statements {
+        let none: Arc<str> = Arc::from("");
+        self.claim_fresh = none.clone();
+        self.claim_reporting = none.clone();
+        self.claim_many_reporting = none;
+        self
     }
 
     /// The claim statement: one atomic statement that takes the key when its record is free.
     pub fn claim(&self) -> &str {
         &self.claim
+    }
+
+    /// The insert-only claim sent first on MariaDB 10.5 and later, which acquires a key
+    /// that has no row and leaves any row alone (the full [`claim`](Self::claim) follows
+    /// it, returning the record, when the key had one), or `None` where the claim statement
+    /// is sent alone.
+    pub fn claim_fresh(&self) -> Option<&str> {
+        Some(&*self.claim_fresh).filter(|sql| !sql.is_empty())
     }
 
     /// The completion statement (owner-checked).
@@ -193,6 +234,14 @@ pub trait Driver: Database {
         options: PoolOptions<Self>,
         url: &str,
     ) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>>;
+
+    /// Whether the server takes the statements that return rows from a write
+    /// ([`Templates::claim_reporting`] and the others), read from `pool` once when the store
+    /// is built. The default: the dialect has none.
+    fn reports_claims(pool: &Pool<Self>) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
+        let _ = pool;
+        Box::pin(async { Ok(false) })
+    }
 
     /// Sends the claim statement for `req` and reports what it did.
     fn claim<'c>(

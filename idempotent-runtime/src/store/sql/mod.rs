@@ -62,9 +62,16 @@
 //!   "free" test on the record as it was and leaves the new fence, or 0, in
 //!   `LAST_INSERT_ID()`, and the later assignments test that value (assignments run left to
 //!   right). The statement reports an acquisition in its own reply through
-//!   `LAST_INSERT_ID(fence)`: one round trip for every acquisition. A claim that did not take
-//!   the key reads the record with a locking read
-//!   (a second round trip, for duplicates only).
+//!   `LAST_INSERT_ID(fence)`. On MySQL that is the claim: one round trip for every
+//!   acquisition, and a claim that did not take the key reads the record with a locking read
+//!   (a second round trip, for duplicates only). On MariaDB 10.5 and later (read from
+//!   `VERSION()` when the store is built) a shorter statement goes first: the same row,
+//!   inserted when the key has none, with an `ON DUPLICATE KEY UPDATE` that writes nothing
+//!   (`fence = fence + 0`, which also resets `LAST_INSERT_ID()` to 0). A fresh key, the
+//!   common case, is acquired by it alone, in less server time than the full statement takes.
+//!   When the key had a row, the full claim follows with `RETURNING`, so the record it took
+//!   or met comes back in the same reply: two round trips for a duplicate or a takeover, and
+//!   no read. Both statements lock the row like the claim does.
 //! - **SQLite**: `INSERT ... ON CONFLICT DO UPDATE ... WHERE <free> RETURNING ...`; SQLite runs
 //!   one writing statement at a time. A claim that did not take the key reads the record.
 //!   `sqlite::memory:` is one database shared by the pool's connections, kept alive by a
@@ -99,8 +106,9 @@
 //!   like the single claim: SQLite has one writer at a time and no round trips).
 //! - **MySQL / MariaDB**: per 500 keys, the claim statement with one `VALUES` row per key
 //!   (each row's `ON DUPLICATE KEY UPDATE` tests and takes its own record, as the single
-//!   claim does), then one read of the batch's records: a record in progress with the item's
-//!   token is its acquisition.
+//!   claim does). On MariaDB 10.5 and later it returns every key's record (`RETURNING`): one
+//!   statement. On MySQL one read of the batch's records follows it. A record in progress
+//!   with the item's token is its acquisition.
 //!
 //! As for a single claim, an item whose reported record is free is claimed again on its own.
 //! A batch statement that fails fails all of its items, with the error's kind.

@@ -1,6 +1,10 @@
 //! MySQL and MariaDB: the claim is one `INSERT ... ON DUPLICATE KEY UPDATE` with conditional
 //! assignments, which reports an acquisition through `LAST_INSERT_ID(expr)` in the same
-//! reply; a claim that did not take the key reads the record with a locking read.
+//! reply. On MariaDB 10.5 and later, a shorter insert-only statement goes first (a fresh key
+//! is acquired by it alone), and the full claim that follows it when the key had a row
+//! returns the record (`RETURNING`); on MySQL, a claim that did not take the key reads the
+//! record with a locking read. A batch claim is one statement on MariaDB, a statement and
+//! a read on MySQL.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -11,7 +15,7 @@ use sqlx::pool::PoolOptions;
 use sqlx::{AssertSqlSafe, Pool};
 
 use crate::store::sql::driver::{
-    bind_claims, bind_settlements, in_request_order, statement_fns, ticks, Arg, Driver, Statements,
+    bind_claims, bind_settlements, in_request_order, statement_fns, Arg, Driver, Statements,
     Templates, HEADROOM,
 };
 use crate::store::sql::failure::{sqlstate, DbFailure};
@@ -39,6 +43,16 @@ macro_rules! free {
                     OR (state = 'in_progress' AND lease_until <= UTC_TIMESTAMP(6)
                         AND NOT (fingerprint IS NOT NULL AND VALUES(fingerprint) IS NOT NULL
                                  AND fingerprint <> VALUES(fingerprint)))))"
+    };
+}
+
+/// The head of every claim: the table and its columns, up to `VALUES`.
+macro_rules! insert_into {
+    () => {
+        "INSERT INTO idempotent_records
+    (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
+     created_at, updated_at, expires_at)
+VALUES "
     };
 }
 
@@ -102,11 +116,7 @@ macro_rules! take_if_free {
 /// record, so a server that did not report the value would cost a round trip, never a wrong
 /// answer.
 const CLAIM: &str = concat!(
-    "\
-INSERT INTO idempotent_records
-    (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
-     created_at, updated_at, expires_at)
-VALUES ",
+    insert_into!(),
     claim_row!(),
     "
 ",
@@ -120,17 +130,66 @@ VALUES ",
 /// nothing per row: the driver reads the batch's records after it ([`SEEN_MANY`]), and a
 /// record that holds the item's token in progress is the item's acquisition.
 const CLAIM_MANY: &str = concat!(
-    "\
-INSERT INTO idempotent_records
-    (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
-     created_at, updated_at, expires_at)
-VALUES {rows}
+    insert_into!(),
+    "{rows}
 ",
     take_if_free!()
 );
 
 /// One row of [`CLAIM_MANY`].
 const CLAIM_ROW: &str = claim_row!();
+
+/// The record columns a claim returns: those [`SEEN`] reads.
+macro_rules! claimed_columns {
+    () => {
+        "state, token, fence, fingerprint, result,
+       GREATEST(0, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_until))"
+    };
+}
+
+/// The first claim MariaDB gets (see [`MySql::claim`](Driver::claim)): [`CLAIM`]'s row,
+/// inserted when the key has no row; a row that exists is left exactly as it was (the
+/// assignment writes the value the column holds). The row's `LAST_INSERT_ID(fence)` is
+/// evaluated before the duplicate is found, so the assignment resets it to 0: the reply
+/// carries the new fence when the row was inserted, 0 when the key had one.
+///
+/// A fresh key, the common case, is claimed by this statement alone, which is shorter for
+/// the server to run than [`CLAIM`] (whose `UPDATE` part is set up on every execution).
+/// Like [`CLAIM`], it locks the duplicate row exclusively.
+const CLAIM_FRESH: &str = concat!(
+    insert_into!(),
+    claim_row!(),
+    "
+ON DUPLICATE KEY UPDATE fence = fence + CAST(LAST_INSERT_ID(0) AS SIGNED)"
+);
+
+/// [`CLAIM`], returning the record it leaves: taken for the request (its token, in
+/// progress) or the record it did not take, which is live (an expired record is always
+/// free, so always taken). MariaDB 10.5 and later; what follows a [`CLAIM_FRESH`] that met
+/// a row.
+const CLAIM_REPORTING: &str = concat!(
+    insert_into!(),
+    claim_row!(),
+    "
+",
+    take_if_free!(),
+    "
+RETURNING ",
+    claimed_columns!()
+);
+
+/// [`CLAIM_MANY`], returning `record_key` and the record columns of every key: each row as
+/// [`CLAIM_REPORTING`] returns it, so that no read follows the claim. MariaDB 10.5 and
+/// later.
+const CLAIM_MANY_REPORTING: &str = concat!(
+    insert_into!(),
+    "{rows}
+",
+    take_if_free!(),
+    "
+RETURNING record_key, ",
+    claimed_columns!()
+);
 
 /// The record columns, then how long the record has been in its state and how long it has
 /// left, in microseconds.
@@ -200,12 +259,14 @@ WHERE record_key = ? AND NOT (fence >= 0 AND state IN ('in_progress', 'completed
 
 /// A locking read: it returns the latest committed version (not a transaction's snapshot)
 /// and, inside a transaction, keeps the row locked like the claim did.
-const SEEN: &str = "\
-SELECT state, token, fence, fingerprint, result,
-       GREATEST(0, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_until))
+const SEEN: &str = concat!(
+    "SELECT ",
+    claimed_columns!(),
+    "
 FROM idempotent_records
 WHERE record_key = ? AND expires_at > UTC_TIMESTAMP(6)
-FOR UPDATE";
+FOR UPDATE"
+);
 
 /// `state` is assigned last: the assignments before it test the old state. A record that is
 /// not readable (an unknown state, a negative fence) is left alone, and reported as corrupt.
@@ -270,6 +331,9 @@ impl Driver for MySql {
         // Read after a batch claim, and after a batch settlement that did not settle every
         // item.
         seen_many: SEEN_MANY,
+        claim_fresh: CLAIM_FRESH,
+        claim_reporting: CLAIM_REPORTING,
+        claim_many_reporting: CLAIM_MANY_REPORTING,
     };
     const MIGRATIONS: &'static [(i64, &'static str, &'static str)] = &[(
         1,
@@ -284,23 +348,49 @@ impl Driver for MySql {
         Box::pin(options.connect(url))
     }
 
+    /// MariaDB 10.5 and later, whose `INSERT` takes a `RETURNING` clause; MySQL has none.
+    fn reports_claims(pool: &Pool<Self>) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let version: String = sqlx::query_scalar("SELECT VERSION()")
+                .fetch_one(pool)
+                .await?;
+            Ok(returns_from_insert(&version))
+        })
+    }
+
+    /// On MariaDB, [`CLAIM_FRESH`], and when it met a row, [`CLAIM_REPORTING`]: an absent
+    /// key is acquired in one round trip, any other claim is answered in two (the second
+    /// one returns the record). On MySQL, [`CLAIM`]: it reports an acquisition in its reply
+    /// (one round trip), and a claim that did not take the key reads the record with a
+    /// locking read (two).
     fn claim<'c>(
         conn: &'c mut MySqlConnection,
         sql: &'c Statements,
         req: &'c ClaimRequest,
     ) -> BoxFuture<'c, Result<Step, sqlx::Error>> {
         Box::pin(async move {
-            let done = sqlx::query(AssertSqlSafe(sql.claim.clone()))
-                .bind(req.key.as_bytes())
-                .bind(req.key.prefix())
-                .bind(&req.token.as_bytes()[..])
-                .bind(ticks(req.lease, Self::TICK))
-                .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-                .bind(ticks(req.ttl.max(req.lease), Self::TICK))
-                .execute(&mut *conn)
-                .await?;
+            let reporting = !sql.claim_reporting.is_empty();
+            let first = if reporting {
+                &sql.claim_fresh
+            } else {
+                &sql.claim
+            };
+            let done = bind_claims(
+                sqlx::query(AssertSqlSafe(first.clone())),
+                &[req],
+                Self::TICK,
+            )
+            .execute(&mut *conn)
+            .await?;
             if done.last_insert_id() > 0 {
                 return Ok(Step::Acquired(done.last_insert_id()));
+            }
+            if reporting {
+                let query = sqlx::query(AssertSqlSafe(sql.claim_reporting.clone()));
+                let row = bind_claims(query, &[req], Self::TICK)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                return Ok(Step::Seen(row.as_ref().map(RecordRow::decode).transpose()?));
             }
             let key = [Arg::Bytes(req.key.as_bytes())];
             Ok(Step::Seen(Self::fetch(conn, &sql.seen, &key).await?))
@@ -309,9 +399,10 @@ impl Driver for MySql {
 
     const BATCH: usize = 500;
 
-    /// One multi-row claim, then one read of the batch's records: a record in progress with
-    /// the item's token is its acquisition, any other is reported as the single claim reports
-    /// the record it did not take.
+    /// One multi-row claim. On MariaDB it returns every key's record; on MySQL one read of
+    /// the batch's records follows it. A record in progress with the item's token is its
+    /// acquisition, any other is reported as the single claim reports the record it did
+    /// not take.
     fn claim_batch<'c>(
         conn: &'c mut MySqlConnection,
         sql: &'c Statements,
@@ -319,6 +410,16 @@ impl Driver for MySql {
     ) -> BoxFuture<'c, Result<Vec<Step>, sqlx::Error>> {
         Box::pin(async move {
             let rows = vec![CLAIM_ROW; reqs.len()].join(", ");
+            let mut seen = HashMap::with_capacity(reqs.len());
+            if !sql.claim_many_reporting.is_empty() {
+                let claim = sql.claim_many_reporting.replace("{rows}", &rows);
+                let query = bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, Self::TICK);
+                for row in &query.fetch_all(&mut *conn).await? {
+                    let (key, step) = RecordRow::decode_keyed(row)?;
+                    seen.insert(key, step);
+                }
+                return Ok(in_request_order(reqs, seen));
+            }
             let claim = sql.claim_many.replace("{rows}", &rows);
             let query = bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, Self::TICK);
             query.execute(&mut *conn).await?;
@@ -328,7 +429,6 @@ impl Driver for MySql {
             for req in reqs {
                 query = query.bind(req.key.as_bytes());
             }
-            let mut seen = HashMap::with_capacity(reqs.len());
             for row in &query.fetch_all(&mut *conn).await? {
                 let (key, step) = RecordRow::decode_keyed(row)?;
                 seen.insert(key, step);
@@ -426,6 +526,21 @@ impl Driver for MySql {
     }
 }
 
+/// Whether the server whose `VERSION()` is `version` takes `INSERT ... RETURNING`: MariaDB
+/// 10.5 and later (`10.11.19-MariaDB-0+deb12u1`, or with the `5.5.5-` some proxies put
+/// first). MySQL (`8.4.3`) has no such clause, nor has an unknown version.
+fn returns_from_insert(version: &str) -> bool {
+    if !version.contains("MariaDB") {
+        return false;
+    }
+    let version = version.strip_prefix("5.5.5-").unwrap_or(version);
+    let mut parts = version.split(['.', '-']).map(str::parse::<u32>);
+    match (parts.next(), parts.next()) {
+        (Some(Ok(major)), Some(Ok(minor))) => (major, minor) >= (10, 5),
+        _ => false,
+    }
+}
+
 /// The server error numbers whose SQLSTATE does not say what they mean.
 fn by_number(number: u16) -> Option<DbFailure> {
     Some(match number {
@@ -449,6 +564,29 @@ fn by_number(number: u16) -> Option<DbFailure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn returning_is_used_on_mariadb_10_5_and_later_only() {
+        for version in [
+            "10.11.19-MariaDB-0+deb12u1",
+            "10.5.0-MariaDB",
+            "11.4.2-MariaDB-ubu2404",
+            "5.5.5-10.6.12-MariaDB-log",
+        ] {
+            assert!(returns_from_insert(version), "{version}");
+        }
+        for version in [
+            "10.4.32-MariaDB",
+            "5.5.5-10.3.39-MariaDB",
+            "8.4.3",
+            "8.0.36-0ubuntu0.22.04.1",
+            "9.1.0-commercial",
+            "MariaDB",
+            "",
+        ] {
+            assert!(!returns_from_insert(version), "{version}");
+        }
+    }
 
     #[test]
     fn permanent_errors_are_rejections() {

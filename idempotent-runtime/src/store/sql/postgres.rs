@@ -341,6 +341,9 @@ impl Driver for Postgres {
         claim_many: CLAIM_MANY,
         // The batch statement reports the records it did not take.
         seen_many: "",
+        claim_fresh: "",
+        claim_reporting: "",
+        claim_many_reporting: "",
     };
     const MIGRATIONS: &'static [(i64, &'static str, &'static str)] = &[(
         1,

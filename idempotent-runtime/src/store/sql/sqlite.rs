@@ -334,6 +334,9 @@ impl Driver for Sqlite {
         claim_many_async: "",
         claim_many: CLAIM_MANY,
         seen_many: SEEN_MANY,
+        claim_fresh: "",
+        claim_reporting: "",
+        claim_many_reporting: "",
     };
     const MIGRATIONS: &'static [(i64, &'static str, &'static str)] = &[(
         1,
