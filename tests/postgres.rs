@@ -276,10 +276,13 @@ fresh_store_cases!(Pg, fresh);
 /// The generic plan of a prepared statement is made once per connection and kept. Made on
 /// a table that is empty and was never analyzed (a new deployment, a table just truncated),
 /// a batch statement that joins its input with the table is a sequential scan of the table,
-/// and every later batch on that connection scans the whole table as it grows. The batch
-/// statements look their keys up by primary key whatever the statistics: the generic plans
-/// made on such a table must not scan it, nor go through the `expires_at` index (which
-/// would read every live record).
+/// and every later batch on that connection scans the whole table as it grows. Made on a
+/// table filled since it was last analyzed (thousands of live records, statistics of an
+/// empty table), a batch statement that tests expiry with `expires_at > now` ANDs the key
+/// lookup with a scan of the `expires_at` index, which reads an entry for every live record,
+/// on every batch. The batch statements look their keys up by primary key alone: the
+/// generic plans made on an empty table, on a filled one without statistics, and on one
+/// with them must not scan the table, nor go through the `expires_at` index.
 #[tokio::test]
 async fn batch_statements_look_their_keys_up_on_a_table_without_statistics() {
     let (records, store) = fresh().await;
@@ -310,29 +313,51 @@ async fn batch_statements_look_their_keys_up_on_a_table_without_statistics() {
              ARRAY[1::int8], ARRAY[true])",
         ),
     ];
-    for (name, sql, args) in statements {
-        let prepare = format!("PREPARE {name} AS {sql}");
-        sqlx::raw_sql(AssertSqlSafe(prepare))
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-        let explain = format!("EXPLAIN (COSTS OFF) EXECUTE {name}{args}");
-        let lines: Vec<String> = sqlx::query_scalar(AssertSqlSafe(explain))
-            .fetch_all(&mut *conn)
-            .await
-            .unwrap();
-        let plan = lines.join("\n");
-        assert!(
-            plan.contains("_pkey"),
-            "{name}: no lookup by primary key:\n{plan}"
-        );
-        let scans = |line: &&str| {
-            line.contains("Seq Scan on") || (line.contains("Scan") && line.contains("expires_at"))
-        };
-        assert!(
-            !plan.lines().any(|line| scans(&line)),
-            "{name}: scans the table:\n{plan}"
-        );
+    // 6,000 live records, first without statistics (a table filled since it was truncated),
+    // then analyzed.
+    let populate = format!(
+        "INSERT INTO {table} (record_key, prefix, token, fence, state, lease_until, result, \
+         fingerprint, created_at, updated_at, expires_at) \
+         SELECT int8send(g), 'p', decode(md5(g::text), 'hex'), 1, 'completed', now(), NULL, \
+         NULL, now(), now(), now() + INTERVAL '1 hour' FROM generate_series(1, 6000) AS g"
+    );
+    let states = [
+        ("empty, never analyzed", None),
+        ("filled, never analyzed", Some(populate)),
+        ("filled and analyzed", Some(format!("ANALYZE {table}"))),
+    ];
+    for (round, (state, before)) in states.into_iter().enumerate() {
+        if let Some(before) = before {
+            sqlx::raw_sql(AssertSqlSafe(before))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+        }
+        for (name, sql, args) in &statements {
+            let prepare = format!("PREPARE {name}{round} AS {sql}");
+            sqlx::raw_sql(AssertSqlSafe(prepare))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            let explain = format!("EXPLAIN (COSTS OFF) EXECUTE {name}{round}{args}");
+            let lines: Vec<String> = sqlx::query_scalar(AssertSqlSafe(explain))
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap();
+            let plan = lines.join("\n");
+            assert!(
+                plan.contains("_pkey"),
+                "{name}, table {state}: no lookup by primary key:\n{plan}"
+            );
+            let scans = |line: &&str| {
+                line.contains("Seq Scan on")
+                    || (line.contains("Scan") && line.contains("expires_at"))
+            };
+            assert!(
+                !plan.lines().any(|line| scans(&line)),
+                "{name}, table {state}: scans the table:\n{plan}"
+            );
+        }
     }
     drop(conn);
     store.pool().close().await;

@@ -143,7 +143,11 @@ const CLAIM_ASYNC: &str = claim_statement!(async_state!());
 /// connection keeps the generic plan of a prepared statement, and a join planned while the
 /// table was empty or never analyzed (a new table, one just truncated) is a sequential scan
 /// that every later batch then pays in full as the table grows. `ANY` on the primary key is
-/// an index lookup of the batch's keys whatever the table's statistics.
+/// an index lookup of the batch's keys whatever the table's statistics. Their expiry is
+/// tested as `expires_at - now > 0`, which no index answers: written `expires_at > now`,
+/// the generic plan made on a filled table without statistics ANDs the key lookup with a
+/// scan of the `expires_at` index, which reads an entry for every live record, batch after
+/// batch.
 /// [`CLAIM_MANY`], with `$state` as in [`claim_statement!`].
 macro_rules! claim_many_statement {
     ($state:expr) => {
@@ -179,7 +183,7 @@ SELECT t.record_key, t.state, t.token, t.fence, t.fingerprint, t.result,
        GREATEST(0, (EXTRACT(EPOCH FROM t.lease_until - statement_timestamp()) * 1000000)::int8)
 FROM idempotent_records AS t
 WHERE t.record_key = ANY($1::bytea[])
-  AND t.expires_at > statement_timestamp()
+  AND t.expires_at - statement_timestamp() > INTERVAL '0'
   AND t.record_key NOT IN (SELECT record_key FROM taken)"
         )
     };
@@ -227,7 +231,8 @@ LIMIT $4"
 /// An item whose record is already completed by its token is settled again (unchanged), as a
 /// retried completion is. `record_key = ANY($1)` makes the rows an index lookup of the
 /// batch's keys whatever the table's statistics, as in [`CLAIM_MANY`]: joined with `input`
-/// alone, the generic plan made on a new or truncated table scans the whole table.
+/// alone, the generic plan made on a new or truncated table scans the whole table. Expiry
+/// is tested with no index, as in [`CLAIM_MANY`].
 const SETTLE_MANY: &str = concat!(
     "\
 WITH input AS (
@@ -247,7 +252,7 @@ WHERE r.record_key = ANY($1::bytea[]) AND r.record_key = i.record_key AND r.toke
   AND (r.state = 'in_progress' OR (i.complete AND r.state = 'completed'))
   AND ",
     readable!("r."),
-    " AND r.expires_at > statement_timestamp()
+    " AND r.expires_at - statement_timestamp() > INTERVAL '0'
 RETURNING r.record_key"
 );
 
