@@ -28,9 +28,9 @@ type Settled = oneshot::Sender<Result<bool, StoreError>>;
 /// idle store adds no delay; a busy one sends one statement (one commit, on SQL) for many
 /// calls instead of one each. On PostgreSQL, whose batch claim and batch settlement are one
 /// statement each, claim + complete cycles of 50 concurrent callers on a pool of 8 ran at
-/// 1.1 to 1.7 times one hand-written statement per call (`benches/sql.rs`), against 0.78 to
-/// 0.86 for the store without it; on MariaDB (10.5 and later, whose batch claim is one
-/// statement with `RETURNING`), 1.5 to 1.6 times, against 0.84 to 0.86. On MySQL a batch
+/// 1.2 to 1.9 times one hand-written statement per call (`benches/sql.rs`), against 0.77 to
+/// 0.9 for the store without it; on MariaDB (10.5 and later, whose batch claim is one
+/// statement with `RETURNING`), 1.5 to 1.6 times, against 0.82 to 0.86. On MySQL a batch
 /// claim is a statement and a read: measure before using it there. On Redis, whose batches
 /// are pipelines, it saves little.
 ///

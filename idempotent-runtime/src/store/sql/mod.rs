@@ -100,7 +100,11 @@
 //!   over `unnest` of six bound arrays (`INSERT ... SELECT ... FROM input ON CONFLICT
 //!   (record_key) DO UPDATE SET ... WHERE <free> RETURNING record_key, ...`), with a
 //!   `UNION ALL` branch that reports the records of the keys it did not take. Sorting the keys
-//!   makes concurrent overlapping batches lock their rows in the same order.
+//!   makes concurrent overlapping batches lock their rows in the same order. The batch
+//!   statements find their rows by `record_key = ANY(keys)` and test expiry as
+//!   `expires_at - now > 0`, so that every plan of them, the generic plan a connection keeps
+//!   included, looks the keys up by primary key and never scans the table or the
+//!   `expires_at` index, whatever the table's statistics.
 //! - **SQLite**: per 500 keys, the claim statement over a `VALUES` list of bound rows, then
 //!   one read of the keys it did not take (two statements on one connection, in autocommit
 //!   like the single claim: SQLite has one writer at a time and no round trips).
