@@ -83,9 +83,9 @@ mod combined_calls {
     conformance_suite!(mysql_combined);
 }
 
-/// The conformance suite and the batch and corrupt-row cases on the statements MySQL gets
-/// (no `INSERT ... RETURNING`: a claim statement, then a read of a record it did not take),
-/// which this MariaDB would otherwise never run.
+/// The conformance suite, the batch, corrupt-row, resent-claim and transaction cases on the
+/// statements MySQL gets (no `INSERT ... RETURNING`: a claim statement, then a read of a
+/// record it did not take), which this MariaDB would otherwise never run.
 mod plain_claims {
     use super::*;
 
@@ -121,6 +121,28 @@ mod plain_claims {
     async fn claim_sent_again_with_its_token_is_acquired() {
         let b = mysql_plain().await;
         sql_cases::claim_sent_again_with_its_token_is_acquired::<Maria>(&b.store).await;
+    }
+
+    #[tokio::test]
+    async fn business_transaction_commits_or_rolls_back_with_its_record() {
+        let b = mysql_plain().await;
+        let payments = Scratch::table(Server::MySql);
+        sql_cases::business_transaction_commits_or_rolls_back_with_its_record::<Maria>(
+            &b.store,
+            payments.name(),
+        )
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_transactions_on_one_key_wait_for_the_first() {
+        let b = mysql_plain().await;
+        let payments = Scratch::table(Server::MySql);
+        sql_cases::concurrent_transactions_on_one_key_wait_for_the_first::<Maria>(
+            &b.store,
+            payments.name(),
+        )
+        .await;
     }
 }
 
