@@ -58,6 +58,13 @@
 //!   store behind a `CombiningStore` with at most 8 batches on their way (concurrent claims
 //!   and completions sent as `claim_many` / `complete_many` batches), 6 more rounds of the
 //!   two taking turns, on both databases. Every statement commits durably.
+//! - `<db>_server_us_per_cycle_seed_design`, `<db>_server_us_per_cycle_framework`,
+//!   `<db>_server_us_per_cycle_combined`: the database server's CPU time (user and system,
+//!   from `/proc`, of every process named `postgres`, or `mariadbd` / `mysqld`) per cycle,
+//!   the median of the measured passes of the seed design (rounds and combined rounds
+//!   together), of the framework and of the framework behind a `CombiningStore`. It moves
+//!   less with the machine's noise than cycles per second do; NaN when the server does not
+//!   run on this machine.
 //! - `postgres_async_claims_seed_ops_per_s`, `postgres_async_claims_framework_ops_per_s`,
 //!   `postgres_async_claims_ratio_vs_seed_design`: the seed design against the framework on a
 //!   store with `asynchronous_claims(true)` (claims commit without waiting for the WAL flush;
@@ -392,6 +399,97 @@ fn rotation<S: Copy, const N: usize>(sides: [S; N], turn: usize) -> [S; N] {
     std::array::from_fn(|i| sides[(i + turn) % N])
 }
 
+/// The database server's CPU time, read from `/proc` when the server runs on this machine:
+/// the user and system time of every process named as the server's (`postgres`, `mariadbd`
+/// or `mysqld`), whose connections the pool keeps open across passes. A pass's figure is the
+/// time the server spent during it over its cycles; warm-up passes are not recorded.
+struct ServerCpu {
+    names: &'static [&'static str],
+    /// Clock ticks per second (`getconf CLK_TCK`), or `None` where it cannot be read.
+    hz: Option<f64>,
+    /// Microseconds per cycle of each measured pass, by side.
+    passes: std::sync::Mutex<std::collections::HashMap<&'static str, Vec<f64>>>,
+}
+
+impl ServerCpu {
+    fn new(server: Server) -> ServerCpu {
+        let names: &'static [&'static str] = match server {
+            Server::Postgres => &["postgres"],
+            Server::MySql => &["mariadbd", "mysqld"],
+        };
+        let hz = std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|out| String::from_utf8(out.stdout).ok())
+            .and_then(|text| text.trim().parse::<f64>().ok());
+        ServerCpu {
+            names,
+            hz,
+            passes: Default::default(),
+        }
+    }
+
+    /// The server's processes' CPU time so far, in clock ticks (0 where `/proc` shows none).
+    fn ticks(&self) -> u64 {
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return 0;
+        };
+        let mut total = 0;
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let named = std::fs::read_to_string(path.join("comm"))
+                .is_ok_and(|comm| self.names.contains(&comm.trim()));
+            let Some(stat) = named
+                .then(|| std::fs::read_to_string(path.join("stat")).ok())
+                .flatten()
+            else {
+                continue;
+            };
+            // After the command's closing parenthesis: state is field 3; utime and stime
+            // are fields 14 and 15.
+            let fields: Vec<&str> = stat
+                .rsplit_once(')')
+                .map_or("", |(_, rest)| rest)
+                .split_whitespace()
+                .collect();
+            let time = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+            total += time(11).unwrap_or(0) + time(12).unwrap_or(0);
+        }
+        total
+    }
+
+    /// Records a measured pass of `side` of `ops` cycles that started at `before` ticks.
+    fn record(&self, side: &'static str, before: u64, ops: usize) {
+        if ops != OPS {
+            return;
+        }
+        let (Some(hz), spent) = (self.hz, self.ticks().saturating_sub(before)) else {
+            return;
+        };
+        if spent == 0 {
+            return;
+        }
+        let micros = spent as f64 / hz * 1e6 / ops as f64;
+        self.passes
+            .lock()
+            .unwrap()
+            .entry(side)
+            .or_default()
+            .push(micros);
+    }
+
+    /// The median microseconds per cycle of `side`'s measured passes, NaN where the server's
+    /// CPU time could not be read.
+    fn per_cycle(&self, side: &str) -> f64 {
+        self.passes
+            .lock()
+            .unwrap()
+            .get(side)
+            .map_or(f64::NAN, |passes| median(passes))
+    }
+}
+
 /// What every pass of one database shares.
 struct Bench<DB: Db> {
     store: SqlStore<DB>,
@@ -406,6 +504,8 @@ struct Bench<DB: Db> {
     /// The framework on the same store behind a `CombiningStore` (at most `POOL` batches on
     /// their way).
     combined_guard: Idempotency,
+    /// The server's CPU time per cycle of each measured pass, by side.
+    server_cpu: ServerCpu,
     /// The store's, the seed design's and the business tables, dropped with the bench.
     _tables: Vec<Scratch>,
 }
@@ -479,6 +579,7 @@ impl<DB: Db> Bench<DB> {
             business,
             async_guard,
             combined_guard,
+            server_cpu: ServerCpu::new(server),
             _tables: tables,
         })
     }
@@ -491,39 +592,47 @@ impl<DB: Db> Bench<DB> {
 
     /// One pass of `side`: `ops` cycles with `TASKS` tasks; returns operations per second.
     async fn pass(self: &Arc<Self>, side: Side, ops: usize, run: usize) -> f64 {
-        match side {
+        let table = match side {
+            Side::Seed => self.seed_table.clone(),
+            Side::Raw | Side::Framework => self.store.table().to_string(),
+        };
+        self.empty(&table).await;
+        let before = self.server_cpu.ticks();
+        let rate = match side {
             Side::Seed => {
-                self.empty(&self.seed_table).await;
                 drive(self, ops, run, |b, key, _| async move {
                     DB::seed_cycle(&b.store, &b.sql, key).await;
                 })
                 .await
             }
             Side::Raw => {
-                self.empty(self.store.table()).await;
                 drive(self, ops, run, |b, key, _| async move {
                     DB::raw_cycle(&b.store, &b.sql, key).await;
                 })
                 .await
             }
             Side::Framework => {
-                self.empty(self.store.table()).await;
                 drive(self, ops, run, |b, key, _| async move {
                     let out: Result<(), Error> = b.guard.run(key, async { Ok(()) }).await;
                     out.unwrap();
                 })
                 .await
             }
-        }
+        };
+        self.server_cpu.record(side.name(), before, ops);
+        rate
     }
 
     async fn combined_pass(self: &Arc<Self>, ops: usize, run: usize) -> f64 {
         self.empty(self.store.table()).await;
-        drive(self, ops, run, |b, key, _| async move {
+        let before = self.server_cpu.ticks();
+        let rate = drive(self, ops, run, |b, key, _| async move {
             let out: Result<(), Error> = b.combined_guard.run(key, async { Ok(()) }).await;
             out.unwrap();
         })
-        .await
+        .await;
+        self.server_cpu.record("combined", before, ops);
+        rate
     }
 
     /// The seed design against the framework on a `CombiningStore`: a warm-up, then
@@ -748,11 +857,15 @@ fn main() {
         let [tx_seed, tx_framework] = bench.tx_rounds(&mut run).await;
         let [async_seed, async_framework] = bench.async_rounds(&mut run).await;
         let postgres_combined = bench.combined_rounds("postgres", &mut run).await;
+        let postgres_cpu =
+            ["seed", "framework", "combined"].map(|side| bench.server_cpu.per_cycle(side));
         bench.store.pool().close().await;
         drop(bench);
         let bench = Bench::<sqlx::MySql>::open(Server::MySql, false).await;
         let mysql = bench.rounds("mysql", &mut run).await;
         let mysql_combined = bench.combined_rounds("mysql", &mut run).await;
+        let mysql_cpu =
+            ["seed", "framework", "combined"].map(|side| bench.server_cpu.per_cycle(side));
         bench.store.pool().close().await;
         drop(bench);
         for (name, [seed, raw, framework]) in [("postgres", postgres), ("mysql", mysql)] {
@@ -771,6 +884,17 @@ fn main() {
                 combined / seed,
                 3,
             );
+        }
+        for (name, [seed, framework, combined]) in
+            [("postgres", postgres_cpu), ("mysql", mysql_cpu)]
+        {
+            figure(&format!("{name}_server_us_per_cycle_seed_design"), seed, 1);
+            figure(
+                &format!("{name}_server_us_per_cycle_framework"),
+                framework,
+                1,
+            );
+            figure(&format!("{name}_server_us_per_cycle_combined"), combined, 1);
         }
         figure("postgres_tx_seed_ops_per_s", tx_seed, 0);
         figure("postgres_tx_framework_ops_per_s", tx_framework, 0);
