@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::MySqlStore;
+use idempotency::store::Settlement;
 use idempotency::{BoxFuture, Claim, Completion, Key, SharedStore, Store, StoreErrorKind};
 
 use sql_cases::{acquired, req, Harness};
@@ -334,22 +335,67 @@ async fn result_above_max_allowed_packet_is_rejected() {
     assert!(store.complete(&key, &owner.token, &done).await.unwrap());
 }
 
-/// How many `INSERT`s and `SELECT`s the store's one connection has run (this read is one
-/// more `SELECT`).
-async fn statements(store: &MySqlStore) -> (u64, u64) {
+/// How many statements of each of `kinds` (`COM_INSERT`, `COM_SELECT`, `COM_UPDATE`,
+/// `COM_UPDATE_MULTI`...) the store's one connection has run (this read is one more
+/// `SELECT`).
+async fn session_counts<const N: usize>(store: &MySqlStore, kinds: [&str; N]) -> [u64; N] {
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT VARIABLE_NAME, CAST(VARIABLE_VALUE AS CHAR) \
-         FROM information_schema.SESSION_STATUS \
-         WHERE VARIABLE_NAME IN ('COM_INSERT', 'COM_SELECT')",
+         FROM information_schema.SESSION_STATUS WHERE VARIABLE_NAME LIKE 'COM\\_%'",
     )
     .fetch_all(store.pool())
     .await
     .unwrap();
-    let count = |name: &str| -> u64 {
-        let (_, value) = rows.iter().find(|(n, _)| n == name).unwrap();
+    kinds.map(|kind| {
+        let (_, value) = rows.iter().find(|(n, _)| n == kind).unwrap();
         value.parse().unwrap()
+    })
+}
+
+/// How many `INSERT`s and `SELECT`s the store's one connection has run (this read is one
+/// more `SELECT`).
+async fn statements(store: &MySqlStore) -> (u64, u64) {
+    let [inserts, selects] = session_counts(store, ["COM_INSERT", "COM_SELECT"]).await;
+    (inserts, selects)
+}
+
+/// A settlement batch of one item is sent as that item's own `UPDATE`, which the server runs
+/// for less than the multiple-table `UPDATE` of a batch (a `CombiningStore` sends a single
+/// settlement that way when its store is idle); two items are one multiple-table `UPDATE`.
+#[tokio::test]
+async fn a_settlement_batch_of_one_is_a_single_update() {
+    let records = Scratch::table(Server::MySql);
+    let store = one_connection(&records, false).await;
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+    let claims: Vec<_> = (0..3u8)
+        .map(|i| req(&Key::new("settle-one", 1, &[&i]).unwrap(), lease, ttl))
+        .collect();
+    for claim in store.claim_many(&claims).await {
+        acquired(claim);
+    }
+    let done = |r: &idempotency::ClaimRequest| {
+        Settlement::complete(r.key.clone(), r.token, Completion::new(None, ttl))
     };
-    (count("COM_INSERT"), count("COM_SELECT"))
+    let kinds = ["COM_UPDATE", "COM_UPDATE_MULTI"];
+    let before = session_counts(&store, kinds).await;
+    let one = store.complete_many(&[done(&claims[0])]).await;
+    let after = session_counts(&store, kinds).await;
+    assert!(one.into_iter().all(|settled| settled.unwrap()));
+    assert_eq!(
+        [after[0] - before[0], after[1] - before[1]],
+        [1, 0],
+        "one item"
+    );
+    let two = store
+        .complete_many(&[done(&claims[1]), done(&claims[2])])
+        .await;
+    let later = session_counts(&store, kinds).await;
+    assert!(two.into_iter().all(|settled| settled.unwrap()));
+    assert_eq!(
+        [later[0] - after[0], later[1] - after[1]],
+        [0, 1],
+        "two items"
+    );
 }
 
 /// A store with one connection, so that the session counters are the store's; with

@@ -256,8 +256,9 @@ const SETTLE_BATCH_BYTES: usize = 4 << 20;
 /// items and [`SETTLE_BATCH_BYTES`] of results each); an item the statement did not settle
 /// is answered as a single write that matched nothing ([`owned`]: someone else's key, or
 /// [`StoreErrorKind::Corrupt`]). Later occurrences of a key, results larger than the store
-/// takes, databases without a batch statement and releases where the batch statement cannot
-/// report them exactly ([`Driver::BATCH_RELEASES`]) are settled one by one.
+/// takes, databases without a batch statement, releases where the batch statement cannot
+/// report them exactly ([`Driver::BATCH_RELEASES`]) and a batch statement's worth of one
+/// item are settled one by one.
 pub(super) async fn complete_many_on<DB: Dialect>(
     conn: &mut DB::Connection,
     sql: &Statements,
@@ -302,6 +303,16 @@ pub(super) async fn complete_many_on<DB: Dialect>(
                 chunks.push(vec![i]);
             }
         }
+    }
+    // A chunk of one item is that item's own statement, which the database runs for less
+    // than the batch statement's (a single settlement sent through a batch call, as a
+    // `CombiningStore` sends one when its store is idle). Moved among the single items in
+    // item order, it still goes before the later items of its key.
+    let (ones, chunks): (Vec<Vec<usize>>, Vec<Vec<usize>>) =
+        chunks.into_iter().partition(|chunk| chunk.len() == 1);
+    if !ones.is_empty() {
+        single.extend(ones.into_iter().flatten());
+        single.sort_unstable();
     }
     for chunk in chunks {
         let batch: Vec<&Settlement> = chunk.iter().map(|&i| &items[i]).collect();

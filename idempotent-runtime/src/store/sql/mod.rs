@@ -118,7 +118,9 @@
 //! A batch statement that fails fails all of its items, with the error's kind.
 //!
 //! [`Store::complete_many`] settles (completes or releases) distinct keys with one statement
-//! per 500 items (and per 4 MiB of results), in key order, on every database:
+//! per 500 items (and per 4 MiB of results), in key order, on every database; a statement's
+//! worth of one item is sent as that item's own completion or release, which the database
+//! runs for less (a `CombiningStore` on an idle store sends batches of one):
 //!
 //! - **PostgreSQL**: `UPDATE ... FROM unnest(<five bound arrays>) ... RETURNING record_key`:
 //!   each item settled as the single completion or release would, the settled keys returned.
