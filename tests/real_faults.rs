@@ -347,6 +347,84 @@ async fn mariadb_under_random_connection_faults_keeps_effects_exact() {
     workload.run(&proxy, 30, store, direct).await;
 }
 
+/// On MariaDB a claim of a key that has a row is two statements: the insert-only one, which
+/// leaves the row alone, then the full claim returning the record. Here the second one takes
+/// over a released record and commits, and its reply is lost: the engine reads the record
+/// back by its token, finds its own claim, and runs the handler once with the new fence; a
+/// redelivery replays the result. For a duplicate (a live claim of another owner), the same
+/// lost reply is answered as the duplicate it is, and the handler does not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_reply_to_mariadbs_second_claim_statement_is_read_back() {
+    let (_records, proxy, store, direct) = proxied_mariadb(false).await;
+    let guard = Idempotency::new(Duration::from_secs(60))
+        .lease(Duration::from_secs(30))
+        .store(store);
+    let runs = AtomicUsize::new(0);
+    let handler = || async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, Error>(7u32)
+    };
+    let name = format!("second-statement-{}", std::process::id());
+
+    // A released record: the takeover is the second statement.
+    let key = Key::new("lost-second", 1, &[&name, &"takeover"]).unwrap();
+    let earlier = idempotency::ClaimRequest::new(
+        key.clone(),
+        idempotency::Token::generate(),
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+    );
+    let Ok(idempotency::Claim::Acquired { fence }) = direct.claim(&earlier).await else {
+        panic!("the earlier claim was not acquired");
+    };
+    assert!(direct.release(&key, &earlier.token).await.unwrap());
+    // The key's bytes are a parameter of both statements (and of nothing in between:
+    // `mariadb_claims_fresh_keys_in_one_statement_and_others_in_two` counts them), so the
+    // second request carrying them is the full claim.
+    proxy.lose_reply_to_nth(key.as_bytes(), 2);
+    let lost = proxy.lost();
+    let first: Result<u32, Error> = guard.operation(key.clone()).replay().run(handler()).await;
+    assert_eq!(first.unwrap(), 7);
+    assert_eq!(proxy.lost(), lost + 1, "no reply was lost");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let record = direct.read(&key).await.unwrap().unwrap();
+    assert_eq!(
+        (record.state, record.fence),
+        (RecordState::Completed, fence + 1)
+    );
+    let again: Result<u32, Error> = guard.operation(key.clone()).replay().run(handler()).await;
+    assert_eq!(again.unwrap(), 7);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // A live claim of another owner: the duplicate's second statement loses its reply.
+    let key = Key::new("lost-second", 1, &[&name, &"duplicate"]).unwrap();
+    let other = idempotency::ClaimRequest::new(
+        key.clone(),
+        idempotency::Token::generate(),
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+    );
+    assert!(matches!(
+        direct.claim(&other).await,
+        Ok(idempotency::Claim::Acquired { .. })
+    ));
+    proxy.lose_reply_to_nth(key.as_bytes(), 2);
+    let lost = proxy.lost();
+    let out: Result<u32, Error> = guard.run(key.clone(), handler()).await;
+    assert_eq!(proxy.lost(), lost + 1, "no reply was lost");
+    assert!(
+        matches!(out, Err(Error::InProgress { .. })),
+        "a live claim of another owner: {out:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let record = direct.read(&key).await.unwrap().unwrap();
+    assert!(
+        matches!(record.state, RecordState::InProgress { .. }),
+        "{record:?}"
+    );
+    assert_eq!(record.token, other.token);
+}
+
 /// A MariaDB store through a new proxy (8 connections; with `plain`, on the statements MySQL
 /// gets), and a store of the same table without it: the table (dropped with it), the proxy
 /// and the two stores.

@@ -24,6 +24,9 @@ use tokio::task::JoinSet;
 #[derive(Default)]
 struct Shared {
     armed: Mutex<Option<Vec<u8>>>,
+    /// How many requests holding the armed marker go through before the one that loses its
+    /// reply.
+    armed_skip: AtomicUsize,
     dropped: AtomicUsize,
     /// Chaos: per mille of requests cut before reaching the server, and of replies lost.
     cut_permille: AtomicUsize,
@@ -91,7 +94,18 @@ impl Proxy {
     /// The next request whose bytes contain `marker` reaches the server, but its reply is
     /// lost and the connection closed.
     pub fn lose_reply_to(&self, marker: &[u8]) {
-        *self.shared.armed.lock().unwrap() = Some(marker.to_vec());
+        self.lose_reply_to_nth(marker, 1);
+    }
+
+    /// The `n`th next request whose bytes contain `marker` (counting from 1) reaches the
+    /// server, but its reply is lost and the connection closed; the ones before it go
+    /// through untouched.
+    pub fn lose_reply_to_nth(&self, marker: &[u8], n: usize) {
+        let mut armed = self.shared.armed.lock().unwrap();
+        self.shared
+            .armed_skip
+            .store(n.saturating_sub(1), Ordering::SeqCst);
+        *armed = Some(marker.to_vec());
     }
 
     /// How many replies were lost.
@@ -148,8 +162,13 @@ async fn relay(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
                     let mut armed = shared.armed.lock().unwrap();
                     if let Some(marker) = armed.as_deref() {
                         if buf[..n].windows(marker.len()).any(|w| w == marker) {
-                            swallow.store(true, Ordering::SeqCst);
-                            *armed = None;
+                            let skip = shared.armed_skip.load(Ordering::SeqCst);
+                            if skip > 0 {
+                                shared.armed_skip.store(skip - 1, Ordering::SeqCst);
+                            } else {
+                                swallow.store(true, Ordering::SeqCst);
+                                *armed = None;
+                            }
                         }
                     }
                 }
