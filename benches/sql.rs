@@ -59,12 +59,12 @@
 //!   and completions sent as `claim_many` / `complete_many` batches), 6 more rounds of the
 //!   two taking turns, on both databases. Every statement commits durably.
 //! - `<db>_server_us_per_cycle_seed_design`, `<db>_server_us_per_cycle_framework`,
-//!   `<db>_server_us_per_cycle_combined`: the database server's CPU time (user and system,
-//!   from `/proc`, of every process named `postgres`, or `mariadbd` / `mysqld`) per cycle,
-//!   the median of the measured passes of the seed design (rounds and combined rounds
-//!   together), of the framework and of the framework behind a `CombiningStore`. It moves
-//!   less with the machine's noise than cycles per second do; NaN when the server does not
-//!   run on this machine.
+//!   `<db>_server_us_per_cycle_combined`: the database server's CPU time (from
+//!   `/proc/<pid>/task/*/schedstat`, of every process named `postgres`, or `mariadbd` /
+//!   `mysqld`) per cycle, the median of the measured passes of the seed design (rounds and
+//!   combined rounds together), of the framework and of the framework behind a
+//!   `CombiningStore`. It moves less with the machine's noise than cycles per second do;
+//!   NaN when the server does not run on this machine.
 //! - `postgres_async_claims_seed_ops_per_s`, `postgres_async_claims_framework_ops_per_s`,
 //!   `postgres_async_claims_ratio_vs_seed_design`: the seed design against the framework on a
 //!   store with `asynchronous_claims(true)` (claims commit without waiting for the WAL flush;
@@ -97,7 +97,7 @@ use idempotency::sql::{Dialect, SqlStore};
 use idempotency::store::CombiningStore;
 use idempotency::{Error, Idempotency, Key, Token};
 use sql_tables::{Scratch, Server};
-use stats::{figure, median, per_s};
+use stats::{figure, median, per_s, process_cpu};
 
 const TASKS: usize = 50;
 const POOL: u32 = 8;
@@ -400,13 +400,12 @@ fn rotation<S: Copy, const N: usize>(sides: [S; N], turn: usize) -> [S; N] {
 }
 
 /// The database server's CPU time, read from `/proc` when the server runs on this machine:
-/// the user and system time of every process named as the server's (`postgres`, `mariadbd`
-/// or `mysqld`), whose connections the pool keeps open across passes. A pass's figure is the
-/// time the server spent during it over its cycles; warm-up passes are not recorded.
+/// the time of every thread of every process named as the server's (`postgres`, `mariadbd`
+/// or `mysqld`; [`process_cpu`]), whose connections the pool keeps open across passes. A
+/// pass's figure is the time the server spent during it over its cycles; warm-up passes are
+/// not recorded.
 struct ServerCpu {
     names: &'static [&'static str],
-    /// Clock ticks per second (`getconf CLK_TCK`), or `None` where it cannot be read.
-    hz: Option<f64>,
     /// Microseconds per cycle of each measured pass, by side.
     passes: std::sync::Mutex<std::collections::HashMap<&'static str, Vec<f64>>>,
 }
@@ -417,66 +416,40 @@ impl ServerCpu {
             Server::Postgres => &["postgres"],
             Server::MySql => &["mariadbd", "mysqld"],
         };
-        let hz = std::process::Command::new("getconf")
-            .arg("CLK_TCK")
-            .output()
-            .ok()
-            .and_then(|out| String::from_utf8(out.stdout).ok())
-            .and_then(|text| text.trim().parse::<f64>().ok());
         ServerCpu {
             names,
-            hz,
             passes: Default::default(),
         }
     }
 
-    /// The server's processes' CPU time so far, in clock ticks (0 where `/proc` shows none).
-    fn ticks(&self) -> u64 {
+    /// The server's processes' CPU seconds so far (0 where `/proc` shows none).
+    fn seconds(&self) -> f64 {
         let Ok(entries) = std::fs::read_dir("/proc") else {
-            return 0;
+            return 0.0;
         };
-        let mut total = 0;
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let named = std::fs::read_to_string(path.join("comm"))
-                .is_ok_and(|comm| self.names.contains(&comm.trim()));
-            let Some(stat) = named
-                .then(|| std::fs::read_to_string(path.join("stat")).ok())
-                .flatten()
-            else {
-                continue;
-            };
-            // After the command's closing parenthesis: state is field 3; utime and stime
-            // are fields 14 and 15.
-            let fields: Vec<&str> = stat
-                .rsplit_once(')')
-                .map_or("", |(_, rest)| rest)
-                .split_whitespace()
-                .collect();
-            let time = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
-            total += time(11).unwrap_or(0) + time(12).unwrap_or(0);
-        }
-        total
+        entries
+            .flatten()
+            .map(|entry| entry.path())
+            .filter(|path| {
+                std::fs::read_to_string(path.join("comm"))
+                    .is_ok_and(|comm| self.names.contains(&comm.trim()))
+            })
+            .filter_map(|path| process_cpu(&path))
+            .sum()
     }
 
-    /// Records a measured pass of `side` of `ops` cycles that started at `before` ticks.
-    fn record(&self, side: &'static str, before: u64, ops: usize) {
-        if ops != OPS {
+    /// Records a measured pass of `side` of `ops` cycles that started at `before` seconds.
+    fn record(&self, side: &'static str, before: f64, ops: usize) {
+        let spent = self.seconds() - before;
+        if ops != OPS || spent <= 0.0 {
             return;
         }
-        let (Some(hz), spent) = (self.hz, self.ticks().saturating_sub(before)) else {
-            return;
-        };
-        if spent == 0 {
-            return;
-        }
-        let micros = spent as f64 / hz * 1e6 / ops as f64;
         self.passes
             .lock()
             .unwrap()
             .entry(side)
             .or_default()
-            .push(micros);
+            .push(spent * 1e6 / ops as f64);
     }
 
     /// The median microseconds per cycle of `side`'s measured passes, NaN where the server's
@@ -597,7 +570,7 @@ impl<DB: Db> Bench<DB> {
             Side::Raw | Side::Framework => self.store.table().to_string(),
         };
         self.empty(&table).await;
-        let before = self.server_cpu.ticks();
+        let before = self.server_cpu.seconds();
         let rate = match side {
             Side::Seed => {
                 drive(self, ops, run, |b, key, _| async move {
@@ -625,7 +598,7 @@ impl<DB: Db> Bench<DB> {
 
     async fn combined_pass(self: &Arc<Self>, ops: usize, run: usize) -> f64 {
         self.empty(self.store.table()).await;
-        let before = self.server_cpu.ticks();
+        let before = self.server_cpu.seconds();
         let rate = drive(self, ops, run, |b, key, _| async move {
             let out: Result<(), Error> = b.combined_guard.run(key, async { Ok(()) }).await;
             out.unwrap();

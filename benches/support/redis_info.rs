@@ -39,10 +39,5 @@ pub(crate) async fn server_cpu(conn: &mut ConnectionManager) -> Result<f64, BoxE
 /// CPU seconds this process's live threads have used, from `/proc/self/task/*/schedstat`
 /// (Linux); `None` elsewhere.
 pub(crate) fn client_cpu() -> Option<f64> {
-    let mut nanos = 0u64;
-    for task in std::fs::read_dir("/proc/self/task").ok()? {
-        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
-        nanos += stat.split_whitespace().next()?.parse::<u64>().ok()?;
-    }
-    Some(nanos as f64 / 1e9)
+    crate::stats::process_cpu(std::path::Path::new("/proc/self"))
 }

@@ -5,6 +5,7 @@
 // Each bench uses only some of these.
 #![allow(dead_code)]
 
+use std::path::Path;
 use std::time::Duration;
 
 /// The median of `values`: the middle one once sorted (the upper middle for an even count).
@@ -30,4 +31,15 @@ pub(crate) fn per_s(count: usize, elapsed: Duration) -> f64 {
 /// Prints one figure line, `name=value`, with `decimals` digits after the point.
 pub(crate) fn figure(name: &str, value: f64, decimals: usize) {
     println!("{name}={value:.decimals$}");
+}
+
+/// CPU seconds the live threads of the process at `proc_dir` (`/proc/self`, `/proc/<pid>`)
+/// have used, from its `task/*/schedstat` (Linux); `None` where they cannot be read.
+pub(crate) fn process_cpu(proc_dir: &Path) -> Option<f64> {
+    let mut nanos = 0u64;
+    for task in std::fs::read_dir(proc_dir.join("task")).ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        nanos += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(nanos as f64 / 1e9)
 }
