@@ -6,9 +6,11 @@
 //! Every action reads the record, checks what the operator expects (the fence of the stuck
 //! owner, the held state), and then writes only if the record still has the token it read:
 //! a record that changed in between (its owner completed, another owner took the key) is left
-//! alone and the action answers [`AdminOutcome::Changed`]. Each action is logged (a tracing
-//! event at `info`, or `warn` when nothing was changed) and, with the feature `metrics`,
-//! counted as `idempotency.admin.actions` (labels `action`, `store`, `outcome`).
+//! alone and the action answers [`AdminOutcome::Changed`]. A delete or purge is also refused
+//! by the store itself, at the moment of the write, for a record whose lease is live, so an
+//! owner that renewed after the read is never removed while it runs. Each action is logged
+//! (a tracing event at `info`, or `warn` when nothing was changed) and, with the feature
+//! `metrics`, counted as `idempotency.admin.actions` (labels `action`, `store`, `outcome`).
 //!
 //! Listing pages through the store ([`Store::scan`](crate::Store::scan): `SCAN` on each Redis
 //! node, a range of the primary key on SQL), a bounded page at a time, so it is safe on a
@@ -435,7 +437,9 @@ impl Admin {
     /// the key that is no record (which claims refuse to touch: the key is blocked until it
     /// is deleted). An in-progress record with a live lease is refused
     /// ([`AdminOutcome::WrongState`]): its owner may be running; free it with
-    /// [`force_release`](Admin::force_release) first.
+    /// [`force_release`](Admin::force_release) first. The store itself checks the lease at
+    /// the moment of the delete, so an owner that renews between this call's read and its
+    /// delete keeps its claim.
     ///
     /// # Errors
     ///
@@ -463,15 +467,19 @@ impl Admin {
                 state: record.state,
             });
         }
-        Ok(
-            if self.store.delete(key, Expect::Token(&record.token)).await? {
-                AdminOutcome::Done {
-                    fence: record.fence,
-                }
-            } else {
-                AdminOutcome::Changed
-            },
-        )
+        if self.store.delete(key, Expect::Token(&record.token)).await? {
+            return Ok(AdminOutcome::Done {
+                fence: record.fence,
+            });
+        }
+        // The store refused: the record changed, or its owner renewed since the read (the
+        // store never deletes a live claim). Say which, as the read would have.
+        Ok(match self.store.read(key).await {
+            Ok(Some(now)) if now.token == record.token && Inspection::of(&now).is_live_claim() => {
+                AdminOutcome::WrongState { state: now.state }
+            }
+            _ => AdminOutcome::Changed,
+        })
     }
 
     /// Deletes every record whose key has `prefix`, and every value under such a key that is

@@ -7,10 +7,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idempotency::admin::{Admin, AdminOutcome, Inspection, ListQuery, StateFilter};
-use idempotency::store::Expect;
-use idempotency::{Claim, ClaimRequest, Completion, Error, Key, OnError, RecordState, Token};
+use idempotency::store::{Expect, ScanCursor, ScanPage};
+use idempotency::{
+    BoxFuture, Claim, ClaimRequest, Completion, Error, Key, OnError, Record, RecordState,
+    SharedStore, Store, StoreError, Token,
+};
 
-use super::{guard, key, req, unique_prefix, Backend, TestError};
+use super::{eventually, guard, key, req, unique_prefix, Backend, TestError};
 
 /// A stuck owner (a crashed process with a long lease) is seen in progress; `force_release`
 /// with another fence changes nothing; with its fence the key is free at once: the next
@@ -392,4 +395,166 @@ pub async fn an_operator_deletes_records_and_purges_a_prefix(b: impl Backend) {
     assert!(admin.inspect(&other).await.unwrap().is_some());
     assert_eq!(admin.purge(&purged).await.unwrap().deleted, 0);
     assert!(admin.purge("has space").await.is_err());
+}
+
+/// A store that, once armed, renews one owner's claim right after it answers the operator's
+/// `read` or `scan`: the owner that stalled past its lease resumes exactly between the
+/// operator's look and its write. No real store can be made to interleave there on demand.
+struct RenewsAfterLook {
+    inner: SharedStore,
+    owner: std::sync::Mutex<Option<(Key, Token)>>,
+}
+
+impl RenewsAfterLook {
+    fn arm(&self, key: &Key, token: &Token) {
+        *self.owner.lock().unwrap() = Some((key.clone(), token.clone()));
+    }
+
+    async fn owner_resumes(&self) {
+        let owner = self.owner.lock().unwrap().take();
+        if let Some((key, token)) = owner {
+            let renewed = self.inner.renew(&key, &token, Duration::from_secs(3600));
+            assert!(renewed.await.unwrap(), "the stalled owner could not renew");
+        }
+    }
+}
+
+impl Store for RenewsAfterLook {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        self.inner.claim(req)
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.complete(key, token, completion)
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.release(key, token)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.renew(key, token, lease)
+    }
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        Box::pin(async move {
+            let seen = self.inner.read(key).await;
+            self.owner_resumes().await;
+            seen
+        })
+    }
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        cursor: &'a ScanCursor,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+        Box::pin(async move {
+            let page = self.inner.scan(prefix, cursor, limit).await;
+            self.owner_resumes().await;
+            page
+        })
+    }
+    fn delete<'a>(
+        &'a self,
+        key: &'a Key,
+        expect: Expect<'a>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.delete(key, expect)
+    }
+}
+
+/// An owner whose lease ran out is stalled, not necessarily dead: if it resumes and renews
+/// after the operator read its record, the delete (and the purge) must still leave its claim
+/// alone, because the store checks the lease at the moment of the write. Otherwise a second
+/// owner acquires the key while the first one runs, and the effect happens twice.
+pub async fn an_operator_never_deletes_a_claim_renewed_after_the_read(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix(&b, "admin-renewed");
+    let hour = Duration::from_secs(3600);
+    let brief = Duration::from_millis(50);
+    let stalled = |k: &Key| ClaimRequest::new(k.clone(), Token::generate(), brief, hour);
+    let lease_ran_out = |r: &Option<Record>| matches!(r, Some(r) if r.state == RecordState::InProgress { lease_left: Duration::ZERO });
+    let done = Completion::new(None, hour);
+
+    // The store's own delete, after the owner renewed a lease that had run out.
+    let k = key(&prefix, &[&"store"]);
+    let owner = stalled(&k);
+    assert!(matches!(
+        store.claim(&owner).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+    eventually(&store, &k, lease_ran_out).await;
+    assert!(store.renew(&k, &owner.token, hour).await.unwrap());
+    assert!(
+        !store.delete(&k, Expect::Token(&owner.token)).await.unwrap(),
+        "the store deleted a live claim"
+    );
+    assert!(matches!(
+        store.claim(&req(&k, hour)).await.unwrap(),
+        Claim::InProgress { .. }
+    ));
+    assert!(store.complete(&k, &owner.token, &done).await.unwrap());
+
+    // `delete` and `purge`, with the owner renewing between the operator's read and write.
+    let resuming = std::sync::Arc::new(RenewsAfterLook {
+        inner: store.clone(),
+        owner: std::sync::Mutex::new(None),
+    });
+    let admin = Admin::new(resuming.clone());
+    let k = key(&prefix, &[&"delete"]);
+    let owner = stalled(&k);
+    let Claim::Acquired { fence } = store.claim(&owner).await.unwrap() else {
+        panic!("not acquired");
+    };
+    eventually(&store, &k, lease_ran_out).await;
+    resuming.arm(&k, &owner.token);
+    assert!(matches!(
+        admin.delete(&k).await.unwrap(),
+        AdminOutcome::WrongState {
+            state: RecordState::InProgress { .. }
+        }
+    ));
+    assert!(matches!(
+        store.claim(&req(&k, hour)).await.unwrap(),
+        Claim::InProgress { fence: f } if !b.answers_carry_the_owners_fence() || f == fence
+    ));
+    assert!(
+        store.complete(&k, &owner.token, &done).await.unwrap(),
+        "the resumed owner lost its claim to the delete"
+    );
+
+    let purged = format!("{prefix}:purge");
+    let k = key(&purged, &[&"owner"]);
+    let owner = stalled(&k);
+    assert!(matches!(
+        store.claim(&owner).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+    eventually(&store, &k, lease_ran_out).await;
+    resuming.arm(&k, &owner.token);
+    let report = admin.purge(&purged).await.unwrap();
+    assert_eq!(
+        (report.deleted, report.live_claims_kept, report.changed),
+        (0, 1, 0),
+        "{report:?}"
+    );
+    assert!(matches!(
+        store.claim(&req(&k, hour)).await.unwrap(),
+        Claim::InProgress { .. }
+    ));
+    assert!(
+        store.complete(&k, &owner.token, &done).await.unwrap(),
+        "the resumed owner lost its claim to the purge"
+    );
 }

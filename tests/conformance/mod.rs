@@ -266,6 +266,7 @@ macro_rules! conformance_cases {
             a_batch_claim_that_answers_fewer_items_fails_the_rest,
             a_failed_batch_settlement_is_recorded_item_by_item,
             an_operator_deletes_records_and_purges_a_prefix,
+            an_operator_never_deletes_a_claim_renewed_after_the_read,
             every_sequence_is_answered_as_the_in_memory_store_answers_it
         );
     };

@@ -537,7 +537,11 @@ impl MemoryStore {
         let now = self.clock.now();
         let (mut shard, hash) = self.shard(key);
         match shard.live(key, hash, now) {
-            Some(entry) if entry.token == *token => {
+            // A live claim is never deleted: its owner may be running.
+            Some(entry)
+                if entry.token == *token
+                    && !matches!(entry.state, State::InProgress { lease_until } if lease_until > now) =>
+            {
                 shard.remove(key, hash);
                 true
             }

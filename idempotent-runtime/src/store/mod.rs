@@ -257,6 +257,11 @@ pub trait Store: Send + Sync + 'static {
     /// that is not a record at all), so the key is as if it was never claimed. Returns
     /// `false`, changing nothing, otherwise. The engine never calls it.
     ///
+    /// An in-progress record whose lease has not run out is never deleted, whatever its
+    /// token: the store checks the lease at the moment of the delete, in the same atomic
+    /// step, so an owner that renewed after the operator read its record (a stalled process
+    /// that resumed) keeps its claim and no second owner can acquire the key while it runs.
+    ///
     /// The default refuses with [`StoreErrorKind::Protocol`].
     fn delete<'a>(
         &'a self,
@@ -357,7 +362,8 @@ pub enum Settle {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Expect<'a> {
-    /// A record (of any state) whose token is this one.
+    /// A record whose token is this one: completed, released, or in progress with a lease
+    /// that has run out (a live claim is never deleted).
     Token(&'a Token),
     /// A value that is not a record ([`StoreErrorKind::Corrupt`] when read).
     Corrupt,

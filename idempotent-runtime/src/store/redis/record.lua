@@ -153,10 +153,12 @@ elseif op == 'read' then
   return {v, (clock()), redis.call('PTTL', key)}
 
 elseif op == 'delete' then
-  -- ARGV: token. A record of any state with this token.
+  -- ARGV: token. A record of any state with this token, except a live claim: an owner that
+  -- renewed since the operator read the record may be running.
   local r, why = load()
   if r == nil then return corrupt(why) end
   if not r or r.token ~= ARGV[2] then return 0 end
+  if r.state == 'P' and r.lease_end > clock() then return 0 end
   redis.call('DEL', key)
   return 1
 

@@ -249,6 +249,7 @@ WHERE record_key IN ({keys}) AND expires_at > UTC_TIMESTAMP(6)"
 const DELETE: &str = "\
 DELETE FROM idempotent_records
 WHERE record_key = ? AND token = ? AND expires_at > UTC_TIMESTAMP(6)
+  AND NOT (state = 'in_progress' AND lease_until > UTC_TIMESTAMP(6))
   AND fence >= 0 AND state IN ('in_progress', 'completed', 'released')";
 
 /// `token` and `fingerprint` are `BINARY(16)`: a negative fence or an unknown state (a table

@@ -259,6 +259,7 @@ RETURNING r.record_key"
 const DELETE: &str = concat!(
     "DELETE FROM idempotent_records
 WHERE record_key = $1 AND token = $2 AND expires_at > statement_timestamp()
+  AND NOT (state = 'in_progress' AND lease_until > statement_timestamp())
   AND state IN ('in_progress', 'completed', 'released') AND ",
     readable!("")
 );

@@ -232,7 +232,9 @@ RETURNING record_key"
 const DELETE: &str = concat!(
     "DELETE FROM idempotent_records WHERE record_key = ? AND token = ? AND expires_at > ",
     now!(),
-    " AND state IN ('in_progress', 'completed', 'released') AND ",
+    " AND NOT (state = 'in_progress' AND lease_until > ",
+    now!(),
+    ") AND state IN ('in_progress', 'completed', 'released') AND ",
     readable!("")
 );
 
