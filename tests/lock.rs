@@ -320,6 +320,53 @@ async fn an_invalid_lease_is_refused() {
     ));
 }
 
+/// A wait of `Duration::MAX` (no bound meant) waits, at most the longest supported duration,
+/// instead of overflowing the clock: the free key is locked, and a held one is waited for
+/// until its holder unlocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unbounded_wait_locks_and_waits_for_the_holder() {
+    let locks =
+        Lock::new(Arc::new(MemoryStore::new()), Duration::from_secs(30)).wait(Duration::MAX);
+    let key = Key::new("lock", 1, &[&"forever"]).unwrap();
+    let held = locks.lock(key.clone()).await.unwrap();
+    let fence = held.fence();
+    let waiter = tokio::spawn({
+        let (locks, key) = (locks.clone(), key.clone());
+        async move { locks.lock(key).await.map(|next| next.fence()) }
+    });
+    // The waiter is refused while the key is held, then takes it once it is unlocked.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(held.unlock().await.unwrap());
+    assert!(waiter.await.unwrap().unwrap() > fence);
+}
+
+/// Outside a Tokio runtime a held lock could not renew its lease: `try_lock` and `lock` say
+/// so with `Error::NoRuntime` before claiming, so the key is not left held until its lease
+/// runs out.
+#[test]
+fn a_lock_outside_a_tokio_runtime_is_refused_and_holds_nothing() {
+    let store = Arc::new(MemoryStore::new());
+    let locks = Lock::new(store.clone(), Duration::from_secs(3600));
+    let key = Key::new("lock", 1, &[&"no-runtime"]).unwrap();
+    use futures_util::future::FutureExt as _;
+    assert!(matches!(
+        locks.try_lock(key.clone()).now_or_never(),
+        Some(Err(Error::NoRuntime))
+    ));
+    assert!(matches!(
+        locks.lock(key.clone()).now_or_never(),
+        Some(Err(Error::NoRuntime))
+    ));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        assert_eq!(store.read(&key).await.unwrap(), None, "a claim was left");
+        assert!(locks.try_lock(key).await.unwrap().is_some());
+    });
+}
+
 /// Behind a proxy that cuts every request, `lock` fails with `Error::Store` and leaves
 /// nothing held; `unlock` that cannot reach the store fails too, and the key is given back in
 /// the background once the store answers again, long before its 60 s lease.

@@ -521,3 +521,48 @@ async fn the_call_span_is_a_child_of_the_span_the_call_runs_in() {
         assert_eq!(parent.as_deref(), Some("consumer"), "{seen:?}");
     }
 }
+
+/// `InProgress::Wait(Duration::MAX)` (wait as long as it takes) runs the handler on a free key
+/// and, on a held one, waits for the owner and then answers as for a completed key, instead of
+/// overflowing the clock on every call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unbounded_wait_policy_runs_and_waits() {
+    let store: SharedStore = Arc::new(MemoryStore::new());
+    let idem = idempotency::Idempotency::new(Duration::from_secs(60))
+        .store(store.clone())
+        .on_in_progress(idempotency::InProgress::Wait(Duration::MAX));
+    let runs = AtomicUsize::new(0);
+    let free = Key::new("wait-max", 1, &[&"free"]).unwrap();
+    let out: Result<(), idempotency::Error> = idem
+        .run(free, async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .await;
+    out.unwrap();
+
+    let held = Key::new("wait-max", 1, &[&"held"]).unwrap();
+    let owner = claim_req(&held, Duration::from_secs(30), Duration::from_secs(60));
+    assert!(matches!(
+        store.claim(&owner).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+    let waiter = tokio::spawn({
+        let idem = idem.clone();
+        async move {
+            let out: Result<(), idempotency::Error> =
+                idem.run(held, async { panic!("the duplicate ran") }).await;
+            out
+        }
+    });
+    let done = Completion::new(None, Duration::from_secs(60));
+    assert!(store
+        .complete(&owner.key, &owner.token, &done)
+        .await
+        .unwrap());
+    assert!(matches!(
+        waiter.await.unwrap(),
+        Err(idempotency::Error::Duplicate { .. })
+    ));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

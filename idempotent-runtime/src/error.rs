@@ -138,6 +138,13 @@ pub enum Error {
         value: std::time::Duration,
     },
 
+    /// The call needs a Tokio runtime (to renew a held lease on a task of its own) and was
+    /// made outside one, from another executor or plain `block_on`. Nothing was claimed.
+    ///
+    /// Consumer: [`Action::Redeliver`]; run the call on a Tokio runtime.
+    #[error("called outside a Tokio runtime: a held lease is renewed on a Tokio task")]
+    NoRuntime,
+
     /// The key could not be built from the message (an empty identifier, say). Nothing ran.
     ///
     /// Consumer: [`Action::DeadLetter`].
@@ -168,6 +175,7 @@ impl Error {
             | Error::LostOwnership { .. }
             | Error::Store(_)
             | Error::NoStore
+            | Error::NoRuntime
             | Error::InvalidDuration { .. } => Action::Redeliver,
             Error::PayloadMismatch { .. }
             | Error::Held { .. }
@@ -187,6 +195,7 @@ impl Error {
             | Error::Held { key } => Some(key),
             Error::Store(_)
             | Error::NoStore
+            | Error::NoRuntime
             | Error::InvalidDuration { .. }
             | Error::InvalidKey(_)
             | Error::Codec { .. } => None,

@@ -23,7 +23,9 @@ pub enum InProgress {
     /// Poll until the owner completes (then behave as for a completed key: replay or
     /// [`Error::Duplicate`](crate::Error::Duplicate)), releases or loses its lease (then claim
     /// and run), for at most the given time; then [`Error::InProgress`](crate::Error::InProgress).
-    /// For HTTP clients that should get the first request's response.
+    /// For HTTP clients that should get the first request's response. A time above
+    /// [`MAX_DURATION`](crate::store::MAX_DURATION) (`Duration::MAX` included) waits
+    /// `MAX_DURATION`.
     Wait(Duration),
     /// Drop this duplicate: return [`Error::Skipped`](crate::Error::Skipped), which a consumer
     /// acknowledges. Only for messages whose redelivery the live owner's own message covers.

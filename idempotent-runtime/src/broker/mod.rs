@@ -14,6 +14,7 @@
 //! | [`Error::LostOwnership`]: the handler outlived its lease and a newer owner took over | `Redeliver` | hold [`retry_delay`](Redelivery::retry_delay), then `basic.nack(requeue)` | `-NAK` with delay [`retry_delay`](Redelivery::retry_delay) | 409 Conflict, `Retry-After` |
 //! | [`Error::Store`]: the store failed; nothing ran, nothing was released | `Redeliver` | hold `retry_delay`, then `basic.nack(requeue)` | `-NAK` with delay `retry_delay` | 503 Service Unavailable, `Retry-After` |
 //! | [`Error::NoStore`]: no store configured | `Redeliver` | hold `retry_delay`, then `basic.nack(requeue)` | `-NAK` with delay `retry_delay` | 500 Internal Server Error |
+//! | [`Error::NoRuntime`]: a lock taken outside a Tokio runtime | `Redeliver` | hold `retry_delay`, then `basic.nack(requeue)` | `-NAK` with delay `retry_delay` | 500 Internal Server Error |
 //! | [`Error::PayloadMismatch`]: same key, different payload | `DeadLetter` | `basic.reject(requeue = false)` | `+TERM` | 422 Unprocessable Content |
 //! | [`Error::Held`]: an earlier run failed with `on_error = hold` | `DeadLetter` | `basic.reject(requeue = false)` | `+TERM` | 422 Unprocessable Content |
 //! | [`Error::InvalidKey`]: an empty or oversized key part | `DeadLetter` | `basic.reject(requeue = false)` | `+TERM` | 400 Bad Request |
@@ -399,6 +400,7 @@ mod tests {
             ),
             (Error::Store(store()), RETRY),
             (Error::NoStore, RETRY),
+            (Error::NoRuntime, RETRY),
             (Error::PayloadMismatch { key: key() }, Decision::DeadLetter),
             (Error::Held { key: key() }, Decision::DeadLetter),
             (

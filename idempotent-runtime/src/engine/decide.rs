@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::policy::InProgress;
-use crate::store::Claim;
+use crate::store::{Claim, MAX_DURATION};
 
 /// What to do next, after a claim answered.
 #[derive(Debug)]
@@ -43,10 +43,12 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(5);
 const MAX_BACKOFF: Duration = Duration::from_millis(250);
 
 impl Waiting {
-    /// The wait budget of a policy, starting now.
+    /// The wait budget of a policy, starting now. A wait longer than [`MAX_DURATION`] (up to
+    /// `Duration::MAX`) waits `MAX_DURATION`: far beyond any lease, and a deadline the clock
+    /// can always represent.
     pub(crate) fn new(policy: InProgress) -> Waiting {
         let until = match policy {
-            InProgress::Wait(max) => Some(Instant::now() + max),
+            InProgress::Wait(max) => Some(Instant::now() + max.min(MAX_DURATION)),
             _ => None,
         };
         Waiting {

@@ -81,7 +81,8 @@ impl Lock {
         }
     }
 
-    /// How long [`lock`](Lock::lock) waits for a held key before it gives up.
+    /// How long [`lock`](Lock::lock) waits for a held key before it gives up. A wait above
+    /// [`MAX_DURATION`] (`Duration::MAX` included) waits `MAX_DURATION`.
     pub fn wait(mut self, max: Duration) -> Lock {
         self.wait = max;
         self
@@ -96,7 +97,9 @@ impl Lock {
     /// bound; [`Error::Store`] when the store failed (nothing is held then: a claim whose
     /// reply was lost is read back or given back); [`Error::InvalidDuration`] for a lease
     /// outside [`MIN_DURATION`] ..= [`MAX_DURATION`]; [`Error::Duplicate`] when the key belongs
-    /// to a completed operation, not to a lock.
+    /// to a completed operation, not to a lock; [`Error::NoRuntime`] outside a Tokio runtime
+    /// (a held lock renews its lease on a task of the runtime). In every error case the key
+    /// is left free.
     pub async fn lock(&self, key: Key) -> Result<LockGuard, Error> {
         self.acquire(key, InProgress::Wait(self.wait)).await
     }
@@ -115,6 +118,11 @@ impl Lock {
     }
 
     async fn acquire(&self, key: Key, policy: InProgress) -> Result<LockGuard, Error> {
+        // Checked before the claim: without a runtime the guard could not renew its lease,
+        // and a claim taken then would hold the key until its lease ran out.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::NoRuntime);
+        }
         if !(MIN_DURATION..=MAX_DURATION).contains(&self.lease) {
             return Err(Error::InvalidDuration {
                 setting: "lease",
