@@ -354,6 +354,70 @@ async fn store_errors_and_completion_retries_are_counted() {
     redis_server::delete_matching(&url, &format!("{prefix}:*"));
 }
 
+/// A completion lost after its caller got `Ok` is counted, labelled with why: the caller's
+/// completion and renewals are cut (the proxy cuts every connection), so it is retried in the
+/// background while the lease runs out on Redis; another owner takes the key over on a direct
+/// connection, and once the proxy lets the retry through, the store refuses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_lost_after_the_caller_got_ok_are_counted() {
+    snapshotter();
+    let url = redis_server::redis_url();
+    let upstream = url.trim_start_matches("redis://").parse().unwrap();
+    let proxy = Arc::new(proxy::Proxy::start(upstream).await);
+    let build = |url: String| async move {
+        idempotency::redis::RedisStore::builder(&url)
+            .on_unsafe_config(idempotency::redis::UnsafeConfig::Warn)
+            .response_timeout(Duration::from_millis(300))
+            .build()
+            .await
+            .unwrap()
+    };
+    let proxied: SharedStore = Arc::new(build(proxy.url()).await);
+    let direct: SharedStore = Arc::new(build(url.clone()).await);
+    let lease = Duration::from_millis(400);
+    let guard = Idempotency::new(Duration::from_secs(60))
+        .lease(lease)
+        .store(proxied);
+    let prefix = unique("metrics");
+    let key = Key::new(&prefix, 1, &[&"lost"]).unwrap();
+    let cutting = proxy.clone();
+    let out: Result<(), Error> = guard
+        .run(key.clone(), async move {
+            cutting.chaos(1000, 0, 3);
+            Ok(())
+        })
+        .await;
+    out.expect("the caller is told the effect is applied");
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let next = idempotency::ClaimRequest::new(key.clone(), Token::generate(), lease, lease * 10);
+    loop {
+        match direct.claim(&next).await.unwrap() {
+            idempotency::Claim::Acquired { .. } => break,
+            idempotency::Claim::InProgress { .. } => {}
+            other => panic!("the lost owner's record: {other:?}"),
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never taken over");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.calm();
+    let labels = [
+        ("prefix", prefix.as_str()),
+        ("store", "redis"),
+        ("outcome", "refused"),
+    ];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while seen("idempotency.completion.lost", &labels).counter == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the loss was never counted"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(seen("idempotency.completion.lost", &labels).counter, 1);
+    redis_server::delete_matching(&url, &format!("{prefix}:*"));
+}
+
 /// A SQL purge counts the expired records it deleted.
 #[tokio::test]
 async fn purged_records_are_counted() {

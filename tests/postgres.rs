@@ -653,6 +653,8 @@ async fn database_outage_fails_closed_and_processing_resumes() {
                 .run(key, async {
                     entered.notify_one();
                     finish.notified().await;
+                    // No renewal reaches the database: the lease runs out under the handler.
+                    idempotency::current().unwrap().lost().await;
                     ledger.apply("order-in-flight");
                     Ok::<_, Error>(())
                 })
@@ -676,11 +678,13 @@ async fn database_outage_fails_closed_and_processing_resumes() {
     assert_eq!(refused, 40);
     assert_eq!(ledger.executions(), 40);
 
-    // The in-flight handler finishes while the database is down: its effect is applied and
-    // reported as done (reporting a failure would make the broker run it again), but its
-    // completion could not be recorded.
+    // The in-flight handler finishes while the database is down, after its lease ran out: its
+    // effect is applied but its completion cannot be recorded, and another owner may take the
+    // key, so the caller is told it lost ownership (the broker redelivers; the business check
+    // finds the effect applied). The completion goes on being retried in the background.
     finish.notify_one();
-    in_flight.await.unwrap().unwrap();
+    let lost = in_flight.await.unwrap();
+    assert!(matches!(lost, Err(Error::LostOwnership { .. })), "{lost:?}");
     assert_eq!(ledger.executions(), 41);
 
     // Up again: the refused messages are redelivered (twice each), and so is the in-flight

@@ -586,3 +586,65 @@ async fn lost_mariadb_batch_replies(plain: bool, more: Vec<(&'static str, Vec<u8
     let (_records, proxy, store, direct) = proxied_mariadb(plain).await;
     lost_batch_replies(Server::MySql, store, direct, &proxy, more).await;
 }
+
+/// A completion sent on a pooled PostgreSQL connection that goes silent (the proxy never
+/// forwards it and never answers: no reply, no error) must neither hang its caller nor let the
+/// lease lapse. The call is bounded (half the lease), resolved by reading the record back on
+/// another connection and sending the completion again, while the watchdog keeps renewing; a
+/// redelivery meanwhile meets a live owner, and afterwards the recorded result. Before the
+/// bound, the caller never returned, the lease ran out, and the redelivery ran the effect again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_on_a_silent_connection_is_bounded_and_the_lease_kept() {
+    let records = Scratch::table(Server::Postgres);
+    let url = records.url().to_string();
+    let server = server_of(&url);
+    let proxy = Proxy::start(addr(server)).await;
+    let proxied_url = url.replacen(server, &proxy.addr().to_string(), 1);
+    let store = PostgresStore::builder(&proxied_url)
+        .table(records.name().to_string())
+        .max_connections(4)
+        .build()
+        .await
+        .expect("PostgreSQL at 127.0.0.1:5432 must be running");
+    let lease = Duration::from_secs(2);
+    let guard = Idempotency::new(Duration::from_secs(60))
+        .lease(lease)
+        .store(Arc::new(store));
+    let key = Key::new(
+        "silent-completion",
+        1,
+        &[&format!("{}", std::process::id())],
+    )
+    .unwrap();
+    let effects = Arc::new(AtomicUsize::new(0));
+    let ran = Arc::new(tokio::sync::Notify::new());
+    let deliver = || {
+        let (effects, ran) = (effects.clone(), ran.clone());
+        guard.operation(key.clone()).replay().run(async move {
+            effects.fetch_add(1, Ordering::SeqCst);
+            ran.notify_one();
+            Ok::<u32, Error>(987_654_321)
+        })
+    };
+
+    // The result is a parameter of the completion statement alone.
+    proxy.stall_request(b"987654321");
+    let first = tokio::spawn(deliver());
+    ran.notified().await;
+    // Redeliveries for three leases, or until the first call returns: none may run the effect.
+    let deadline = tokio::time::Instant::now() + 3 * lease;
+    while !first.is_finished() && tokio::time::Instant::now() < deadline {
+        match deliver().await {
+            Err(Error::InProgress { .. }) => {}
+            Ok(value) => assert_eq!(value, 987_654_321),
+            Err(other) => panic!("a redelivery failed: {other}"),
+        }
+        assert_eq!(effects.load(Ordering::SeqCst), 1, "the effect ran again");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(proxy.stalled(), 1, "the completion was not stalled");
+    assert!(first.is_finished(), "the first caller never returned");
+    assert_eq!(first.await.unwrap().unwrap(), 987_654_321);
+    assert_eq!(deliver().await.unwrap(), 987_654_321, "not replayed");
+    assert_eq!(effects.load(Ordering::SeqCst), 1);
+}

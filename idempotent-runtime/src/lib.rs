@@ -57,7 +57,8 @@ pub mod __private;
 
 pub use default_store::{default_store, set_default_store, with_default_store, AlreadySet};
 pub use engine::{
-    current, state, Batch, Current, HandlerResult, Idempotency, Lock, LockGuard, Operation,
+    current, on_completion_lost, state, Batch, CompletionLost, Current, HandlerResult, Idempotency,
+    Lock, LockGuard, LossReason, Operation,
 };
 pub use error::{Action, Error, StoreError, StoreErrorKind};
 pub use key::{Key, KeyError, KeyPart};

@@ -15,6 +15,7 @@
 //! | `idempotency.lease.renewals` | counter | `prefix`, `store` |
 //! | `idempotency.store.errors` | counter | `store`, `error.type` |
 //! | `idempotency.completion.retries` | counter | `prefix`, `store` |
+//! | `idempotency.completion.lost` | counter | `prefix`, `store`, `outcome` (`refused`, `gave_up`) |
 //! | `idempotency.claims.active` | gauge (up-down) | `prefix`, `store` |
 //! | `idempotency.history.resets` | counter | `store` |
 //! | `idempotency.purged.records` | counter | `store` |
@@ -238,6 +239,16 @@ pub(crate) fn completion_retry(key: &Key, store: &'static str) {
     count("idempotency.completion.retries", key, store, "", 1);
     #[cfg(not(feature = "metrics"))]
     let _ = (key, store);
+}
+
+/// A completion lost after its caller got `Ok` (see `engine::loss`); `reason` is `refused`
+/// or `gave_up`.
+#[inline]
+pub(crate) fn completion_lost(key: &Key, store: &'static str, reason: &'static str) {
+    #[cfg(feature = "metrics")]
+    count("idempotency.completion.lost", key, store, reason, 1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (key, store, reason);
 }
 
 /// A claim acquired (`+1`) or settled (`-1`).

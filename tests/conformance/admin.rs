@@ -407,7 +407,7 @@ struct RenewsAfterLook {
 
 impl RenewsAfterLook {
     fn arm(&self, key: &Key, token: &Token) {
-        *self.owner.lock().unwrap() = Some((key.clone(), token.clone()));
+        *self.owner.lock().unwrap() = Some((key.clone(), *token));
     }
 
     async fn owner_resumes(&self) {

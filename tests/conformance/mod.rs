@@ -36,6 +36,7 @@ use serde::{Deserialize, Serialize};
 
 mod admin;
 mod batch;
+mod bounds;
 mod cancellation;
 mod claim;
 mod complete;
@@ -52,6 +53,7 @@ mod unknown_outcomes;
 
 pub use admin::*;
 pub use batch::*;
+pub use bounds::*;
 pub use cancellation::*;
 pub use claim::*;
 pub use complete::*;
@@ -267,6 +269,8 @@ macro_rules! conformance_cases {
             a_failed_batch_settlement_is_recorded_item_by_item,
             an_operator_deletes_records_and_purges_a_prefix,
             an_operator_never_deletes_a_claim_renewed_after_the_read,
+            a_completion_that_never_answers_is_bounded_and_read_back,
+            a_completion_lost_after_the_caller_got_ok_is_reported,
             every_sequence_is_answered_as_the_in_memory_store_answers_it
         );
     };

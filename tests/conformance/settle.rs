@@ -68,6 +68,9 @@ pub struct Faulty {
     pub fail_completes: AtomicUsize,
     /// How many of the next completions are applied but their reply is lost.
     pub lose_completes: AtomicUsize,
+    /// How many of the next completions never answer (a silent connection): not sent, no
+    /// reply, no error.
+    pub stall_completes: AtomicUsize,
     /// How many of the next reads fail.
     pub fail_reads: AtomicUsize,
     /// Renewals fail while set.
@@ -88,6 +91,7 @@ impl Faulty {
             inner,
             fail_completes: AtomicUsize::new(0),
             lose_completes: AtomicUsize::new(0),
+            stall_completes: AtomicUsize::new(0),
             fail_reads: AtomicUsize::new(0),
             fail_renewals: AtomicBool::new(false),
             reject_results: AtomicBool::new(false),
@@ -130,6 +134,9 @@ impl Store for Faulty {
         self.commands.fetch_add(1, Ordering::SeqCst);
         Box::pin(async move {
             self.complete_sent.pass().await;
+            if take(&self.stall_completes) {
+                std::future::pending::<()>().await;
+            }
             if take(&self.fail_completes) {
                 return unavailable();
             }

@@ -2,6 +2,9 @@
 //! and closes the client's connection instead of forwarding the reply. This is how a real
 //! network loses the answer to a command that did take effect.
 //!
+//! It can also stall a request: the request is never forwarded and its connection goes
+//! silent (open, no reply, no error), as a half-dead connection or a stalled server does.
+//!
 //! In chaos mode it also does so at random, and cuts connections before a request reaches the
 //! server, so a workload meets both kinds of fault on real connections.
 
@@ -27,7 +30,11 @@ struct Shared {
     /// How many requests holding the armed marker go through before the one that loses its
     /// reply.
     armed_skip: AtomicUsize,
+    /// The armed request is stalled (never forwarded, connection silent) instead of losing
+    /// its reply.
+    armed_stalls: AtomicBool,
     dropped: AtomicUsize,
+    stalled: AtomicUsize,
     /// Chaos: per mille of requests cut before reaching the server, and of replies lost.
     cut_permille: AtomicUsize,
     lose_permille: AtomicUsize,
@@ -105,7 +112,22 @@ impl Proxy {
         self.shared
             .armed_skip
             .store(n.saturating_sub(1), Ordering::SeqCst);
+        self.shared.armed_stalls.store(false, Ordering::SeqCst);
         *armed = Some(marker.to_vec());
+    }
+
+    /// The next request whose bytes contain `marker` is never forwarded, and its connection
+    /// stays open and silent: no reply, no error, ever (until the proxy is dropped).
+    pub fn stall_request(&self, marker: &[u8]) {
+        let mut armed = self.shared.armed.lock().unwrap();
+        self.shared.armed_skip.store(0, Ordering::SeqCst);
+        self.shared.armed_stalls.store(true, Ordering::SeqCst);
+        *armed = Some(marker.to_vec());
+    }
+
+    /// How many requests were stalled.
+    pub fn stalled(&self) -> usize {
+        self.shared.stalled.load(Ordering::SeqCst)
     }
 
     /// How many replies were lost.
@@ -158,6 +180,7 @@ async fn relay(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
+                let mut stall = false;
                 {
                     let mut armed = shared.armed.lock().unwrap();
                     if let Some(marker) = armed.as_deref() {
@@ -165,12 +188,21 @@ async fn relay(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
                             let skip = shared.armed_skip.load(Ordering::SeqCst);
                             if skip > 0 {
                                 shared.armed_skip.store(skip - 1, Ordering::SeqCst);
+                            } else if shared.armed_stalls.load(Ordering::SeqCst) {
+                                stall = true;
+                                *armed = None;
                             } else {
                                 swallow.store(true, Ordering::SeqCst);
                                 *armed = None;
                             }
                         }
                     }
+                }
+                if stall {
+                    shared.stalled.fetch_add(1, Ordering::SeqCst);
+                    // Keep both halves open and say nothing more, ever.
+                    let _open = (&client_rx, &server_tx);
+                    std::future::pending::<()>().await;
                 }
                 shared.requests.fetch_add(1, Ordering::SeqCst);
                 let (cut, lose) = (

@@ -9,6 +9,8 @@
 //!   cancellation and completions that fail.
 //! - [`Lock`] (`lock.rs`) is a fenced lease lock built on the same claim, renewal and release.
 //! - `watch.rs` renews the lease while a body runs and notices a lost lease.
+//! - `deadline.rs` bounds every store call of an owner's path; `loss.rs` reports a completion
+//!   lost after its caller was told it succeeded.
 //! - [`Current`] (`current.rs`) is the claim as the body sees it.
 //!
 //! The `#[idempotent]` attribute expands to an [`Operation`].
@@ -18,10 +20,12 @@ mod batch;
 mod bound;
 mod coalesce;
 mod current;
+mod deadline;
 mod decide;
 mod handler;
 mod idempotency;
 mod lock;
+mod loss;
 mod operation;
 mod owner;
 mod watch;
@@ -33,6 +37,7 @@ pub use current::{current, Current};
 pub use handler::HandlerResult;
 pub use idempotency::Idempotency;
 pub use lock::{Lock, LockGuard};
+pub use loss::{on_completion_lost, CompletionLost, LossReason};
 pub use operation::Operation;
 #[cfg(all(
     feature = "http",

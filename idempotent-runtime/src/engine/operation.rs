@@ -613,7 +613,7 @@ where
                     report("executed");
                     Ok(value)
                 }
-                Settled::Lost => {
+                Settled::Lost | Settled::Unconfirmed => {
                     span.record("outcome", "lost_ownership");
                     report("lost_ownership");
                     tracing::warn!("lost ownership before completing");

@@ -12,6 +12,10 @@
 //!   the completion fails, it hands the completion to a background task that retries with
 //!   backoff while renewing the lease, until the store records it or tells that someone else
 //!   owns the key.
+//!
+//! Every store call here is bounded ([`call_bound`]: half the lease): a call that never
+//! answers is a lost reply, resolved by reading the record back, and a completion in flight
+//! runs under the watchdog, so the lease is renewed (or its loss noticed) while it waits.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -23,8 +27,12 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use crate::codec;
+use crate::engine::deadline::{bounded, call_bound};
+use crate::engine::loss::{self, CompletionLost, LossReason};
+use crate::engine::watch::{watch, Watched};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
+use crate::policy::OnLostLease;
 use crate::store::{
     AcquiredClaim, BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, RecordState,
     SharedStore, Token,
@@ -142,17 +150,23 @@ pub(crate) async fn claim(
     if resolved.is_err() {
         let (store, key, token) = (store.clone(), req.key.clone(), req.token);
         let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
-        run_detached(give_back(store, key, token, give_up_at));
+        run_detached(give_back(store, key, token, req.lease, give_up_at));
     }
     resolved
 }
 
 /// Gives a claim back, token-checked, retrying with backoff while the store fails, until it
 /// answers or `give_up_at` (by then the record has expired on its own).
-async fn give_back(store: SharedStore, key: Key, token: Token, give_up_at: tokio::time::Instant) {
+async fn give_back(
+    store: SharedStore,
+    key: Key,
+    token: Token,
+    lease: Duration,
+    give_up_at: tokio::time::Instant,
+) {
     let mut backoff = Duration::from_millis(10);
     loop {
-        match store.release(&key, &token).await {
+        match bounded(call_bound(lease), "release", store.release(&key, &token)).await {
             Ok(_) => return,
             Err(err) if err.is_permanent() || tokio::time::Instant::now() >= give_up_at => {
                 tracing::warn!(key = %key, error = %err, "claim could not be given back; its lease will run out instead");
@@ -169,10 +183,16 @@ async fn give_back(store: SharedStore, key: Key, token: Token, give_up_at: tokio
 
 /// A claim round trip that finishes even when its caller is dropped: the claim is then given
 /// back as soon as it lands, so the key is not blocked for a lease.
+///
+/// It is bounded ([`call_bound`]): a round trip (with its read-back) that has not answered in
+/// time answers [`StoreErrorKind::OutcomeUnknown`] to its caller, and is then finished in the
+/// background as if the caller had been dropped. A claim abandoned in flight may still be
+/// applied later; finishing it, rather than dropping it, is what lets it be given back then.
 pub(crate) struct PendingClaim {
     store: SharedStore,
     req: Arc<ClaimRequest>,
     fut: Option<BoxFuture<'static, Result<Claim, StoreError>>>,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl PendingClaim {
@@ -185,6 +205,7 @@ impl PendingClaim {
                 let first = s.claim(&r).await;
                 claim(&s, &r, first).await
             })),
+            timer: None,
         }
     }
 }
@@ -199,9 +220,21 @@ impl Future for PendingClaim {
                 "claim polled after it finished",
             )));
         };
-        let out = std::task::ready!(fut.as_mut().poll(cx));
-        self.fut = None;
-        Poll::Ready(out)
+        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+            self.fut = None;
+            return Poll::Ready(out);
+        }
+        // A claim answered on its first poll (an in-memory store) sets no timer.
+        let bound = call_bound(self.req.lease);
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(bound)));
+        std::task::ready!(timer.as_mut().poll(cx));
+        // `fut` stays: dropping `self` finishes it in the background and gives it back.
+        Poll::Ready(Err(StoreError::new(
+            StoreErrorKind::OutcomeUnknown,
+            format!("no answer to the claim within {bound:?}"),
+        )))
     }
 }
 
@@ -215,7 +248,7 @@ impl Drop for PendingClaim {
         let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
         run_detached(async move {
             if let Ok(Claim::Acquired { .. }) = fut.await {
-                give_back(store, req.key.clone(), req.token, give_up_at).await;
+                give_back(store, req.key.clone(), req.token, req.lease, give_up_at).await;
             }
         });
     }
@@ -266,7 +299,14 @@ impl Drop for PendingBatch {
                 if let Ok(Claim::Acquired { .. }) = claim(&store, req, first).await {
                     let give_up_at =
                         give_up_at.max(tokio::time::Instant::now() + req.ttl.max(req.lease));
-                    give_back(store.clone(), req.key.clone(), req.token, give_up_at).await;
+                    give_back(
+                        store.clone(),
+                        req.key.clone(),
+                        req.token,
+                        req.lease,
+                        give_up_at,
+                    )
+                    .await;
                 }
             }
         });
@@ -280,8 +320,14 @@ pub(crate) enum Settled {
     Recorded,
     /// Someone else owns the key now: the completion was refused.
     Lost,
-    /// Not recorded yet: a background task keeps trying.
+    /// Not recorded yet: a background task keeps trying. The caller is told the operation
+    /// succeeded; should the background task fail for good, the loss is reported
+    /// ([`loss::report`]).
     Deferred,
+    /// Not recorded, and the lease ran out (on the caller's clock) while the completion went
+    /// unanswered: another owner may take the key. A background task keeps trying; the caller
+    /// is told it lost ownership.
+    Unconfirmed,
 }
 
 enum Phase {
@@ -297,6 +343,8 @@ enum Phase {
 pub(crate) struct Owner {
     claim: Arc<Claimed>,
     phase: Phase,
+    /// The caller was told the operation succeeded while its completion was still pending.
+    told_done: bool,
 }
 
 impl Owner {
@@ -304,6 +352,7 @@ impl Owner {
         Owner {
             claim,
             phase: Phase::Running,
+            told_done: false,
         }
     }
 
@@ -313,12 +362,7 @@ impl Owner {
 
     /// Gives the claim back (the body failed, or a business check failed before it ran).
     pub(crate) async fn release(mut self) {
-        match self
-            .claim
-            .store
-            .release(&self.claim.key, &self.claim.token)
-            .await
-        {
+        match self.release_call().await {
             Ok(true) => self.phase = Phase::Done,
             Ok(false) => {
                 self.phase = Phase::Done;
@@ -332,15 +376,18 @@ impl Owner {
     /// Gives the claim back and says whether it was still ours. When the store does not
     /// answer, the claim is given back in the background (as on drop) and the error returned.
     pub(crate) async fn give_back_now(mut self) -> Result<bool, StoreError> {
-        let released = self
-            .claim
-            .store
-            .release(&self.claim.key, &self.claim.token)
-            .await;
+        let released = self.release_call().await;
         if released.is_ok() {
             self.phase = Phase::Done;
         }
         released
+    }
+
+    /// One bounded release round trip.
+    async fn release_call(&self) -> Result<bool, StoreError> {
+        let claim = &self.claim;
+        let release = claim.store.release(&claim.key, &claim.token);
+        bounded(call_bound(claim.lease), "release", release).await
     }
 
     /// When the record expires on its own, as far as the caller knows.
@@ -364,7 +411,7 @@ impl Owner {
         let Phase::Settling(completion) = &self.phase else {
             return Settled::Deferred;
         };
-        let settled = match complete(&self.claim, completion).await {
+        let settled = match complete_watched(&self.claim, completion).await {
             Ok(true) => Settled::Recorded,
             Ok(false) => {
                 self.claim.set_lost();
@@ -374,9 +421,14 @@ impl Owner {
                 tracing::error!(error = %err, "effect applied but its record is unreadable; an operator must look at the key");
                 Settled::Recorded
             }
+            Err(err) if self.claim.is_lost() => {
+                tracing::error!(error = %err, "effect applied, its completion unanswered and the lease run out; retrying in the background");
+                // Dropping `self` while settling hands the completion to the background.
+                return Settled::Unconfirmed;
+            }
             Err(err) => {
                 tracing::error!(error = %err, "effect applied but its completion could not be recorded yet; retrying in the background");
-                // Dropping `self` while settling hands the completion to the background.
+                self.told_done = true;
                 return Settled::Deferred;
             }
         };
@@ -396,11 +448,16 @@ impl Drop for Owner {
                     claim.store.clone(),
                     claim.key.clone(),
                     claim.token,
+                    claim.lease,
                     self.expires_at(),
                 ));
             }
             Phase::Settling(completion) => {
-                run_detached(complete_in_background(self.claim.clone(), completion));
+                run_detached(complete_in_background(
+                    self.claim.clone(),
+                    completion,
+                    self.told_done,
+                ));
             }
         }
     }
@@ -445,21 +502,38 @@ async fn complete(claim: &Claimed, completion: &Completion) -> Result<bool, Stor
 
 async fn complete_resolving(claim: &Claimed, completion: &Completion) -> Result<bool, StoreError> {
     let store = &claim.store;
-    match store.complete(&claim.key, &claim.token, completion).await {
+    let bound = call_bound(claim.lease);
+    let send = || {
+        let complete = store.complete(&claim.key, &claim.token, completion);
+        bounded(bound, "completion", complete)
+    };
+    match send().await {
         Err(err) if err.is_outcome_unknown() => {
             tracing::debug!(error = %err, "completion reply lost; reading the record back");
-            match store.read(&claim.key).await? {
+            match bounded(bound, "read", store.read(&claim.key)).await? {
                 Some(record) if record.token == claim.token => match record.state {
                     RecordState::Completed => Ok(true),
-                    RecordState::InProgress { .. } => {
-                        store.complete(&claim.key, &claim.token, completion).await
-                    }
+                    RecordState::InProgress { .. } => send().await,
                     _ => Ok(false),
                 },
                 _ => Ok(false),
             }
         }
         other => other,
+    }
+}
+
+/// One completion attempt ([`complete`]) under the watchdog: the lease is renewed while the
+/// completion is in flight, and marked lost if it runs out first.
+async fn complete_watched(claim: &Claimed, completion: &Completion) -> Result<bool, StoreError> {
+    let attempt = std::pin::pin!(complete(claim, completion));
+    match watch(attempt, claim, OnLostLease::Continue).await {
+        Watched::Done(out) => out,
+        // Never with `Continue`; an unknown outcome is what it would be.
+        Watched::Cancelled => Err(StoreError::new(
+            StoreErrorKind::OutcomeUnknown,
+            "completion abandoned by the watchdog",
+        )),
     }
 }
 
@@ -470,14 +544,25 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// bounded backoff, renewing the lease between attempts so no one takes the key over while the
 /// store is failing. Gives up when the record's ttl has passed since the claim (the record is
 /// gone by then): the next owner meets an in-progress record after its lease and the business
-/// check or the fence decides.
-async fn complete_in_background(claim: Arc<Claimed>, completion: Completion) {
+/// check or the fence decides. When the caller was already told the operation succeeded
+/// (`told_done`), a refusal or giving up is reported as a lost completion.
+async fn complete_in_background(claim: Arc<Claimed>, completion: Completion, told_done: bool) {
+    let lost = |reason| {
+        if told_done {
+            let lost = CompletionLost {
+                key: claim.key.clone(),
+                fence: claim.fence,
+                reason,
+            };
+            loss::report(lost, claim.store.name());
+        }
+    };
     let give_up_at = claim.sent_at + claim.ttl.max(claim.lease);
     let mut backoff = Duration::from_millis(10).min(claim.lease / 4);
     let mut attempts = 0u32;
     loop {
         attempts += 1;
-        match complete(&claim, &completion).await {
+        match complete_watched(&claim, &completion).await {
             Ok(true) => {
                 tracing::info!(key = %claim.key, attempts, "completion recorded after retrying");
                 return;
@@ -485,6 +570,7 @@ async fn complete_in_background(claim: Arc<Claimed>, completion: Completion) {
             Ok(false) => {
                 claim.set_lost();
                 tracing::error!(key = %claim.key, fence = claim.fence, "lost ownership before the completion could be recorded");
+                lost(LossReason::Refused);
                 return;
             }
             Err(err) if err.kind() == StoreErrorKind::Corrupt => {
@@ -495,6 +581,7 @@ async fn complete_in_background(claim: Arc<Claimed>, completion: Completion) {
                 crate::metrics::store_error(claim.store.name(), err.kind());
                 if tokio::time::Instant::now() >= give_up_at {
                     tracing::error!(key = %claim.key, error = %err, attempts, "completion could not be recorded before the record's ttl; giving up");
+                    lost(LossReason::GaveUp);
                     return;
                 }
                 tracing::warn!(key = %claim.key, error = %err, attempts, "completion failed; retrying");
@@ -503,11 +590,8 @@ async fn complete_in_background(claim: Arc<Claimed>, completion: Completion) {
         crate::metrics::completion_retry(&claim.key, claim.store.name());
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF).min(claim.lease / 3);
-        if let Err(err) = claim
-            .store
-            .renew(&claim.key, &claim.token, claim.lease)
-            .await
-        {
+        let renew = claim.store.renew(&claim.key, &claim.token, claim.lease);
+        if let Err(err) = bounded(call_bound(claim.lease), "renewal", renew).await {
             tracing::debug!(key = %claim.key, error = %err, "lease renewal failed while retrying the completion");
         }
     }

@@ -15,10 +15,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::engine::deadline::{bounded, call_bound};
 use crate::engine::owner::Claimed;
+use crate::error::StoreError;
 use crate::policy::OnLostLease;
 use crate::store::BoxFuture;
-use crate::StoreError;
 
 /// How a watched future ended.
 pub(crate) enum Watched<T> {
@@ -90,9 +91,12 @@ pub(crate) async fn watch<F: Future>(
         }
         if renewal.is_none() && now >= next_renewal {
             next_renewal = now + every;
+            // Bounded: a renewal that never answers is abandoned and the next one sent, well
+            // before the lease runs out.
+            let renew = claim.store.renew(&claim.key, &claim.token, claim.lease);
             renewal = Some((
                 now,
-                claim.store.renew(&claim.key, &claim.token, claim.lease),
+                Box::pin(bounded(call_bound(claim.lease), "renewal", renew)),
             ));
             // Poll the new renewal (and the rest) once more.
             continue;
