@@ -122,3 +122,50 @@ pub async fn a_completion_lost_after_the_caller_got_ok_is_reported(b: impl Backe
         u64::try_from(fence.load(Ordering::SeqCst)).unwrap()
     );
 }
+
+/// A batch claim that does not answer within half the lease fails its items closed (nothing
+/// runs; the broker redelivers) instead of holding the batch; the claims it made meanwhile are
+/// given back once they land, so the redelivered batch runs every item, once.
+pub async fn a_batch_claim_that_never_answers_fails_closed_and_gives_back(b: impl Backend) {
+    let faulty = Faulty::new(b.store());
+    let store: SharedStore = faulty.clone();
+    let prefix = unique_prefix(&b, "silent-batch");
+    let items: Vec<(idempotency::Key, u32)> = (0..3u32).map(|i| (key(&prefix, &[&i]), i)).collect();
+    let lease = Duration::from_millis(400);
+    let idem = Idempotency::new(Duration::from_secs(60))
+        .lease(lease)
+        .store(store.clone());
+    let runs = AtomicUsize::new(0);
+    let handler = |_: u32| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, TestError>(()) }
+    };
+    // The claims are applied; their answers never come while the gate is closed.
+    faulty.claim_reply.close();
+    let out: Vec<Result<(), TestError>> =
+        tokio::time::timeout(10 * lease, idem.batch().run(items.clone(), handler))
+            .await
+            .expect("the batch never answered");
+    assert_eq!(out.len(), 3);
+    for out in &out {
+        assert!(
+            matches!(out, Err(TestError::Idem(idempotency::Error::Store(_)))),
+            "{out:?}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+
+    // The answers arrive late: what was acquired is given back, long before the lease ends.
+    faulty.claim_reply.open();
+    for (k, _) in &items {
+        eventually(
+            &b.store(),
+            k,
+            |r| !matches!(r, Some(r) if matches!(r.state, RecordState::InProgress { .. })),
+        )
+        .await;
+    }
+    let again: Vec<Result<(), TestError>> = idem.batch().run(items.clone(), handler).await;
+    assert!(again.iter().all(Result::is_ok), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}

@@ -271,6 +271,7 @@ macro_rules! conformance_cases {
             an_operator_never_deletes_a_claim_renewed_after_the_read,
             a_completion_that_never_answers_is_bounded_and_read_back,
             a_completion_lost_after_the_caller_got_ok_is_reported,
+            a_batch_claim_that_never_answers_fails_closed_and_gives_back,
             every_sequence_is_answered_as_the_in_memory_store_answers_it
         );
     };

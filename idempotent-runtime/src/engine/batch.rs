@@ -15,7 +15,8 @@ use crate::engine::decide::{decide, Busy, Next, Waiting};
 use crate::engine::handler::{DoneCheck, HandlerResult, ItemCheck, ItemDone, NoDone};
 use crate::engine::idempotency::Idempotency;
 use crate::engine::operation::{completed, own, Operation, Outcomes};
-use crate::engine::owner::{self, Claimed, Owner, PendingBatch};
+use crate::engine::owner::{Claimed, Owner};
+use crate::engine::pending::{self, PendingBatch};
 use crate::error::{Error, StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::policy::{OnError, OnStoreError};
@@ -254,7 +255,7 @@ where
 {
     let span = tracing::Span::current();
     let store: SharedStore = batch.batch.clone();
-    let claim = match owner::claim(&store, &req, first).await {
+    let claim = match pending::claim(&store, &req, first).await {
         Ok(claim) => claim,
         Err(err) => {
             batch.batch.forget(&req.token);

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use crate::engine::decide::{decide, Busy, Next, Waiting};
 use crate::engine::operation::unwrap_req;
-use crate::engine::owner::{Claimed, Owner, PendingClaim};
+use crate::engine::owner::{Claimed, Owner};
+use crate::engine::pending::PendingClaim;
 use crate::engine::watch::watch;
 use crate::error::Error;
 use crate::key::Key;

@@ -31,8 +31,9 @@ impl LossReason {
     }
 }
 
-/// A completion that was lost after its caller had been told the operation succeeded (see the
-/// [module docs](self) and [`on_completion_lost`]).
+/// A completion that was lost after its caller had been told the operation succeeded: the
+/// effect was applied, and the next delivery runs again unless a business check or fence
+/// refuses it (see [`on_completion_lost`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CompletionLost {

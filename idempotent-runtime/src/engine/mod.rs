@@ -5,8 +5,9 @@
 //!   fingerprint, a replay codec, an error policy and a business-status check, and run.
 //! - `bound.rs` runs a call whose claim lives in the caller's transaction (SQL stores).
 //! - `decide.rs` maps a claim's outcome and the policy to the next step, for every path.
-//! - `owner.rs` owns a claim from its round trip to its completion or release, including
-//!   cancellation and completions that fail.
+//! - `pending.rs` is the claim round trip (single and batch), bounded and finished in the
+//!   background when its caller is gone; `owner.rs` owns an acquired claim to its completion
+//!   or release, including cancellation and completions that fail.
 //! - [`Lock`] (`lock.rs`) is a fenced lease lock built on the same claim, renewal and release.
 //! - `watch.rs` renews the lease while a body runs and notices a lost lease.
 //! - `deadline.rs` bounds every store call of an owner's path; `loss.rs` reports a completion
@@ -28,6 +29,7 @@ mod lock;
 mod loss;
 mod operation;
 mod owner;
+mod pending;
 mod watch;
 
 pub use batch::Batch;

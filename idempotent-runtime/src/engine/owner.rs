@@ -1,12 +1,10 @@
-//! An owned claim, from the claim round trip to its completion or release.
+//! An owned claim, from its acquisition to its completion or release.
 //!
 //! The rule this module keeps: **before the body finished, a claim is given back; once the body
 //! returned, its outcome is completed, never given back.** Every path that can end an owned
 //! claim goes through [`Owner`]: a dropped future, a panic, a failed or unknown completion.
+//! (The claim round trip before it, and giving a claim back, are in `pending.rs`.)
 //!
-//! - [`PendingClaim`] is the claim round trip. Dropped while in flight, it finishes the round
-//!   trip on the runtime and gives an acquired claim back, so a cancelled caller never leaves
-//!   the key blocked for a whole lease.
 //! - [`Owner`] holds an acquired claim. Dropped while the body runs (cancellation, panic), it
 //!   releases, token-checked. After the body returned it is *settling*: dropped then, or when
 //!   the completion fails, it hands the completion to a background task that retries with
@@ -17,11 +15,8 @@
 //! answers is a lost reply, resolved by reading the record back, and a completion in flight
 //! runs under the watchdog, so the lease is renewed (or its loss noticed) while it waits.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -29,13 +24,13 @@ use tokio::sync::Notify;
 use crate::codec;
 use crate::engine::deadline::{bounded, call_bound};
 use crate::engine::loss::{self, CompletionLost, LossReason};
+use crate::engine::pending::{give_back, run_detached};
 use crate::engine::watch::{watch, Watched};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::policy::OnLostLease;
 use crate::store::{
-    AcquiredClaim, BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, RecordState,
-    SharedStore, Token,
+    AcquiredClaim, ClaimRequest, Completion, Fingerprint, RecordState, SharedStore, Token,
 };
 
 /// Everything that travels with an acquired claim.
@@ -117,199 +112,6 @@ impl Claimed {
             return;
         }
         notified.await;
-    }
-}
-
-/// Claims, resolving a lost reply by reading the record back by token: a claim that was
-/// applied but whose reply was lost is ours, never a duplicate. When the outcome stays unknown
-/// (the read-back fails too), the claim may be applied with no one to own it: it is given back
-/// in the background, token-checked, so the key is not left blocked.
-pub(crate) async fn claim(
-    store: &SharedStore,
-    req: &ClaimRequest,
-    first: Result<Claim, StoreError>,
-) -> Result<Claim, StoreError> {
-    let unknown = match first {
-        Err(err) if err.is_outcome_unknown() => err,
-        other => return other,
-    };
-    tracing::debug!(error = %unknown, "claim reply lost; reading the record back");
-    let resolved = match store.read(&req.key).await {
-        Ok(Some(record))
-            if record.token == req.token
-                && matches!(record.state, RecordState::InProgress { .. }) =>
-        {
-            Ok(Claim::Acquired {
-                fence: record.fence,
-            })
-        }
-        // Not ours: the claim was not applied, so it is safe to send again.
-        Ok(_) => store.claim(req).await,
-        Err(err) => Err(err),
-    };
-    if resolved.is_err() {
-        let (store, key, token) = (store.clone(), req.key.clone(), req.token);
-        let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
-        run_detached(give_back(store, key, token, req.lease, give_up_at));
-    }
-    resolved
-}
-
-/// Gives a claim back, token-checked, retrying with backoff while the store fails, until it
-/// answers or `give_up_at` (by then the record has expired on its own).
-async fn give_back(
-    store: SharedStore,
-    key: Key,
-    token: Token,
-    lease: Duration,
-    give_up_at: tokio::time::Instant,
-) {
-    let mut backoff = Duration::from_millis(10);
-    loop {
-        match bounded(call_bound(lease), "release", store.release(&key, &token)).await {
-            Ok(_) => return,
-            Err(err) if err.is_permanent() || tokio::time::Instant::now() >= give_up_at => {
-                tracing::warn!(key = %key, error = %err, "claim could not be given back; its lease will run out instead");
-                return;
-            }
-            Err(err) => {
-                tracing::debug!(key = %key, error = %err, "giving the claim back failed; retrying");
-            }
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(MAX_BACKOFF);
-    }
-}
-
-/// A claim round trip that finishes even when its caller is dropped: the claim is then given
-/// back as soon as it lands, so the key is not blocked for a lease.
-///
-/// It is bounded ([`call_bound`]): a round trip (with its read-back) that has not answered in
-/// time answers [`StoreErrorKind::OutcomeUnknown`] to its caller, and is then finished in the
-/// background as if the caller had been dropped. A claim abandoned in flight may still be
-/// applied later; finishing it, rather than dropping it, is what lets it be given back then.
-pub(crate) struct PendingClaim {
-    store: SharedStore,
-    req: Arc<ClaimRequest>,
-    fut: Option<BoxFuture<'static, Result<Claim, StoreError>>>,
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl PendingClaim {
-    pub(crate) fn new(store: &SharedStore, req: &Arc<ClaimRequest>) -> PendingClaim {
-        let (s, r) = (store.clone(), req.clone());
-        PendingClaim {
-            store: store.clone(),
-            req: req.clone(),
-            fut: Some(Box::pin(async move {
-                let first = s.claim(&r).await;
-                claim(&s, &r, first).await
-            })),
-            timer: None,
-        }
-    }
-}
-
-impl Future for PendingClaim {
-    type Output = Result<Claim, StoreError>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(fut) = self.fut.as_mut() else {
-            return Poll::Ready(Err(StoreError::new(
-                StoreErrorKind::Protocol,
-                "claim polled after it finished",
-            )));
-        };
-        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
-            self.fut = None;
-            return Poll::Ready(out);
-        }
-        // A claim answered on its first poll (an in-memory store) sets no timer.
-        let bound = call_bound(self.req.lease);
-        let timer = self
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(bound)));
-        std::task::ready!(timer.as_mut().poll(cx));
-        // `fut` stays: dropping `self` finishes it in the background and gives it back.
-        Poll::Ready(Err(StoreError::new(
-            StoreErrorKind::OutcomeUnknown,
-            format!("no answer to the claim within {bound:?}"),
-        )))
-    }
-}
-
-impl Drop for PendingClaim {
-    fn drop(&mut self) {
-        let Some(fut) = self.fut.take() else {
-            return;
-        };
-        let (store, req) = (self.store.clone(), self.req.clone());
-        tracing::debug!(key = %req.key, "claim abandoned in flight; giving it back once it lands");
-        let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
-        run_detached(async move {
-            if let Ok(Claim::Acquired { .. }) = fut.await {
-                give_back(store, req.key.clone(), req.token, req.lease, give_up_at).await;
-            }
-        });
-    }
-}
-
-/// A batch claim round trip that finishes even when its caller is dropped, like
-/// [`PendingClaim`]: every key it acquired is then given back as soon as it lands.
-pub(crate) struct PendingBatch {
-    store: SharedStore,
-    reqs: Arc<[ClaimRequest]>,
-    fut: Option<BoxFuture<'static, Vec<Result<Claim, StoreError>>>>,
-}
-
-impl PendingBatch {
-    pub(crate) fn new(store: &SharedStore, reqs: &Arc<[ClaimRequest]>) -> PendingBatch {
-        let (s, r) = (store.clone(), reqs.clone());
-        PendingBatch {
-            store: store.clone(),
-            reqs: reqs.clone(),
-            fut: Some(Box::pin(async move { s.claim_many(&r).await })),
-        }
-    }
-}
-
-impl Future for PendingBatch {
-    type Output = Vec<Result<Claim, StoreError>>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(fut) = self.fut.as_mut() else {
-            return Poll::Ready(Vec::new());
-        };
-        let out = std::task::ready!(fut.as_mut().poll(cx));
-        self.fut = None;
-        Poll::Ready(out)
-    }
-}
-
-impl Drop for PendingBatch {
-    fn drop(&mut self) {
-        let Some(fut) = self.fut.take() else {
-            return;
-        };
-        let (store, reqs) = (self.store.clone(), self.reqs.clone());
-        let give_up_at = tokio::time::Instant::now() + Duration::from_secs(60);
-        run_detached(async move {
-            let claims = fut.await;
-            for (req, first) in reqs.iter().zip(claims) {
-                if let Ok(Claim::Acquired { .. }) = claim(&store, req, first).await {
-                    let give_up_at =
-                        give_up_at.max(tokio::time::Instant::now() + req.ttl.max(req.lease));
-                    give_back(
-                        store.clone(),
-                        req.key.clone(),
-                        req.token,
-                        req.lease,
-                        give_up_at,
-                    )
-                    .await;
-                }
-            }
-        });
     }
 }
 
@@ -594,30 +396,5 @@ async fn complete_in_background(claim: Arc<Claimed>, completion: Completion, tol
         if let Err(err) = bounded(call_bound(claim.lease), "renewal", renew).await {
             tracing::debug!(key = %claim.key, error = %err, "lease renewal failed while retrying the completion");
         }
-    }
-}
-
-/// Runs `fut` to completion without a caller: at once if it finishes on its first poll (a
-/// store that answers without waiting), otherwise on the current Tokio runtime. Without a
-/// runtime it is dropped; the lease then runs out instead.
-fn run_detached<F>(fut: F)
-where
-    F: Future<Output = ()> + Send + 'static,
-{
-    let mut fut = Box::pin(fut);
-    if fut
-        .as_mut()
-        .poll(&mut Context::from_waker(Waker::noop()))
-        .is_ready()
-    {
-        return;
-    }
-    match tokio::runtime::Handle::try_current() {
-        Ok(handle) => {
-            handle.spawn(fut);
-        }
-        Err(_) => tracing::warn!(
-            "no Tokio runtime to finish a claim's cleanup; its lease will run out instead"
-        ),
     }
 }

@@ -1,0 +1,263 @@
+//! Claim round trips that finish even when their caller is gone, and the background work that
+//! gives an unowned claim back.
+//!
+//! - [`claim`] resolves a lost claim reply by reading the record back by token.
+//! - [`PendingClaim`] and [`PendingBatch`] are the single and batch claim round trips: bounded
+//!   ([`call_bound`]), and finished on the runtime when their caller is dropped or gives up, so
+//!   a claim that lands late is given back.
+//! - [`give_back`] releases a claim, token-checked, retrying while the store fails;
+//!   [`run_detached`] runs such work without a caller.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use crate::engine::deadline::{bounded, call_bound};
+use crate::error::{StoreError, StoreErrorKind};
+use crate::key::Key;
+use crate::store::{BoxFuture, Claim, ClaimRequest, RecordState, SharedStore, Token};
+
+/// The longest pause between two attempts to give a claim back.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Claims, resolving a lost reply by reading the record back by token: a claim that was
+/// applied but whose reply was lost is ours, never a duplicate. When the outcome stays unknown
+/// (the read-back fails too), the claim may be applied with no one to own it: it is given back
+/// in the background, token-checked, so the key is not left blocked.
+pub(crate) async fn claim(
+    store: &SharedStore,
+    req: &ClaimRequest,
+    first: Result<Claim, StoreError>,
+) -> Result<Claim, StoreError> {
+    let unknown = match first {
+        Err(err) if err.is_outcome_unknown() => err,
+        other => return other,
+    };
+    tracing::debug!(error = %unknown, "claim reply lost; reading the record back");
+    let resolved = match store.read(&req.key).await {
+        Ok(Some(record))
+            if record.token == req.token
+                && matches!(record.state, RecordState::InProgress { .. }) =>
+        {
+            Ok(Claim::Acquired {
+                fence: record.fence,
+            })
+        }
+        // Not ours: the claim was not applied, so it is safe to send again.
+        Ok(_) => store.claim(req).await,
+        Err(err) => Err(err),
+    };
+    if resolved.is_err() {
+        let (store, key, token) = (store.clone(), req.key.clone(), req.token);
+        let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
+        run_detached(give_back(store, key, token, req.lease, give_up_at));
+    }
+    resolved
+}
+
+/// Gives a claim back, token-checked, retrying with backoff while the store fails, until it
+/// answers or `give_up_at` (by then the record has expired on its own).
+pub(crate) async fn give_back(
+    store: SharedStore,
+    key: Key,
+    token: Token,
+    lease: Duration,
+    give_up_at: tokio::time::Instant,
+) {
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        match bounded(call_bound(lease), "release", store.release(&key, &token)).await {
+            Ok(_) => return,
+            Err(err) if err.is_permanent() || tokio::time::Instant::now() >= give_up_at => {
+                tracing::warn!(key = %key, error = %err, "claim could not be given back; its lease will run out instead");
+                return;
+            }
+            Err(err) => {
+                tracing::debug!(key = %key, error = %err, "giving the claim back failed; retrying");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// A claim round trip that finishes even when its caller is dropped: the claim is then given
+/// back as soon as it lands, so the key is not blocked for a lease.
+///
+/// It is bounded ([`call_bound`]): a round trip (with its read-back) that has not answered in
+/// time answers [`StoreErrorKind::OutcomeUnknown`] to its caller, and is then finished in the
+/// background as if the caller had been dropped. A claim abandoned in flight may still be
+/// applied later; finishing it, rather than dropping it, is what lets it be given back then.
+pub(crate) struct PendingClaim {
+    store: SharedStore,
+    req: Arc<ClaimRequest>,
+    fut: Option<BoxFuture<'static, Result<Claim, StoreError>>>,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl PendingClaim {
+    pub(crate) fn new(store: &SharedStore, req: &Arc<ClaimRequest>) -> PendingClaim {
+        let (s, r) = (store.clone(), req.clone());
+        PendingClaim {
+            store: store.clone(),
+            req: req.clone(),
+            fut: Some(Box::pin(async move {
+                let first = s.claim(&r).await;
+                claim(&s, &r, first).await
+            })),
+            timer: None,
+        }
+    }
+}
+
+impl Future for PendingClaim {
+    type Output = Result<Claim, StoreError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(fut) = self.fut.as_mut() else {
+            return Poll::Ready(Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                "claim polled after it finished",
+            )));
+        };
+        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+            self.fut = None;
+            return Poll::Ready(out);
+        }
+        // A claim answered on its first poll (an in-memory store) sets no timer.
+        let bound = call_bound(self.req.lease);
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(bound)));
+        std::task::ready!(timer.as_mut().poll(cx));
+        // `fut` stays: dropping `self` finishes it in the background and gives it back.
+        Poll::Ready(Err(StoreError::new(
+            StoreErrorKind::OutcomeUnknown,
+            format!("no answer to the claim within {bound:?}"),
+        )))
+    }
+}
+
+impl Drop for PendingClaim {
+    fn drop(&mut self) {
+        let Some(fut) = self.fut.take() else {
+            return;
+        };
+        let (store, req) = (self.store.clone(), self.req.clone());
+        tracing::debug!(key = %req.key, "claim abandoned in flight; giving it back once it lands");
+        let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
+        run_detached(async move {
+            if let Ok(Claim::Acquired { .. }) = fut.await {
+                give_back(store, req.key.clone(), req.token, req.lease, give_up_at).await;
+            }
+        });
+    }
+}
+
+/// A batch claim round trip that finishes even when its caller is dropped, like
+/// [`PendingClaim`]: every key it acquired is then given back as soon as it lands.
+///
+/// Bounded like [`PendingClaim`] (by its shortest lease): a round trip that has not answered
+/// in time fails every item closed ([`StoreErrorKind::Unavailable`]: the items must not claim
+/// again with their tokens, since the abandoned claims may still land) and is finished in the
+/// background, which gives back what it acquired.
+pub(crate) struct PendingBatch {
+    store: SharedStore,
+    reqs: Arc<[ClaimRequest]>,
+    fut: Option<BoxFuture<'static, Vec<Result<Claim, StoreError>>>>,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl PendingBatch {
+    pub(crate) fn new(store: &SharedStore, reqs: &Arc<[ClaimRequest]>) -> PendingBatch {
+        let (s, r) = (store.clone(), reqs.clone());
+        PendingBatch {
+            store: store.clone(),
+            reqs: reqs.clone(),
+            fut: Some(Box::pin(async move { s.claim_many(&r).await })),
+            timer: None,
+        }
+    }
+}
+
+impl Future for PendingBatch {
+    type Output = Vec<Result<Claim, StoreError>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(fut) = self.fut.as_mut() else {
+            return Poll::Ready(Vec::new());
+        };
+        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+            self.fut = None;
+            return Poll::Ready(out);
+        }
+        let lease = self.reqs.iter().map(|req| req.lease).min();
+        let bound = call_bound(lease.unwrap_or_default());
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(bound)));
+        std::task::ready!(timer.as_mut().poll(cx));
+        // `fut` stays: dropping `self` finishes it in the background and gives back.
+        let unanswered = || {
+            Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                format!("no answer to the batch claim within {bound:?}; it is finished in the background"),
+            ))
+        };
+        Poll::Ready(self.reqs.iter().map(|_| unanswered()).collect())
+    }
+}
+
+impl Drop for PendingBatch {
+    fn drop(&mut self) {
+        let Some(fut) = self.fut.take() else {
+            return;
+        };
+        let (store, reqs) = (self.store.clone(), self.reqs.clone());
+        let give_up_at = tokio::time::Instant::now() + Duration::from_secs(60);
+        run_detached(async move {
+            let claims = fut.await;
+            for (req, first) in reqs.iter().zip(claims) {
+                if let Ok(Claim::Acquired { .. }) = claim(&store, req, first).await {
+                    let give_up_at =
+                        give_up_at.max(tokio::time::Instant::now() + req.ttl.max(req.lease));
+                    give_back(
+                        store.clone(),
+                        req.key.clone(),
+                        req.token,
+                        req.lease,
+                        give_up_at,
+                    )
+                    .await;
+                }
+            }
+        });
+    }
+}
+
+/// Runs `fut` to completion without a caller: at once if it finishes on its first poll (a
+/// store that answers without waiting), otherwise on the current Tokio runtime. Without a
+/// runtime it is dropped; the lease then runs out instead.
+pub(crate) fn run_detached<F>(fut: F)
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let mut fut = Box::pin(fut);
+    if fut
+        .as_mut()
+        .poll(&mut Context::from_waker(Waker::noop()))
+        .is_ready()
+    {
+        return;
+    }
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => {
+            handle.spawn(fut);
+        }
+        Err(_) => tracing::warn!(
+            "no Tokio runtime to finish a claim's cleanup; its lease will run out instead"
+        ),
+    }
+}
