@@ -49,6 +49,7 @@
 mod driver;
 #[cfg(feature = "mysql")]
 mod mysql;
+mod operate;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod publish;
@@ -80,6 +81,7 @@ use crate::store::Token;
 use driver::{Arg, OutboxStatements};
 
 pub use driver::OutboxDialect;
+pub use operate::{DeadMessage, Discarded, MessageState, OutboxCounts, StoredMessage};
 pub use publish::{PublishError, Publisher};
 pub use relay::{Relay, RelayStats};
 
@@ -186,18 +188,6 @@ pub struct OutboxMessage {
     pub headers: BTreeMap<String, String>,
     /// Publication attempts, this one included.
     pub attempts: u32,
-}
-
-/// A message that failed its attempts and waits for an operator ([`Outbox::dead`]).
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub struct DeadMessage {
-    /// The message.
-    pub message: OutboxMessage,
-    /// The last publication error.
-    pub last_error: Option<String>,
-    /// Seconds since it was enqueued.
-    pub age_seconds: f64,
 }
 
 /// An outbox table on a sqlx pool of PostgreSQL, MySQL / MariaDB or SQLite: enqueue in
@@ -366,92 +356,6 @@ impl<DB: OutboxDialect> Outbox<DB> {
         self.wake.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// The message `id`, whatever its state (`None` once purged or discarded, or for an id
-    /// this outbox never had).
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError`] when the query fails.
-    pub async fn get(&self, id: &MessageId) -> Result<Option<OutboxMessage>, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(db_error::<DB>)?;
-        let mut rows = DB::messages(&mut *conn, &self.sql.get, &[Arg::Text(id.as_str())])
-            .await
-            .map_err(db_error::<DB>)?;
-        Ok(rows.pop())
-    }
-
-    /// Messages that went `dead` (their attempts ran out), oldest first, at most `limit`.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError`] when the query fails.
-    pub async fn dead(&self, limit: u32) -> Result<Vec<DeadMessage>, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(db_error::<DB>)?;
-        DB::dead(&mut *conn, &self.sql.dead, &[Arg::Int(i64::from(limit))])
-            .await
-            .map_err(db_error::<DB>)
-    }
-
-    /// Puts a dead message back in the queue with its attempts reset: `true` when `id` was
-    /// dead.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError`] when the statement fails.
-    pub async fn retry(&self, id: &MessageId) -> Result<bool, StoreError> {
-        let done = self
-            .exec(&self.sql.retry, &[Arg::Text(id.as_str())])
-            .await?
-            == 1;
-        if done {
-            self.wake();
-        }
-        Ok(done)
-    }
-
-    /// Deletes a dead message: `true` when `id` was dead.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError`] when the statement fails.
-    pub async fn discard(&self, id: &MessageId) -> Result<bool, StoreError> {
-        Ok(self
-            .exec(&self.sql.discard, &[Arg::Text(id.as_str())])
-            .await?
-            == 1)
-    }
-
-    /// Deletes at most `limit` messages published more than `older_than` ago; returns how
-    /// many. Call it periodically (a bounded batch keeps each statement short).
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError`] when the statement fails.
-    pub async fn purge_published(
-        &self,
-        older_than: Duration,
-        limit: u32,
-    ) -> Result<u64, StoreError> {
-        let older = driver::ticks::<DB>(older_than);
-        self.exec(
-            &self.sql.purge,
-            &[Arg::Int(older), Arg::Int(i64::from(limit))],
-        )
-        .await
-    }
-
-    /// How many messages are `pending`, `published` and `dead`.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError`] when the query fails.
-    pub async fn counts(&self) -> Result<OutboxCounts, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(db_error::<DB>)?;
-        DB::counts(&mut *conn, &self.sql.counts)
-            .await
-            .map_err(db_error::<DB>)
-    }
-
     /// Executes an autocommit statement on the pool, sent again (a few times) when a
     /// conflict rolled it back.
     pub(crate) async fn exec(&self, sql: &str, args: &[Arg<'_>]) -> Result<u64, StoreError> {
@@ -489,18 +393,6 @@ pub type SqliteOutbox = Outbox<sqlx::Sqlite>;
 /// How often an autocommit outbox statement rolled back by a conflict (a deadlock, a lock
 /// wait timeout, a busy SQLite database) is sent again.
 const CONFLICT_RETRIES: u32 = 4;
-
-/// Rows of an outbox by state ([`Outbox::counts`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct OutboxCounts {
-    /// Waiting to be published (or retried).
-    pub pending: u64,
-    /// Published, not purged yet.
-    pub published: u64,
-    /// Out of attempts, waiting for an operator.
-    pub dead: u64,
-}
 
 /// The longest channel name PostgreSQL takes (`NAMEDATALEN - 1`).
 const MAX_CHANNEL_LEN: usize = 63;
