@@ -12,7 +12,9 @@ mod sql_tables;
 
 use std::time::Duration;
 
-use idempotency::outbox::{self, Discarded, MessageId, MessageState, Outbox, OutboxDialect, Relay};
+use idempotency::outbox::{
+    self, Discarded, InvalidMessage, Message, MessageId, MessageState, Outbox, OutboxDialect, Relay,
+};
 use idempotency::sql::sqlx;
 use idempotency::StoreErrorKind;
 use outbox_fixtures::{
@@ -204,6 +206,82 @@ where
     queue.delete().await;
 }
 
+/// A routing key, event type or header name longer than AMQP's 255-byte short strings is
+/// refused by `enqueue` with a typed error, in the caller's transaction, which stays usable;
+/// a row with such a routing key written by another producer fails alone in the relay (no
+/// panic) and goes dead, and the rest of its batch is published.
+async fn a_message_too_long_for_the_broker_is_refused_and_never_panics_the_relay<
+    DB: OutboxDialect,
+>(
+    fixture: Fixture<DB>,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let outbox = &fixture.outbox;
+    let conn = rabbitmq().await;
+    let queue = Queue::new(&conn).await;
+    let long = "k".repeat(256);
+    let mut tx = outbox.pool().begin().await.unwrap();
+    for (message, field) in [
+        (order(1, &long), "destination"),
+        (
+            Message::new("order", "A-1", long.as_str(), &queue.name, b"{}".to_vec()),
+            "event_type",
+        ),
+        (
+            order(1, &queue.name).header(long.as_str(), "v"),
+            "header name",
+        ),
+    ] {
+        let err = outbox.enqueue(&mut tx, &message).await.unwrap_err();
+        assert_eq!(err.kind(), StoreErrorKind::Rejected, "{err}");
+        let invalid = std::error::Error::source(&err)
+            .and_then(|e| e.downcast_ref::<InvalidMessage>())
+            .expect("an InvalidMessage source");
+        assert_eq!(invalid.field(), field, "{invalid}");
+        assert_eq!(invalid.len(), 256);
+        assert!(message.validate().is_err());
+    }
+    // 255 bytes fit, and the transaction is still usable.
+    let fits = order(2, &queue.name).header("h".repeat(255), "v");
+    assert!(fits.validate().is_ok());
+    let first = outbox.enqueue(&mut tx, &fits).await.unwrap();
+    let other = outbox
+        .enqueue(&mut tx, &order(3, &queue.name))
+        .await
+        .unwrap();
+    let last = outbox
+        .enqueue(&mut tx, &order(4, &queue.name))
+        .await
+        .unwrap();
+    outbox.commit(tx).await.unwrap();
+    tamper(outbox, &other, &format!("destination = '{long}'")).await;
+
+    let relay = Relay::new(outbox.clone(), publisher(&conn).await)
+        .max_attempts(1)
+        .backoff(Duration::ZERO, Duration::ZERO);
+    let stats = relay.run_once().await.unwrap();
+    assert_eq!(
+        (stats.claimed, stats.published, stats.failed, stats.dead),
+        (3, 2, 1, 1)
+    );
+    assert_eq!(
+        message_ids(&queue.drain().await),
+        vec![first.to_string(), last.to_string()]
+    );
+    let dead = outbox.dead(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].message.id, other);
+    assert!(
+        dead[0].last_error.as_deref().unwrap().contains("255"),
+        "{dead:?}"
+    );
+    // The publisher still works after refusing it.
+    enqueue(outbox, &[order(5, &queue.name)]).await;
+    assert_eq!(relay.run_once().await.unwrap().published, 1);
+    queue.delete().await;
+}
+
 /// Every case, on one database.
 macro_rules! cases {
     ($db:ident, $fixture:expr) => {
@@ -213,6 +291,14 @@ macro_rules! cases {
             #[tokio::test]
             async fn an_unreadable_row_fails_alone_and_goes_dead() {
                 super::an_unreadable_row_fails_alone_and_goes_dead($fixture).await;
+            }
+
+            #[tokio::test]
+            async fn a_message_too_long_for_the_broker_is_refused_and_never_panics_the_relay() {
+                super::a_message_too_long_for_the_broker_is_refused_and_never_panics_the_relay(
+                    $fixture,
+                )
+                .await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

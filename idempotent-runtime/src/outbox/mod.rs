@@ -120,6 +120,10 @@ impl fmt::Display for MessageId {
 /// outbox columns), where it goes (a RabbitMQ routing key or a NATS subject), its payload and
 /// headers.
 ///
+/// Building one cannot fail; [`Outbox::enqueue`] checks it ([`Message::validate`]) and
+/// refuses, in the caller's transaction, one a broker cannot carry: a destination, an event
+/// type or a header name over [`MAX_NAME_BYTES`] (AMQP short strings).
+///
 /// ```
 /// use idempotent_runtime::outbox::Message;
 ///
@@ -165,6 +169,75 @@ impl Message {
     /// The routing key or subject.
     pub fn destination(&self) -> &str {
         &self.destination
+    }
+
+    /// Checks that a broker can carry the message: its destination, event type and header
+    /// names are at most [`MAX_NAME_BYTES`] bytes each. [`Outbox::enqueue`] calls it.
+    ///
+    /// ```
+    /// use idempotent_runtime::outbox::Message;
+    ///
+    /// let message = Message::new("order", "A-1", "order.created", "k".repeat(256), vec![]);
+    /// let err = message.validate().unwrap_err();
+    /// assert_eq!((err.field(), err.len()), ("destination", 256));
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidMessage`] naming the first field that is too long.
+    pub fn validate(&self) -> Result<(), InvalidMessage> {
+        let fields = [
+            ("destination", self.destination.as_str()),
+            ("event_type", self.event_type.as_str()),
+        ];
+        let names = self
+            .headers
+            .keys()
+            .map(|name| ("header name", name.as_str()));
+        for (field, value) in fields.into_iter().chain(names) {
+            if value.len() > MAX_NAME_BYTES {
+                return Err(InvalidMessage {
+                    field,
+                    len: value.len(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The longest destination, event type or header name a message may have, in bytes: AMQP
+/// carries them as short strings (the routing key, the `type` property, header names).
+pub const MAX_NAME_BYTES: usize = 255;
+
+/// A message no broker can carry ([`Message::validate`]): [`Outbox::enqueue`] refuses it with
+/// a [`StoreErrorKind::Rejected`] error whose source is this.
+///
+/// ```
+/// use idempotent_runtime::outbox::{InvalidMessage, Message};
+///
+/// let message = Message::new("order", "A-1", "order.created", "orders", vec![])
+///     .header("h".repeat(300), "v");
+/// let err: InvalidMessage = message.validate().unwrap_err();
+/// assert_eq!(err.field(), "header name");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the message's {field} is {len} bytes, more than the {MAX_NAME_BYTES} a broker carries")]
+pub struct InvalidMessage {
+    field: &'static str,
+    len: usize,
+}
+
+impl InvalidMessage {
+    /// The field that is too long: `destination`, `event_type` or `header name`.
+    pub fn field(&self) -> &'static str {
+        self.field
+    }
+
+    /// Its length in bytes.
+    #[allow(clippy::len_without_is_empty)] // a length of a field, not a collection
+    pub fn len(&self) -> usize {
+        self.len
     }
 }
 
@@ -309,13 +382,18 @@ impl<DB: OutboxDialect> Outbox<DB> {
     ///
     /// # Errors
     ///
-    /// [`StoreError`] when the statement fails (the transaction may be aborted: roll it
-    /// back).
+    /// [`StoreErrorKind::Rejected`] with an [`InvalidMessage`] as its source for a message a
+    /// broker cannot carry ([`Message::validate`]): nothing is sent, and the transaction is
+    /// still usable. [`StoreError`] when the statement fails (the transaction may be aborted:
+    /// roll it back).
     pub async fn enqueue(
         &self,
         conn: &mut DB::Connection,
         message: &Message,
     ) -> Result<MessageId, StoreError> {
+        message.validate().map_err(|invalid| {
+            StoreError::new(StoreErrorKind::Rejected, invalid.to_string()).with_source(invalid)
+        })?;
         let id = MessageId::generate();
         let headers = serde_json::to_string(&message.headers).map_err(|e| {
             StoreError::new(StoreErrorKind::Rejected, format!("message headers: {e}"))

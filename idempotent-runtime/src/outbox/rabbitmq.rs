@@ -33,15 +33,14 @@ impl Publisher {
     ///
     /// # Errors
     ///
-    /// The channel's error when it refuses confirm mode.
+    /// The channel's error when it refuses confirm mode, or an exchange name over 255 bytes.
     pub async fn new(channel: Channel, exchange: &str) -> Result<Publisher, lapin::Error> {
+        let exchange = ShortString::try_new(exchange)
+            .map_err(|e| lapin::Error::from(std::io::Error::other(e)))?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        Ok(Publisher {
-            channel,
-            exchange: exchange.into(),
-        })
+        Ok(Publisher { channel, exchange })
     }
 }
 
@@ -51,16 +50,26 @@ impl crate::outbox::Publisher for Publisher {
         message: &'a OutboxMessage,
     ) -> BoxFuture<'a, Result<(), PublishError>> {
         Box::pin(async move {
+            // Short strings: a row another producer wrote may not fit (`From` would panic).
+            let short = |field: &str, value: &str| {
+                ShortString::try_new(value).map_err(|_| {
+                    PublishError::new(format!(
+                        "the message's {field} is {} bytes, more than the 255 AMQP carries",
+                        value.len()
+                    ))
+                })
+            };
             let mut headers = FieldTable::default();
             for (name, value) in &message.headers {
                 headers.insert(
-                    name.as_str().into(),
+                    short("header name", name)?,
                     AMQPValue::LongString(LongString::from(value.as_str())),
                 );
             }
+            let routing_key = short("destination", &message.destination)?;
             let properties = BasicProperties::default()
-                .with_message_id(message.id.as_str().into())
-                .with_type(message.event_type.as_str().into())
+                .with_message_id(short("id", message.id.as_str())?)
+                .with_type(short("event_type", &message.event_type)?)
                 .with_delivery_mode(2)
                 .with_headers(headers);
             let options = BasicPublishOptions {
@@ -71,7 +80,7 @@ impl crate::outbox::Publisher for Publisher {
                 .channel
                 .basic_publish(
                     self.exchange.clone(),
-                    message.destination.as_str().into(),
+                    routing_key,
                     options,
                     &message.payload,
                     properties,
