@@ -32,6 +32,11 @@ pub struct RelayStats {
     /// Dead rows whose copy the broker confirmed at the dead-letter destination
     /// ([`Relay::dead_letter_to`]).
     pub dead_lettered: u64,
+    /// Publications that met an unreachable broker ([`PublishError::is_unavailable`]): the
+    /// round stopped there and gave its rows back, their attempt not counted.
+    ///
+    /// [`PublishError::is_unavailable`]: crate::outbox::PublishError::is_unavailable
+    pub unavailable: u64,
 }
 
 impl RelayStats {
@@ -42,6 +47,7 @@ impl RelayStats {
         self.dead += other.dead;
         self.unmarked += other.unmarked;
         self.dead_lettered += other.dead_lettered;
+        self.unavailable += other.unavailable;
     }
 }
 
@@ -56,6 +62,11 @@ impl RelayStats {
 /// publish a row at the same time. A failed publication is retried after a backoff (1 s,
 /// doubling, at most 5 minutes by default); after [`max_attempts`](Relay::max_attempts) the
 /// row goes `dead` for an operator ([`Outbox::dead`], [`Outbox::retry`], [`Outbox::discard`]).
+/// A broker that cannot be reached ([`PublishError::unavailable`]) is not the rows' fault:
+/// the round stops and gives its rows back without counting their attempt, and `run` tries
+/// again at its next poll.
+///
+/// [`PublishError::unavailable`]: crate::outbox::PublishError::unavailable
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -191,6 +202,13 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
                     Ok(Ok(())) => {
                         confirmed.push(row.id.as_str());
                         continue;
+                    }
+                    Ok(Err(err)) if err.is_unavailable() => {
+                        // Not the row's fault, and the rest would meet the same broker.
+                        tracing::warn!(id = %row.id, error = %err, "broker unavailable; giving the batch back");
+                        stats.unavailable += 1;
+                        given_back = true;
+                        break;
                     }
                     Ok(Err(err)) => err.to_string(),
                     Err(_) => "the broker did not confirm before the claim ran out".to_owned(),
@@ -355,7 +373,8 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
             let full = match self.run_once().await {
                 Ok(stats) => {
                     total.add(stats);
-                    stats.claimed >= u64::from(self.batch)
+                    // A broker that is down is tried again at the next interval, not at once.
+                    stats.claimed >= u64::from(self.batch) && stats.unavailable == 0
                 }
                 Err(err) => {
                     tracing::warn!(error = %err, "outbox round failed; retrying");
