@@ -10,6 +10,8 @@
 //! idempotent-admin --store postgres://app@db/orders purge --prefix checkout:v0-retired --yes
 //! idempotent-admin --store postgres://app@db/orders outbox dead
 //! idempotent-admin --store postgres://app@db/orders outbox retry --id 01J9... --yes
+//! idempotent-admin --store postgres://app@db/orders outbox inspect --id 01J9...
+//! idempotent-admin --store postgres://app@db/orders outbox discard --id 01J9... --force --yes
 //! ```
 //!
 //! A key is named by its parts, as the handler builds it (`--prefix`, `--version`, one
@@ -116,7 +118,7 @@ enum Command {
         #[arg(long)]
         yes: bool,
     },
-    /// The transactional outbox of an SQL database: counts, dead messages, retry, discard,
+    /// The transactional outbox of an SQL database: counts, dead messages, inspect, retry, discard,
     /// purge of published ones.
     Outbox(outbox::OutboxArgs),
 }

@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
-use idempotency::outbox::{DeadMessage, MessageId, Outbox, OutboxCounts, OutboxDialect};
+use idempotency::outbox::{
+    DeadMessage, Discarded, MessageId, Outbox, OutboxCounts, OutboxDialect, StoredMessage,
+};
 use idempotency::sql::sqlx::{self, Pool};
 use idempotency::StoreError;
 use serde_json::json;
@@ -39,11 +41,22 @@ enum OutboxCommand {
         #[arg(long)]
         yes: bool,
     },
-    /// Deletes a dead message: it is never published.
+    /// One message, whatever its state: attempts, last error, why it cannot be read, whether
+    /// a relay is publishing it now.
+    Inspect {
+        /// The message id.
+        #[arg(long)]
+        id: String,
+    },
+    /// Deletes a dead message: it is never published. With `--force`, also a pending one
+    /// (stuck: it cannot be read or published), unless a relay is publishing it right now.
     Discard {
         /// The message id.
         #[arg(long)]
         id: String,
+        /// Also delete a pending message (one no relay is publishing right now).
+        #[arg(long)]
+        force: bool,
         /// Do not ask for confirmation.
         #[arg(long)]
         yes: bool,
@@ -107,7 +120,31 @@ async fn on<DB: OutboxDialect>(url: &str, args: &OutboxArgs, as_json: bool) -> R
                 "is pending again, its attempts reset",
             )
         }
-        OutboxCommand::Discard { id, yes } => {
+        OutboxCommand::Inspect { id } => {
+            let row = outbox
+                .inspect(&MessageId::from_string(id.clone()))
+                .await
+                .map_err(failed)?;
+            match row {
+                Some(row) => {
+                    print_stored(&row, as_json);
+                    Ok(())
+                }
+                None => {
+                    if as_json {
+                        println!("{}", json!({ "id": id, "found": false }));
+                    }
+                    Err(Failure::Unchanged(format!(
+                        "`{id}` is not a message of this outbox"
+                    )))
+                }
+            }
+        }
+        OutboxCommand::Discard {
+            id,
+            force: false,
+            yes,
+        } => {
             confirm(
                 *yes,
                 &format!("Delete dead message `{id}`? It is never published."),
@@ -117,6 +154,21 @@ async fn on<DB: OutboxDialect>(url: &str, args: &OutboxArgs, as_json: bool) -> R
                 .await
                 .map_err(failed)?;
             settled("discard", id, done, as_json, "is deleted")
+        }
+        OutboxCommand::Discard {
+            id,
+            force: true,
+            yes,
+        } => {
+            confirm(
+                *yes,
+                &format!("Delete message `{id}`, pending or dead? It is never published."),
+            )?;
+            let outcome = outbox
+                .force_discard(&MessageId::from_string(id.clone()))
+                .await
+                .map_err(failed)?;
+            force_discarded(id, outcome, as_json)
         }
         OutboxCommand::PurgePublished { older_than, batch } => {
             let mut purged = 0u64;
@@ -169,6 +221,7 @@ fn print_dead(dead: &[DeadMessage], as_json: bool) {
                     "attempts": d.message.attempts,
                     "age_seconds": d.age_seconds,
                     "last_error": d.last_error,
+                    "unreadable": d.unreadable,
                 })
             })
             .collect();
@@ -192,7 +245,77 @@ fn print_dead(dead: &[DeadMessage], as_json: bool) {
             d.message.destination,
             d.last_error.as_deref().unwrap_or("-")
         );
+        if let Some(why) = &d.unreadable {
+            println!("{:<36} unreadable: {why}", "");
+        }
     }
+}
+
+fn print_stored(row: &StoredMessage, as_json: bool) {
+    let m = &row.message;
+    if as_json {
+        println!(
+            "{}",
+            json!({
+                "id": m.id.as_str(),
+                "state": row.state.as_str(),
+                "destination": m.destination,
+                "event_type": m.event_type,
+                "aggregate": format!("{}/{}", m.aggregate_type, m.aggregate_id),
+                "headers": m.headers,
+                "payload_bytes": m.payload.len(),
+                "attempts": m.attempts,
+                "age_seconds": row.age_seconds,
+                "claimed": row.claimed,
+                "last_error": row.last_error,
+                "unreadable": row.unreadable,
+            })
+        );
+        return;
+    }
+    println!("id           {}", m.id);
+    println!("state        {}", row.state.as_str());
+    println!("destination  {}", m.destination);
+    println!("event type   {}", m.event_type);
+    println!("aggregate    {}/{}", m.aggregate_type, m.aggregate_id);
+    println!("payload      {} bytes", m.payload.len());
+    println!("attempts     {}", m.attempts);
+    println!("age          {:.0} s", row.age_seconds);
+    println!(
+        "claimed      {}",
+        if row.claimed {
+            "yes: a relay is publishing it now"
+        } else {
+            "no"
+        }
+    );
+    println!("last error   {}", row.last_error.as_deref().unwrap_or("-"));
+    println!("unreadable   {}", row.unreadable.as_deref().unwrap_or("-"));
+}
+
+fn force_discarded(id: &str, outcome: Discarded, as_json: bool) -> Result<(), Failure> {
+    let (name, why) = match outcome {
+        Discarded::Deleted => ("done", ""),
+        Discarded::Claimed => (
+            "claimed",
+            "a relay is publishing it right now; try again once its claim ends",
+        ),
+        Discarded::Published => ("published", "it is published (purge-published removes it)"),
+        _ => ("not_found", "it is not a message of this outbox"),
+    };
+    if as_json {
+        println!(
+            "{}",
+            json!({ "id": id, "action": "discard", "outcome": name })
+        );
+    }
+    if outcome != Discarded::Deleted {
+        return Err(Failure::Unchanged(format!("`{id}` not deleted: {why}")));
+    }
+    if !as_json {
+        println!("discard: done; `{id}` is deleted, never published");
+    }
+    Ok(())
 }
 
 fn settled(action: &str, id: &str, done: bool, as_json: bool, what: &str) -> Result<(), Failure> {

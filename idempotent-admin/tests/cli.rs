@@ -489,6 +489,38 @@ async fn the_outbox_in_postgres_is_operated() {
     let bad_table = admin(&base, &["outbox", "--table", "no;table", "counts"], "");
     assert_eq!(code(&bad_table), 2, "{}", text(&bad_table));
 
+    // A pending row another producer wrote with headers the relay cannot read: inspected,
+    // refused by a plain discard, deleted by `--force`; a published one is not.
+    let stuck = ids[2].as_str().to_string();
+    set(
+        r#"headers = '{"retries": 3}', attempts = 4, last_error = 'the row cannot be read'"#,
+        &stuck,
+    )
+    .await;
+    let inspected = json(&outbox_cmd(&["inspect", "--id", &stuck], ""));
+    assert_eq!(inspected["state"], "pending", "{inspected}");
+    assert_eq!(inspected["attempts"], 4, "{inspected}");
+    assert_eq!(inspected["claimed"], false, "{inspected}");
+    assert!(
+        inspected["unreadable"]
+            .as_str()
+            .unwrap()
+            .contains("headers"),
+        "{inspected}"
+    );
+    let plain = outbox_cmd(&["discard", "--id", &stuck, "--yes"], "");
+    assert_eq!(code(&plain), 1, "{}", text(&plain));
+    let dead_listed = json(&outbox_cmd(&["dead"], ""));
+    assert_eq!(dead_listed["dead"].as_array().unwrap().len(), 0);
+    let forced = json(&outbox_cmd(
+        &["discard", "--id", &stuck, "--force", "--yes"],
+        "",
+    ));
+    assert_eq!(forced["outcome"], "done", "{forced}");
+    assert!(outbox.inspect(&ids[2]).await.unwrap().is_none());
+    let missing = outbox_cmd(&["inspect", "--id", &stuck], "");
+    assert_eq!(code(&missing), 1, "{}", text(&missing));
+
     pool.close().await;
     conn.execute(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .await

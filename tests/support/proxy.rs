@@ -41,6 +41,10 @@ struct Shared {
     rng: Mutex<u64>,
     cut: AtomicUsize,
     requests: AtomicUsize,
+    /// Down: connections refused (accepted and closed at once).
+    down: AtomicBool,
+    /// Stalled: nothing from the server reaches the client, connections stay open.
+    stalled: AtomicBool,
 }
 
 impl Shared {
@@ -71,6 +75,10 @@ impl Proxy {
             let (shared, tasks) = (shared.clone(), tasks.clone());
             tokio::spawn(async move {
                 while let Ok((client, _)) = listener.accept().await {
+                    if shared.down.load(Ordering::SeqCst) {
+                        drop(client);
+                        continue;
+                    }
                     let Ok(server) = TcpStream::connect(upstream).await else {
                         continue;
                     };
@@ -154,6 +162,24 @@ impl Proxy {
         self.shared.requests.load(Ordering::SeqCst)
     }
 
+    /// Down: cuts every open connection and refuses new ones until `up`, as a server that
+    /// went away.
+    pub fn down(&self) {
+        self.shared.down.store(true, Ordering::SeqCst);
+        self.tasks.lock().unwrap().abort_all();
+    }
+
+    /// Takes connections again.
+    pub fn up(&self) {
+        self.shared.down.store(false, Ordering::SeqCst);
+    }
+
+    /// Holds everything the server sends (while `on`), the connections open: a server that
+    /// never answers.
+    pub fn stall(&self, on: bool) {
+        self.shared.stalled.store(on, Ordering::SeqCst);
+    }
+
     /// How many connections were cut before a request reached the server.
     pub fn cut(&self) -> usize {
         self.shared.cut.load(Ordering::SeqCst)
@@ -232,6 +258,9 @@ async fn relay(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
+            while shared.stalled.load(Ordering::SeqCst) {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
             if swallow.load(Ordering::SeqCst) {
                 shared.dropped.fetch_add(1, Ordering::SeqCst);
                 let _ = client_tx.shutdown().await;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
-use crate::outbox::{DeadMessage, OutboxCounts, OutboxMessage};
+use crate::outbox::{DeadMessage, OutboxCounts, OutboxMessage, StoredMessage};
 use crate::store::sql::table::TableName;
 use crate::store::sql::Dialect;
 use crate::store::BoxFuture;
@@ -51,6 +51,13 @@ pub struct OutboxTemplates {
     pub(crate) retry: &'static str,
     /// Deletes a dead row: `id`.
     pub(crate) discard: &'static str,
+    /// Deletes a `pending` or `dead` row that no live claim holds: `id`.
+    pub(crate) force_discard: &'static str,
+    /// Reads a row whatever its state, with `state`, `last_error`, `age` (seconds) and
+    /// `claimed` (1 while a live claim holds it): `id`.
+    pub(crate) inspect: &'static str,
+    /// Gives back the rows a claim still holds, their attempt not counted: `token`.
+    pub(crate) release: &'static str,
     /// Deletes published rows older than a duration: `older_than (ticks), limit`.
     pub(crate) purge: &'static str,
     /// Counts rows by state: columns `pending`, `published`, `dead`.
@@ -76,6 +83,9 @@ pub(crate) struct OutboxStatements {
     pub(crate) dead: String,
     pub(crate) retry: String,
     pub(crate) discard: String,
+    pub(crate) force_discard: String,
+    pub(crate) inspect: String,
+    pub(crate) release: String,
     pub(crate) purge: String,
     pub(crate) counts: String,
 }
@@ -114,6 +124,9 @@ impl OutboxStatements {
             dead: render(templates.dead),
             retry: render(templates.retry),
             discard: render(templates.discard),
+            force_discard: render(templates.force_discard),
+            inspect: render(templates.inspect),
+            release: render(templates.release),
             purge: render(templates.purge),
             counts: render(templates.counts),
         }
@@ -153,12 +166,19 @@ pub trait OutboxDriver: Dialect {
         args: &'c [Arg<'c>],
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
 
-    /// Fetches message rows.
+    /// Fetches message rows, each with what of it cannot be read.
     fn messages<'c>(
         conn: &'c mut Self::Connection,
         sql: &'c str,
         args: &'c [Arg<'c>],
-    ) -> BoxFuture<'c, Result<Vec<OutboxMessage>, sqlx::Error>>;
+    ) -> BoxFuture<'c, Result<Vec<ReadRow>, sqlx::Error>>;
+
+    /// Fetches rows as an operator sees them ([`OutboxDriver::OUTBOX`]'s `inspect`).
+    fn stored<'c>(
+        conn: &'c mut Self::Connection,
+        sql: &'c str,
+        args: &'c [Arg<'c>],
+    ) -> BoxFuture<'c, Result<Vec<StoredMessage>, sqlx::Error>>;
 
     /// Fetches dead message rows.
     fn dead<'c>(
@@ -200,6 +220,48 @@ pub(crate) fn ticks<DB: OutboxDriver>(duration: Duration) -> i64 {
     crate::store::sql::driver::ticks(duration, DB::TICK)
 }
 
+/// A message row as read: the message, and what of it cannot be read (written by another
+/// producer: headers that are not a JSON object of strings, text that is not UTF-8). The
+/// fields that cannot be read are empty in `message`.
+#[derive(Debug)]
+#[allow(unreachable_pub)] // reachable through `OutboxDriver`, but not nameable
+pub struct ReadRow {
+    /// The message.
+    pub message: OutboxMessage,
+    /// Why a part of it cannot be read, if one cannot.
+    pub unreadable: Option<String>,
+}
+
+/// `got`, or the type's default with the problem noted in `problems`.
+pub(crate) fn readable<T: Default>(
+    got: Result<T, sqlx::Error>,
+    column: &str,
+    problems: &mut Vec<String>,
+) -> T {
+    got.unwrap_or_else(|err| {
+        problems.push(format!("{column}: {err}"));
+        T::default()
+    })
+}
+
+/// The headers column's text as a map, or the problem noted in `problems`.
+pub(crate) fn headers(
+    got: Result<String, sqlx::Error>,
+    problems: &mut Vec<String>,
+) -> std::collections::BTreeMap<String, String> {
+    let text = readable(got, "headers", problems);
+    serde_json::from_str(&text).unwrap_or_else(|err| {
+        let mut shown: String = text.chars().take(80).collect();
+        if shown.len() < text.len() {
+            shown.push_str("...");
+        }
+        problems.push(format!(
+            "headers {shown:?} are not a JSON object of strings: {err}"
+        ));
+        Default::default()
+    })
+}
+
 /// The `OutboxDriver` methods that are the same text for every database (their types
 /// differ), for a database type. The message columns are read by name: `id`,
 /// `aggregate_type`, `aggregate_id`, `event_type`, `destination`, `payload`, `headers`
@@ -235,12 +297,45 @@ macro_rules! outbox_fns {
             args: &'c [$crate::outbox::driver::Arg<'c>],
         ) -> $crate::store::BoxFuture<
             'c,
-            Result<Vec<$crate::outbox::OutboxMessage>, sqlx::Error>,
+            Result<Vec<$crate::outbox::driver::ReadRow>, sqlx::Error>,
         > {
             Box::pin(async move {
                 let query = outbox_fns!(@bind $db, sql, args);
                 let rows = query.fetch_all(conn).await?;
                 rows.iter().map(|row| outbox_fns!(@message row)).collect()
+            })
+        }
+
+        fn stored<'c>(
+            conn: &'c mut <$db as sqlx::Database>::Connection,
+            sql: &'c str,
+            args: &'c [$crate::outbox::driver::Arg<'c>],
+        ) -> $crate::store::BoxFuture<
+            'c,
+            Result<Vec<$crate::outbox::StoredMessage>, sqlx::Error>,
+        > {
+            Box::pin(async move {
+                use sqlx::Row as _;
+                let query = outbox_fns!(@bind $db, sql, args);
+                let rows = query.fetch_all(conn).await?;
+                rows.iter()
+                    .map(|row| {
+                        let read = outbox_fns!(@message row)?;
+                        let state: String = row.try_get("state")?;
+                        let claimed: i64 = row.try_get("claimed")?;
+                        Ok($crate::outbox::StoredMessage {
+                            message: read.message,
+                            unreadable: read.unreadable,
+                            state: $crate::outbox::MessageState::parse(&state)
+                                .ok_or_else(|| sqlx::Error::Decode(
+                                    format!("unknown outbox state {state:?}").into(),
+                                ))?,
+                            last_error: row.try_get("last_error")?,
+                            age_seconds: row.try_get("age")?,
+                            claimed: claimed != 0,
+                        })
+                    })
+                    .collect()
             })
         }
 
@@ -256,8 +351,10 @@ macro_rules! outbox_fns {
                 let rows = query.fetch_all(conn).await?;
                 rows.iter()
                     .map(|row| {
+                        let read = outbox_fns!(@message row)?;
                         Ok($crate::outbox::DeadMessage {
-                            message: outbox_fns!(@message row)?,
+                            message: read.message,
+                            unreadable: read.unreadable,
                             last_error: row.try_get("last_error")?,
                             age_seconds: row.try_get("age")?,
                         })
@@ -300,22 +397,31 @@ macro_rules! outbox_fns {
     }};
     (@message $row:expr) => {{
         use sqlx::Row as _;
-        (|| -> Result<$crate::outbox::OutboxMessage, sqlx::Error> {
+        use $crate::outbox::driver::{headers, readable};
+        (|| -> Result<$crate::outbox::driver::ReadRow, sqlx::Error> {
             let row = $row;
-            let headers: String = row.try_get("headers")?;
-            let headers: std::collections::BTreeMap<String, String> =
-                serde_json::from_str(&headers).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+            // The id and the attempts are the relay's to count a failure: without them the
+            // row is not an outbox row at all.
+            let id: String = row.try_get("id")?;
             let attempts: i64 = row.try_get("attempts")?;
-            Ok($crate::outbox::OutboxMessage {
-                id: $crate::outbox::MessageId::from_string(row.try_get("id")?),
-                aggregate_type: row.try_get("aggregate_type")?,
-                aggregate_id: row.try_get("aggregate_id")?,
-                event_type: row.try_get("event_type")?,
-                destination: row.try_get("destination")?,
-                payload: row.try_get("payload")?,
-                headers,
+            let mut problems = Vec::new();
+            let problems = &mut problems;
+            let message = $crate::outbox::OutboxMessage {
+                id: $crate::outbox::MessageId::from_string(id),
+                aggregate_type: readable(row.try_get("aggregate_type"), "aggregate_type", problems),
+                aggregate_id: readable(row.try_get("aggregate_id"), "aggregate_id", problems),
+                event_type: readable(row.try_get("event_type"), "event_type", problems),
+                destination: readable(row.try_get("destination"), "destination", problems),
+                payload: readable(row.try_get("payload"), "payload", problems),
+                headers: headers(row.try_get("headers"), problems),
                 attempts: u32::try_from(attempts).unwrap_or(0),
-            })
+            };
+            let unreadable = if problems.is_empty() {
+                None
+            } else {
+                Some(problems.join("; "))
+            };
+            Ok($crate::outbox::driver::ReadRow { message, unreadable })
         })()
     }};
 }

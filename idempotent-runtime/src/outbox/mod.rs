@@ -49,6 +49,7 @@
 mod driver;
 #[cfg(feature = "mysql")]
 mod mysql;
+mod operate;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod publish;
@@ -80,6 +81,7 @@ use crate::store::Token;
 use driver::{Arg, OutboxStatements};
 
 pub use driver::OutboxDialect;
+pub use operate::{DeadMessage, Discarded, MessageState, OutboxCounts, StoredMessage};
 pub use publish::{PublishError, Publisher};
 pub use relay::{Relay, RelayStats};
 
@@ -117,6 +119,10 @@ impl fmt::Display for MessageId {
 /// A message to enqueue: what it is about (aggregate type and id, event type, as Debezium's
 /// outbox columns), where it goes (a RabbitMQ routing key or a NATS subject), its payload and
 /// headers.
+///
+/// Building one cannot fail; [`Outbox::enqueue`] checks it ([`Message::validate`]) and
+/// refuses, in the caller's transaction, one a broker cannot carry: a destination, an event
+/// type or a header name over [`MAX_NAME_BYTES`] (AMQP short strings).
 ///
 /// ```
 /// use idempotent_runtime::outbox::Message;
@@ -164,6 +170,75 @@ impl Message {
     pub fn destination(&self) -> &str {
         &self.destination
     }
+
+    /// Checks that a broker can carry the message: its destination, event type and header
+    /// names are at most [`MAX_NAME_BYTES`] bytes each. [`Outbox::enqueue`] calls it.
+    ///
+    /// ```
+    /// use idempotent_runtime::outbox::Message;
+    ///
+    /// let message = Message::new("order", "A-1", "order.created", "k".repeat(256), vec![]);
+    /// let err = message.validate().unwrap_err();
+    /// assert_eq!((err.field(), err.len()), ("destination", 256));
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidMessage`] naming the first field that is too long.
+    pub fn validate(&self) -> Result<(), InvalidMessage> {
+        let fields = [
+            ("destination", self.destination.as_str()),
+            ("event_type", self.event_type.as_str()),
+        ];
+        let names = self
+            .headers
+            .keys()
+            .map(|name| ("header name", name.as_str()));
+        for (field, value) in fields.into_iter().chain(names) {
+            if value.len() > MAX_NAME_BYTES {
+                return Err(InvalidMessage {
+                    field,
+                    len: value.len(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The longest destination, event type or header name a message may have, in bytes: AMQP
+/// carries them as short strings (the routing key, the `type` property, header names).
+pub const MAX_NAME_BYTES: usize = 255;
+
+/// A message no broker can carry ([`Message::validate`]): [`Outbox::enqueue`] refuses it with
+/// a [`StoreErrorKind::Rejected`] error whose source is this.
+///
+/// ```
+/// use idempotent_runtime::outbox::{InvalidMessage, Message};
+///
+/// let message = Message::new("order", "A-1", "order.created", "orders", vec![])
+///     .header("h".repeat(300), "v");
+/// let err: InvalidMessage = message.validate().unwrap_err();
+/// assert_eq!(err.field(), "header name");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the message's {field} is {len} bytes, more than the {MAX_NAME_BYTES} a broker carries")]
+pub struct InvalidMessage {
+    field: &'static str,
+    len: usize,
+}
+
+impl InvalidMessage {
+    /// The field that is too long: `destination`, `event_type` or `header name`.
+    pub fn field(&self) -> &'static str {
+        self.field
+    }
+
+    /// Its length in bytes.
+    #[allow(clippy::len_without_is_empty)] // a length of a field, not a collection
+    pub fn len(&self) -> usize {
+        self.len
+    }
 }
 
 /// A committed message as the relay publishes it.
@@ -186,18 +261,6 @@ pub struct OutboxMessage {
     pub headers: BTreeMap<String, String>,
     /// Publication attempts, this one included.
     pub attempts: u32,
-}
-
-/// A message that failed its attempts and waits for an operator ([`Outbox::dead`]).
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub struct DeadMessage {
-    /// The message.
-    pub message: OutboxMessage,
-    /// The last publication error.
-    pub last_error: Option<String>,
-    /// Seconds since it was enqueued.
-    pub age_seconds: f64,
 }
 
 /// An outbox table on a sqlx pool of PostgreSQL, MySQL / MariaDB or SQLite: enqueue in
@@ -319,13 +382,18 @@ impl<DB: OutboxDialect> Outbox<DB> {
     ///
     /// # Errors
     ///
-    /// [`StoreError`] when the statement fails (the transaction may be aborted: roll it
-    /// back).
+    /// [`StoreErrorKind::Rejected`] with an [`InvalidMessage`] as its source for a message a
+    /// broker cannot carry ([`Message::validate`]): nothing is sent, and the transaction is
+    /// still usable. [`StoreError`] when the statement fails (the transaction may be aborted:
+    /// roll it back).
     pub async fn enqueue(
         &self,
         conn: &mut DB::Connection,
         message: &Message,
     ) -> Result<MessageId, StoreError> {
+        message.validate().map_err(|invalid| {
+            StoreError::new(StoreErrorKind::Rejected, invalid.to_string()).with_source(invalid)
+        })?;
         let id = MessageId::generate();
         let headers = serde_json::to_string(&message.headers).map_err(|e| {
             StoreError::new(StoreErrorKind::Rejected, format!("message headers: {e}"))
@@ -366,92 +434,6 @@ impl<DB: OutboxDialect> Outbox<DB> {
         self.wake.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// The message `id`, whatever its state (`None` once purged or discarded, or for an id
-    /// this outbox never had).
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError`] when the query fails.
-    pub async fn get(&self, id: &MessageId) -> Result<Option<OutboxMessage>, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(db_error::<DB>)?;
-        let mut rows = DB::messages(&mut *conn, &self.sql.get, &[Arg::Text(id.as_str())])
-            .await
-            .map_err(db_error::<DB>)?;
-        Ok(rows.pop())
-    }
-
-    /// Messages that went `dead` (their attempts ran out), oldest first, at most `limit`.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError`] when the query fails.
-    pub async fn dead(&self, limit: u32) -> Result<Vec<DeadMessage>, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(db_error::<DB>)?;
-        DB::dead(&mut *conn, &self.sql.dead, &[Arg::Int(i64::from(limit))])
-            .await
-            .map_err(db_error::<DB>)
-    }
-
-    /// Puts a dead message back in the queue with its attempts reset: `true` when `id` was
-    /// dead.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError`] when the statement fails.
-    pub async fn retry(&self, id: &MessageId) -> Result<bool, StoreError> {
-        let done = self
-            .exec(&self.sql.retry, &[Arg::Text(id.as_str())])
-            .await?
-            == 1;
-        if done {
-            self.wake();
-        }
-        Ok(done)
-    }
-
-    /// Deletes a dead message: `true` when `id` was dead.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError`] when the statement fails.
-    pub async fn discard(&self, id: &MessageId) -> Result<bool, StoreError> {
-        Ok(self
-            .exec(&self.sql.discard, &[Arg::Text(id.as_str())])
-            .await?
-            == 1)
-    }
-
-    /// Deletes at most `limit` messages published more than `older_than` ago; returns how
-    /// many. Call it periodically (a bounded batch keeps each statement short).
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError`] when the statement fails.
-    pub async fn purge_published(
-        &self,
-        older_than: Duration,
-        limit: u32,
-    ) -> Result<u64, StoreError> {
-        let older = driver::ticks::<DB>(older_than);
-        self.exec(
-            &self.sql.purge,
-            &[Arg::Int(older), Arg::Int(i64::from(limit))],
-        )
-        .await
-    }
-
-    /// How many messages are `pending`, `published` and `dead`.
-    ///
-    /// # Errors
-    ///
-    /// [`StoreError`] when the query fails.
-    pub async fn counts(&self) -> Result<OutboxCounts, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(db_error::<DB>)?;
-        DB::counts(&mut *conn, &self.sql.counts)
-            .await
-            .map_err(db_error::<DB>)
-    }
-
     /// Executes an autocommit statement on the pool, sent again (a few times) when a
     /// conflict rolled it back.
     pub(crate) async fn exec(&self, sql: &str, args: &[Arg<'_>]) -> Result<u64, StoreError> {
@@ -489,18 +471,6 @@ pub type SqliteOutbox = Outbox<sqlx::Sqlite>;
 /// How often an autocommit outbox statement rolled back by a conflict (a deadlock, a lock
 /// wait timeout, a busy SQLite database) is sent again.
 const CONFLICT_RETRIES: u32 = 4;
-
-/// Rows of an outbox by state ([`Outbox::counts`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct OutboxCounts {
-    /// Waiting to be published (or retried).
-    pub pending: u64,
-    /// Published, not purged yet.
-    pub published: u64,
-    /// Out of attempts, waiting for an operator.
-    pub dead: u64,
-}
 
 /// The longest channel name PostgreSQL takes (`NAMEDATALEN - 1`).
 const MAX_CHANNEL_LEN: usize = 63;

@@ -56,6 +56,20 @@ const TEMPLATES: OutboxTemplates = OutboxTemplates {
     retry: "UPDATE idempotent_outbox SET state = 'pending', attempts = 0, \
             next_attempt_at = UTC_TIMESTAMP(6) WHERE id = ? AND state = 'dead'",
     discard: "DELETE FROM idempotent_outbox WHERE id = ? AND state = 'dead'",
+    force_discard: "DELETE FROM idempotent_outbox WHERE id = ? AND state IN ('pending', 'dead') \
+                    AND (claimed_until IS NULL OR claimed_until < UTC_TIMESTAMP(6))",
+    inspect: concat!(
+        "SELECT ",
+        columns!(),
+        ", state, last_error, \
+         CAST(TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) AS DOUBLE) / 1000000 \
+         AS age, \
+         CAST(CASE WHEN claimed_until >= UTC_TIMESTAMP(6) THEN 1 ELSE 0 END AS SIGNED) \
+         AS claimed FROM idempotent_outbox WHERE id = ?"
+    ),
+    release: "UPDATE idempotent_outbox SET attempts = GREATEST(attempts, 1) - 1, \
+              claim_token = NULL, claimed_until = NULL \
+              WHERE claim_token = ? AND state = 'pending'",
     purge: "DELETE FROM idempotent_outbox WHERE state = 'published' \
             AND published_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND \
             ORDER BY published_at LIMIT ?",

@@ -56,6 +56,19 @@ const TEMPLATES: OutboxTemplates = OutboxTemplates {
     retry: "UPDATE idempotent_outbox SET state = 'pending', attempts = 0, \
             next_attempt_at = statement_timestamp() WHERE id = $1 AND state = 'dead'",
     discard: "DELETE FROM idempotent_outbox WHERE id = $1 AND state = 'dead'",
+    force_discard: "DELETE FROM idempotent_outbox WHERE id = $1 AND state IN ('pending', 'dead') \
+                    AND (claimed_until IS NULL OR claimed_until < statement_timestamp())",
+    inspect: concat!(
+        "SELECT ",
+        columns!(),
+        ", state, last_error, \
+         EXTRACT(EPOCH FROM statement_timestamp() - created_at)::float8 AS age, \
+         CASE WHEN claimed_until >= statement_timestamp() THEN 1::bigint ELSE 0::bigint END \
+         AS claimed FROM idempotent_outbox WHERE id = $1"
+    ),
+    release: "UPDATE idempotent_outbox SET attempts = GREATEST(attempts - 1, 0), \
+              claim_token = NULL, claimed_until = NULL \
+              WHERE claim_token = $1 AND state = 'pending'",
     purge: "DELETE FROM idempotent_outbox WHERE id IN (SELECT id FROM idempotent_outbox \
             WHERE state = 'published' \
               AND published_at < statement_timestamp() - $1 * interval '1 microsecond' \

@@ -11,6 +11,7 @@ use crate::store::BoxFuture;
 #[non_exhaustive]
 pub struct PublishError {
     message: String,
+    unavailable: bool,
     #[source]
     source: Option<Box<dyn std::error::Error + Send + Sync>>,
 }
@@ -20,8 +21,37 @@ impl PublishError {
     pub fn new(message: impl Into<String>) -> PublishError {
         PublishError {
             message: message.into(),
+            unavailable: false,
             source: None,
         }
+    }
+
+    /// The broker cannot be reached (the connection is down, it does not answer): not the
+    /// message's fault, so the relay gives the row back without counting the attempt, and
+    /// leaves the rest of its batch for when the broker is back.
+    ///
+    /// ```
+    /// use idempotent_runtime::outbox::PublishError;
+    /// assert!(PublishError::unavailable("connection refused").is_unavailable());
+    /// assert!(!PublishError::new("nacked").is_unavailable());
+    /// ```
+    pub fn unavailable(message: impl Into<String>) -> PublishError {
+        PublishError {
+            message: message.into(),
+            unavailable: true,
+            source: None,
+        }
+    }
+
+    /// Marks the error as [`unavailable`](PublishError::unavailable).
+    pub fn as_unavailable(mut self) -> PublishError {
+        self.unavailable = true;
+        self
+    }
+
+    /// Whether the broker could not be reached, rather than refusing this message.
+    pub fn is_unavailable(&self) -> bool {
+        self.unavailable
     }
 
     /// An error with `message`, caused by `source`.
@@ -31,6 +61,7 @@ impl PublishError {
     ) -> PublishError {
         PublishError {
             message: message.into(),
+            unavailable: false,
             source: Some(Box::new(source)),
         }
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::error::StoreError;
-use crate::outbox::driver::{self, Arg, Listener};
+use crate::outbox::driver::{self, Arg, Listener, ReadRow};
 use crate::outbox::publish::Publisher;
 use crate::outbox::{db_error, Outbox, OutboxDialect, OutboxMessage};
 use crate::store::Token;
@@ -32,6 +32,11 @@ pub struct RelayStats {
     /// Dead rows whose copy the broker confirmed at the dead-letter destination
     /// ([`Relay::dead_letter_to`]).
     pub dead_lettered: u64,
+    /// Publications that met an unreachable broker ([`PublishError::is_unavailable`]): the
+    /// round stopped there and gave its rows back, their attempt not counted.
+    ///
+    /// [`PublishError::is_unavailable`]: crate::outbox::PublishError::is_unavailable
+    pub unavailable: u64,
 }
 
 impl RelayStats {
@@ -42,6 +47,7 @@ impl RelayStats {
         self.dead += other.dead;
         self.unmarked += other.unmarked;
         self.dead_lettered += other.dead_lettered;
+        self.unavailable += other.unavailable;
     }
 }
 
@@ -56,6 +62,11 @@ impl RelayStats {
 /// publish a row at the same time. A failed publication is retried after a backoff (1 s,
 /// doubling, at most 5 minutes by default); after [`max_attempts`](Relay::max_attempts) the
 /// row goes `dead` for an operator ([`Outbox::dead`], [`Outbox::retry`], [`Outbox::discard`]).
+/// A broker that cannot be reached ([`PublishError::unavailable`]) is not the rows' fault:
+/// the round stops and gives its rows back without counting their attempt, and `run` tries
+/// again at its next poll.
+///
+/// [`PublishError::unavailable`]: crate::outbox::PublishError::unavailable
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -170,27 +181,46 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
         // Confirmed rows are marked together once the batch is through: one statement per
         // batch, not per row. A relay that dies before marking publishes them again.
         let mut confirmed: Vec<&str> = Vec::with_capacity(rows.len());
-        for row in &rows {
+        // Rows left untried: given back at the end, their attempt not counted.
+        let mut given_back = false;
+        for ReadRow {
+            message: row,
+            unreadable,
+        } in &rows
+        {
             let left = publish_until.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                tracing::warn!(id = %row.id, "claim ran out; leaving the rest of the batch");
+                tracing::warn!(id = %row.id, "claim ran out; giving the rest of the batch back");
+                given_back = true;
                 break;
             }
-            let published = tokio::time::timeout(left, self.publisher.publish(row)).await;
-            let error = match published {
-                Ok(Ok(())) => {
-                    confirmed.push(row.id.as_str());
-                    continue;
+            let error = if let Some(why) = unreadable {
+                // Written by another producer: it fails alone, every attempt, and goes dead.
+                format!("the row cannot be read: {why}")
+            } else {
+                match tokio::time::timeout(left, self.publisher.publish(row)).await {
+                    Ok(Ok(())) => {
+                        confirmed.push(row.id.as_str());
+                        continue;
+                    }
+                    Ok(Err(err)) if err.is_unavailable() => {
+                        // Not the row's fault, and the rest would meet the same broker.
+                        tracing::warn!(id = %row.id, error = %err, "broker unavailable; giving the batch back");
+                        stats.unavailable += 1;
+                        given_back = true;
+                        break;
+                    }
+                    Ok(Err(err)) => err.to_string(),
+                    Err(_) => "the broker did not confirm before the claim ran out".to_owned(),
                 }
-                Ok(Err(err)) => err.to_string(),
-                Err(_) => "the broker did not confirm before the claim ran out".to_owned(),
             };
             stats.failed += 1;
             let dead = row.attempts >= self.max_attempts;
             if dead {
                 stats.dead += 1;
                 tracing::error!(id = %row.id, attempts = row.attempts, error, "publication failed for the last time; the message is dead");
-                if let Some(destination) = &self.dead_letter {
+                // A row that cannot be read has no whole message to copy.
+                if let (Some(destination), None) = (&self.dead_letter, unreadable) {
                     let left = publish_until.saturating_duration_since(Instant::now());
                     if self.dead_letter(row, destination, &error, left).await {
                         stats.dead_lettered += 1;
@@ -217,7 +247,25 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
             }
         }
         self.mark(&token, &confirmed, &mut stats).await;
+        if given_back {
+            self.give_back(&token).await;
+        }
         Ok(stats)
+    }
+
+    /// Gives back the rows `token` still holds (neither published nor failed): due again at
+    /// once, the attempt their claim counted taken back, as it was not their fault.
+    async fn give_back(&self, token: &Token) {
+        let released = self
+            .outbox
+            .exec(
+                &self.outbox.statements().release,
+                &[Arg::Bytes(token.as_bytes())],
+            )
+            .await;
+        if let Err(err) = released {
+            tracing::warn!(error = %err, "rows not given back; they wait for the claim to run out");
+        }
     }
 
     /// Marks the `confirmed` rows published, where `token` still holds them.
@@ -281,7 +329,7 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
 
     /// Claims at most a batch of due rows for `token`, counting an attempt on each, oldest
     /// first.
-    async fn claim(&self, token: &Token) -> Result<Vec<OutboxMessage>, StoreError> {
+    async fn claim(&self, token: &Token) -> Result<Vec<ReadRow>, StoreError> {
         let sql = self.outbox.statements();
         let claim = [
             Arg::Bytes(token.as_bytes()),
@@ -325,7 +373,8 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
             let full = match self.run_once().await {
                 Ok(stats) => {
                     total.add(stats);
-                    stats.claimed >= u64::from(self.batch)
+                    // A broker that is down is tried again at the next interval, not at once.
+                    stats.claimed >= u64::from(self.batch) && stats.unavailable == 0
                 }
                 Err(err) => {
                     tracing::warn!(error = %err, "outbox round failed; retrying");

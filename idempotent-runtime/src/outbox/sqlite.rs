@@ -79,6 +79,24 @@ const TEMPLATES: OutboxTemplates = OutboxTemplates {
         " WHERE id = ? AND state = 'dead'"
     ),
     discard: "DELETE FROM idempotent_outbox WHERE id = ? AND state = 'dead'",
+    force_discard: concat!(
+        "DELETE FROM idempotent_outbox WHERE id = ? AND state IN ('pending', 'dead') \
+         AND (claimed_until IS NULL OR claimed_until < ",
+        now!(),
+        ")"
+    ),
+    inspect: concat!(
+        "SELECT ",
+        columns!(),
+        ", state, last_error, (",
+        now!(),
+        " - created_at) / 1000.0 AS age, CASE WHEN claimed_until >= ",
+        now!(),
+        " THEN 1 ELSE 0 END AS claimed FROM idempotent_outbox WHERE id = ?"
+    ),
+    release: "UPDATE idempotent_outbox SET attempts = MAX(attempts - 1, 0), \
+              claim_token = NULL, claimed_until = NULL \
+              WHERE claim_token = ? AND state = 'pending'",
     purge: concat!(
         "DELETE FROM idempotent_outbox WHERE id IN (SELECT id FROM idempotent_outbox \
          WHERE state = 'published' AND published_at < ",

@@ -1,0 +1,314 @@
+//! The outbox under faults, on PostgreSQL, MariaDB and SQLite with a real RabbitMQ: a row
+//! that cannot be read (another producer wrote it) fails alone and goes dead while the rest of
+//! its batch is published; the operator inspects and discards a stuck row; a message a
+//! broker cannot carry is refused at `enqueue`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "support/outbox_fixtures.rs"]
+mod outbox_fixtures;
+#[path = "support/sql_tables.rs"]
+mod sql_tables;
+
+use std::time::Duration;
+
+use idempotency::outbox::{
+    self, Discarded, InvalidMessage, Message, MessageId, MessageState, Outbox, OutboxDialect, Relay,
+};
+use idempotency::sql::sqlx;
+use idempotency::StoreErrorKind;
+use outbox_fixtures::{
+    enqueue, mariadb, order, postgres, publisher, rabbitmq, sqlite, Fixture, Queue,
+};
+
+/// Writes `assignment` on row `id` as another producer would (ids are hex: safe to inline).
+async fn tamper<DB: OutboxDialect>(outbox: &Outbox<DB>, id: &MessageId, assignment: &str)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let sql = format!(
+        "UPDATE {} SET {assignment} WHERE id = '{}'",
+        outbox.table(),
+        id.as_str()
+    );
+    let mut conn = outbox.pool().acquire().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+}
+
+fn message_ids(got: &[lapin::message::BasicGetMessage]) -> Vec<String> {
+    got.iter()
+        .map(|m| {
+            m.delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .unwrap()
+                .to_string()
+        })
+        .collect()
+}
+
+/// A row whose headers another producer wrote as `{"retries": 3}` fails alone: the rows
+/// before and after it in the batch are published, its attempts are counted, and it goes
+/// `dead` at `max_attempts`, listed with why it cannot be read; `get` says it is corrupt.
+async fn an_unreadable_row_fails_alone_and_goes_dead<DB: OutboxDialect>(fixture: Fixture<DB>)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let outbox = &fixture.outbox;
+    let conn = rabbitmq().await;
+    let queue = Queue::new(&conn).await;
+    let ids = enqueue(
+        outbox,
+        &[
+            order(1, &queue.name),
+            order(2, &queue.name),
+            order(3, &queue.name),
+        ],
+    )
+    .await;
+    tamper(outbox, &ids[1], r#"headers = '{"retries": 3}'"#).await;
+    let relay = Relay::new(outbox.clone(), publisher(&conn).await)
+        .max_attempts(2)
+        .backoff(Duration::ZERO, Duration::ZERO);
+
+    let stats = relay.run_once().await.unwrap();
+    assert_eq!(
+        (stats.claimed, stats.published, stats.failed, stats.dead),
+        (3, 2, 1, 0)
+    );
+    assert_eq!(
+        message_ids(&queue.drain().await),
+        vec![ids[0].to_string(), ids[2].to_string()]
+    );
+    let err = outbox.get(&ids[1]).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Corrupt, "{err}");
+
+    let stats = relay.run_once().await.unwrap();
+    assert_eq!(
+        (stats.claimed, stats.published, stats.failed, stats.dead),
+        (1, 0, 1, 1)
+    );
+    assert_eq!(relay.run_once().await.unwrap().claimed, 0);
+    let dead = outbox.dead(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].message.id, ids[1]);
+    assert_eq!(dead[0].message.attempts, 2);
+    let why = dead[0]
+        .unreadable
+        .as_deref()
+        .expect("why it cannot be read");
+    assert!(why.contains("headers"), "{why}");
+    assert!(
+        dead[0]
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("cannot be read"),
+        "{dead:?}"
+    );
+    assert!(queue.drain().await.is_empty());
+    let counts = outbox.counts().await.unwrap();
+    assert_eq!((counts.pending, counts.published, counts.dead), (0, 2, 1));
+    assert!(outbox.discard(&ids[1]).await.unwrap());
+    queue.delete().await;
+}
+
+/// A publisher whose broker never confirms.
+struct Stalled;
+
+impl outbox::Publisher for Stalled {
+    fn publish<'a>(
+        &'a self,
+        _message: &'a outbox::OutboxMessage,
+    ) -> idempotency::BoxFuture<'a, Result<(), outbox::PublishError>> {
+        Box::pin(std::future::pending())
+    }
+}
+
+/// A pending row that keeps failing is inspected (state, attempts, last error, why it cannot
+/// be read, whether a relay holds it) and discarded with `force_discard`; plain `discard`
+/// takes dead rows only; a row a relay is publishing right now, or a published one, is not
+/// discarded, and the outcome says why.
+async fn a_stuck_row_is_inspected_and_discarded_by_force<DB: OutboxDialect>(fixture: Fixture<DB>)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let outbox = &fixture.outbox;
+    let conn = rabbitmq().await;
+    let queue = Queue::new(&conn).await;
+    let ids = enqueue(outbox, &[order(1, &queue.name), order(2, &queue.name)]).await;
+    tamper(outbox, &ids[0], "headers = 'not json'").await;
+    let relay = Relay::new(outbox.clone(), publisher(&conn).await)
+        .backoff(Duration::from_secs(3600), Duration::from_secs(3600));
+    let stats = relay.run_once().await.unwrap();
+    assert_eq!((stats.claimed, stats.published, stats.failed), (2, 1, 1));
+
+    let stuck = outbox.inspect(&ids[0]).await.unwrap().expect("the row");
+    assert_eq!(stuck.state, MessageState::Pending);
+    assert_eq!(stuck.message.attempts, 1);
+    assert!(!stuck.claimed);
+    assert!(stuck.unreadable.as_deref().unwrap().contains("headers"));
+    assert!(stuck
+        .last_error
+        .as_deref()
+        .unwrap()
+        .contains("cannot be read"));
+    let published = outbox.inspect(&ids[1]).await.unwrap().expect("the row");
+    assert_eq!(published.state, MessageState::Published);
+    assert_eq!(published.unreadable, None);
+    assert_eq!(
+        published.message.headers.get("tenant").map(String::as_str),
+        Some("acme")
+    );
+    assert!(outbox
+        .inspect(&MessageId::generate())
+        .await
+        .unwrap()
+        .is_none());
+
+    assert!(
+        !outbox.discard(&ids[0]).await.unwrap(),
+        "only dead rows without force"
+    );
+    assert_eq!(
+        outbox.force_discard(&ids[1]).await.unwrap(),
+        Discarded::Published
+    );
+    assert_eq!(
+        outbox.force_discard(&ids[0]).await.unwrap(),
+        Discarded::Deleted
+    );
+    assert!(outbox.inspect(&ids[0]).await.unwrap().is_none());
+    assert_eq!(
+        outbox.force_discard(&ids[0]).await.unwrap(),
+        Discarded::NotFound
+    );
+
+    // A row a relay is publishing right now stays.
+    let held = enqueue(outbox, &[order(3, &queue.name)]).await;
+    let stalled = Relay::new(outbox.clone(), Stalled).lease(Duration::from_secs(60));
+    let publishing = tokio::spawn(async move { stalled.run_once().await });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !outbox.inspect(&held[0]).await.unwrap().unwrap().claimed {
+        assert!(tokio::time::Instant::now() < deadline, "never claimed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        outbox.force_discard(&held[0]).await.unwrap(),
+        Discarded::Claimed
+    );
+    assert!(outbox.inspect(&held[0]).await.unwrap().is_some());
+    publishing.abort();
+    queue.delete().await;
+}
+
+/// A routing key, event type or header name longer than AMQP's 255-byte short strings is
+/// refused by `enqueue` with a typed error, in the caller's transaction, which stays usable;
+/// a row with such a routing key written by another producer fails alone in the relay (no
+/// panic) and goes dead, and the rest of its batch is published.
+async fn a_message_too_long_for_the_broker_is_refused_and_never_panics_the_relay<
+    DB: OutboxDialect,
+>(
+    fixture: Fixture<DB>,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let outbox = &fixture.outbox;
+    let conn = rabbitmq().await;
+    let queue = Queue::new(&conn).await;
+    let long = "k".repeat(256);
+    let mut tx = outbox.pool().begin().await.unwrap();
+    for (message, field) in [
+        (order(1, &long), "destination"),
+        (
+            Message::new("order", "A-1", long.as_str(), &queue.name, b"{}".to_vec()),
+            "event_type",
+        ),
+        (
+            order(1, &queue.name).header(long.as_str(), "v"),
+            "header name",
+        ),
+    ] {
+        let err = outbox.enqueue(&mut tx, &message).await.unwrap_err();
+        assert_eq!(err.kind(), StoreErrorKind::Rejected, "{err}");
+        let invalid = std::error::Error::source(&err)
+            .and_then(|e| e.downcast_ref::<InvalidMessage>())
+            .expect("an InvalidMessage source");
+        assert_eq!(invalid.field(), field, "{invalid}");
+        assert_eq!(invalid.len(), 256);
+        assert!(message.validate().is_err());
+    }
+    // 255 bytes fit, and the transaction is still usable.
+    let fits = order(2, &queue.name).header("h".repeat(255), "v");
+    assert!(fits.validate().is_ok());
+    let first = outbox.enqueue(&mut tx, &fits).await.unwrap();
+    let other = outbox
+        .enqueue(&mut tx, &order(3, &queue.name))
+        .await
+        .unwrap();
+    let last = outbox
+        .enqueue(&mut tx, &order(4, &queue.name))
+        .await
+        .unwrap();
+    outbox.commit(tx).await.unwrap();
+    tamper(outbox, &other, &format!("destination = '{long}'")).await;
+
+    let relay = Relay::new(outbox.clone(), publisher(&conn).await)
+        .max_attempts(1)
+        .backoff(Duration::ZERO, Duration::ZERO);
+    let stats = relay.run_once().await.unwrap();
+    assert_eq!(
+        (stats.claimed, stats.published, stats.failed, stats.dead),
+        (3, 2, 1, 1)
+    );
+    assert_eq!(
+        message_ids(&queue.drain().await),
+        vec![first.to_string(), last.to_string()]
+    );
+    let dead = outbox.dead(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].message.id, other);
+    assert!(
+        dead[0].last_error.as_deref().unwrap().contains("255"),
+        "{dead:?}"
+    );
+    // The publisher still works after refusing it.
+    enqueue(outbox, &[order(5, &queue.name)]).await;
+    assert_eq!(relay.run_once().await.unwrap().published, 1);
+    queue.delete().await;
+}
+
+/// Every case, on one database.
+macro_rules! cases {
+    ($db:ident, $fixture:expr) => {
+        mod $db {
+            use super::*;
+
+            #[tokio::test]
+            async fn an_unreadable_row_fails_alone_and_goes_dead() {
+                super::an_unreadable_row_fails_alone_and_goes_dead($fixture).await;
+            }
+
+            #[tokio::test]
+            async fn a_message_too_long_for_the_broker_is_refused_and_never_panics_the_relay() {
+                super::a_message_too_long_for_the_broker_is_refused_and_never_panics_the_relay(
+                    $fixture,
+                )
+                .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_stuck_row_is_inspected_and_discarded_by_force() {
+                super::a_stuck_row_is_inspected_and_discarded_by_force($fixture).await;
+            }
+        }
+    };
+}
+
+cases!(on_postgres, postgres().await);
+cases!(on_mariadb, mariadb().await);
+cases!(on_sqlite, sqlite().await);
