@@ -282,6 +282,26 @@ async fn a_message_too_long_for_the_broker_is_refused_and_never_panics_the_relay
     queue.delete().await;
 }
 
+/// Durations of `Duration::MAX` (meaning "never give up") are clamped to the longest supported
+/// duration instead of overflowing the clock: the relay claims and publishes as usual, and a
+/// failed row waits (instead of panicking the relay on every round).
+async fn durations_of_duration_max_are_clamped<DB: OutboxDialect>(fixture: Fixture<DB>)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let outbox = &fixture.outbox;
+    let conn = rabbitmq().await;
+    let queue = Queue::new(&conn).await;
+    enqueue(outbox, &[order(1, &queue.name)]).await;
+    let relay = Relay::new(outbox.clone(), publisher(&conn).await)
+        .lease(Duration::MAX)
+        .backoff(Duration::MAX, Duration::MAX)
+        .poll(Duration::MAX);
+    let stats = relay.run_once().await.unwrap();
+    assert_eq!((stats.claimed, stats.published), (1, 1), "{stats:?}");
+    queue.delete().await;
+}
+
 /// Every case, on one database.
 macro_rules! cases {
     ($db:ident, $fixture:expr) => {
@@ -299,6 +319,11 @@ macro_rules! cases {
                     $fixture,
                 )
                 .await;
+            }
+
+            #[tokio::test]
+            async fn durations_of_duration_max_are_clamped() {
+                super::durations_of_duration_max_are_clamped($fixture).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -34,7 +34,7 @@ struct Shared {
     /// its reply.
     armed_stalls: AtomicBool,
     dropped: AtomicUsize,
-    stalled: AtomicUsize,
+    stalled_requests: AtomicUsize,
     /// Chaos: per mille of requests cut before reaching the server, and of replies lost.
     cut_permille: AtomicUsize,
     lose_permille: AtomicUsize,
@@ -135,7 +135,7 @@ impl Proxy {
 
     /// How many requests were stalled.
     pub fn stalled(&self) -> usize {
-        self.shared.stalled.load(Ordering::SeqCst)
+        self.shared.stalled_requests.load(Ordering::SeqCst)
     }
 
     /// How many replies were lost.
@@ -225,7 +225,7 @@ async fn relay(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
                     }
                 }
                 if stall {
-                    shared.stalled.fetch_add(1, Ordering::SeqCst);
+                    shared.stalled_requests.fetch_add(1, Ordering::SeqCst);
                     // Keep both halves open and say nothing more, ever.
                     let _open = (&client_rx, &server_tx);
                     std::future::pending::<()>().await;

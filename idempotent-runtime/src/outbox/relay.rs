@@ -10,6 +10,7 @@ use crate::outbox::driver::{self, Arg, Listener, ReadRow};
 use crate::outbox::publish::Publisher;
 use crate::outbox::{db_error, Outbox, OutboxDialect, OutboxMessage};
 use crate::store::Token;
+use crate::store::MAX_DURATION;
 
 /// The most rows one marking statement names.
 const MARK_CHUNK: usize = 500;
@@ -114,9 +115,10 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
         self
     }
 
-    /// How long a claim holds: a relay that dies keeps its rows this long.
+    /// How long a claim holds: a relay that dies keeps its rows this long (10 ms to
+    /// [`MAX_DURATION`](crate::store::MAX_DURATION); a value outside is clamped).
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease.max(Duration::from_millis(10));
+        self.lease = lease.clamp(Duration::from_millis(10), MAX_DURATION);
         self
     }
 
@@ -126,17 +128,18 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
         self
     }
 
-    /// The wait after the first failed attempt, doubling per attempt up to `max`.
+    /// The wait after the first failed attempt, doubling per attempt up to `max` (each at most
+    /// [`MAX_DURATION`](crate::store::MAX_DURATION); a longer one is clamped).
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
-        self.first_backoff = first;
-        self.max_backoff = max.max(first);
+        self.first_backoff = first.min(MAX_DURATION);
+        self.max_backoff = max.min(MAX_DURATION).max(self.first_backoff);
         self
     }
 
     /// How often [`run`](Relay::run) looks for due rows without a notification (retries that
     /// became due, a missed notification).
     pub fn poll(mut self, every: Duration) -> Self {
-        self.poll = every.max(Duration::from_millis(10));
+        self.poll = every.clamp(Duration::from_millis(10), MAX_DURATION);
         self
     }
 
