@@ -36,6 +36,9 @@ struct Gated {
     released: Semaphore,
     /// The next batch settlement panics once through the gate.
     panic_next: AtomicBool,
+    /// The next batch call never answers (a silent connection): not held at the gate, not
+    /// sent to the store.
+    stall_next: AtomicBool,
 }
 
 impl Gated {
@@ -47,6 +50,7 @@ impl Gated {
             gate: Semaphore::new(0),
             released: Semaphore::new(0),
             panic_next: AtomicBool::new(false),
+            stall_next: AtomicBool::new(false),
         })
     }
     /// Returns once a batch call reached this store, and holds it there.
@@ -76,6 +80,9 @@ impl Gated {
     }
     async fn held(&self, batch: Batch) {
         self.batches.lock().unwrap().push(batch);
+        if self.stall_next.swap(false, Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         self.entered.add_permits(1);
         self.gate.acquire().await.unwrap().forget();
     }
@@ -386,6 +393,45 @@ async fn calls_behind_a_batch_that_never_returns_are_still_answered() {
         inner.batches()[1],
         Batch::Settlements(vec![(name(&j.key), "complete"), (name(&k.key), "complete")])
     );
+}
+
+/// A batch that never answers holds its place among the batches in flight for a bounded time
+/// only: with one batch in flight, a claim whose batch is silent is answered `Unavailable`
+/// after half its lease (nothing was acquired, so nothing is released) and the claims of
+/// other keys go on being served; a silent batch of settlements is answered `OutcomeUnknown`
+/// after half the lease its completion names, and the settlements behind it go.
+#[tokio::test]
+async fn a_batch_that_never_answers_does_not_hold_the_other_keys() {
+    let inner = Gated::new();
+    let store = CombiningStore::new(inner.clone(), 1);
+    let lease = Duration::from_millis(400);
+    let req = |name: &str| ClaimRequest::new(key(name), Token::generate(), lease, lease * 100);
+
+    inner.stall_next.store(true, Ordering::SeqCst);
+    let silent = req("silent");
+    let refused = within(store.claim(&silent)).await.unwrap_err();
+    assert_eq!(refused.kind(), StoreErrorKind::Unavailable, "{refused}");
+    let other = req("other");
+    let mut claim = pin!(store.claim(&other));
+    assert!(poll_once(claim.as_mut()).is_pending());
+    inner.batch_entered().await;
+    inner.let_through();
+    assert!(matches!(within(claim).await.unwrap(), Claim::Acquired { .. }));
+
+    let completion = Completion::new(None, lease * 100).for_claim(
+        idempotency::AcquiredClaim::new(1, None).with_lease(lease),
+    );
+    inner.stall_next.store(true, Ordering::SeqCst);
+    let unknown = within(store.complete(&other.key, &other.token, &completion))
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.kind(), StoreErrorKind::OutcomeUnknown, "{unknown}");
+    let mut again = pin!(store.complete(&other.key, &other.token, &completion));
+    assert!(poll_once(again.as_mut()).is_pending());
+    inner.batch_entered().await;
+    inner.let_through();
+    assert!(within(again).await.unwrap());
+    assert_eq!(inner.inner.read(&silent.key).await.unwrap(), None);
 }
 
 /// Outside a Tokio runtime, calls go to the wrapped store directly.

@@ -10,17 +10,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::error::{StoreError, StoreErrorKind};
-
-/// The shortest bound, for the shortest leases: below it a healthy store's round trip on a
-/// loaded machine would be cut.
-const MIN_BOUND: Duration = Duration::from_millis(100);
-
-/// How long one store call on the path of an owner whose lease is `lease` may go unanswered:
-/// half the lease (at least [`MIN_BOUND`]). The watchdog renews every third of the lease, so
-/// a renewal that is cut is followed by another well before the lease runs out.
-pub(crate) fn call_bound(lease: Duration) -> Duration {
-    (lease / 2).max(MIN_BOUND)
-}
+pub(crate) use crate::store::deadline::call_bound;
 
 /// `call`, abandoned with an [`StoreErrorKind::OutcomeUnknown`] error when it has not answered
 /// within `bound`. A call that answers on its first poll (an in-memory store) sets no timer,
@@ -102,11 +92,5 @@ mod tests {
             Poll::Ready(out) => out,
             Poll::Pending => unreachable!("the future was not ready"),
         }
-    }
-
-    #[test]
-    fn the_bound_is_half_the_lease_and_never_below_the_minimum() {
-        assert_eq!(call_bound(Duration::from_secs(30)), Duration::from_secs(15));
-        assert_eq!(call_bound(Duration::from_millis(10)), MIN_BOUND);
     }
 }

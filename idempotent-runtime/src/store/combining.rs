@@ -8,13 +8,17 @@ use tokio::sync::oneshot;
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
+use crate::store::deadline::call_bound;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, ScanCursor, ScanPage, Settlement,
-    SharedStore, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, ScanCursor, ScanPage, Settle,
+    Settlement, SharedStore, Store, Token,
 };
 
 /// The most items one combined batch carries.
 const MAX_BATCH: usize = 100;
+
+/// The longest a batch may go unanswered when none of its items names a lease.
+const DEFAULT_BATCH_TIMEOUT: Duration = Duration::from_secs(5);
 
 type Claimed = oneshot::Sender<Result<Claim, StoreError>>;
 type Settled = oneshot::Sender<Result<bool, StoreError>>;
@@ -42,6 +46,16 @@ type Settled = oneshot::Sender<Result<bool, StoreError>>;
 /// (a direct call would keep the key until the lease ran out). Batch calls
 /// (`claim_many`, `complete_many`) and every other method go to the wrapped store directly.
 ///
+/// Every batch is bounded, so a batch that never answers (a silent connection) holds its
+/// place among the `max_in_flight` for a bounded time only, and calls of other keys go on
+/// being served: a batch of claims waits at most half its shortest lease, a batch of
+/// settlements half the shortest lease its completions name, and either at most
+/// [`batch_timeout`](CombiningStore::batch_timeout) (5 s by default). Past it, the claims are
+/// answered [`StoreErrorKind::Unavailable`] (so their callers fail closed and do not send them
+/// again under the same token) and whatever they acquired once the batch lands is released;
+/// the settlements are answered [`StoreErrorKind::OutcomeUnknown`] (the caller reads the record
+/// back; a completion or release that lands late is token-checked).
+///
 /// It sends its batches from tasks of the Tokio runtime the calls are made on; called
 /// outside a Tokio runtime, each call goes to the wrapped store directly.
 ///
@@ -63,6 +77,7 @@ pub struct CombiningStore {
 struct Shared {
     inner: SharedStore,
     max_in_flight: usize,
+    batch_timeout: Duration,
     queues: Mutex<Queues>,
 }
 
@@ -91,9 +106,35 @@ impl CombiningStore {
             shared: Arc::new(Shared {
                 inner,
                 max_in_flight: max_in_flight.max(1),
+                batch_timeout: DEFAULT_BATCH_TIMEOUT,
                 queues: Mutex::new(Queues::default()),
             }),
         }
+    }
+
+    /// The longest any batch may go unanswered (5 s by default; at least 100 ms), whatever
+    /// the leases of its items. Set it when the store is built.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use idempotent_runtime::store::CombiningStore;
+    /// use idempotent_runtime::MemoryStore;
+    ///
+    /// let store = CombiningStore::new(Arc::new(MemoryStore::new()), 8)
+    ///     .batch_timeout(Duration::from_secs(2));
+    /// # let _ = store;
+    /// ```
+    #[must_use]
+    pub fn batch_timeout(mut self, timeout: Duration) -> CombiningStore {
+        let timeout = timeout.max(call_bound(Duration::ZERO));
+        match Arc::get_mut(&mut self.shared) {
+            Some(shared) => shared.batch_timeout = timeout,
+            None => tracing::warn!(
+                "CombiningStore::batch_timeout is set before the store is used; ignored"
+            ),
+        }
+        self
     }
 
     fn inner(&self) -> &SharedStore {
@@ -190,7 +231,38 @@ impl Shared {
 
     async fn send_claims(&self, batch: Vec<(ClaimRequest, Claimed)>) {
         let (reqs, answers): (Vec<ClaimRequest>, Vec<Claimed>) = batch.into_iter().unzip();
-        let mut claims = self.inner.claim_many(&reqs).await.into_iter();
+        let reqs: Arc<[ClaimRequest]> = reqs.into();
+        let leases = reqs.iter().map(|req| req.lease);
+        let bound = self.bound(leases);
+        let sent = {
+            let (inner, reqs) = (self.inner.clone(), reqs.clone());
+            Box::pin(async move { inner.claim_many(&reqs).await })
+        };
+        let claims = match within(bound, sent).await {
+            Ok(claims) => claims,
+            Err(sent) => {
+                for answer in answers {
+                    let _ = answer.send(Err(StoreError::new(
+                        StoreErrorKind::Unavailable,
+                        format!("the combined batch carrying this claim did not answer within {bound:?}; what it acquires is released"),
+                    )));
+                }
+                // Finished in the background: a claim that lands late is given back.
+                let inner = self.inner.clone();
+                tokio::spawn(async move {
+                    let claims = sent.await;
+                    for (req, claim) in reqs.iter().zip(claims) {
+                        if let Ok(Claim::Acquired { .. }) = claim {
+                            if let Err(err) = inner.release(&req.key, &req.token).await {
+                                tracing::warn!(error = %err, "releasing a claim of an abandoned batch failed; the key is free once its lease runs out");
+                            }
+                        }
+                    }
+                });
+                return;
+            }
+        };
+        let mut claims = claims.into_iter();
         for (req, answer) in reqs.iter().zip(answers) {
             let claim = claims.next().unwrap_or_else(|| Err(abandoned()));
             if let Err(Ok(Claim::Acquired { .. })) = answer.send(claim) {
@@ -214,13 +286,52 @@ impl Shared {
             }
         }
         let (items, answers): (Vec<Settlement>, Vec<Settled>) = batch.into_iter().unzip();
+        let leases = items.iter().filter_map(|item| match &item.action {
+            Settle::Complete(completion) => completion.claim.and_then(|claim| claim.lease),
+            _ => None,
+        });
+        let bound = self.bound(leases);
         let unmark = Unmark(self, &items);
-        let settled = self.inner.complete_many(&items).await;
+        let settled = match within(bound, self.inner.complete_many(&items)).await {
+            Ok(settled) => settled,
+            // Dropped: a completion or release that lands late is token-checked.
+            Err(_) => items
+                .iter()
+                .map(|_| {
+                    Err(StoreError::new(
+                        StoreErrorKind::OutcomeUnknown,
+                        format!("the combined batch carrying this settlement did not answer within {bound:?}"),
+                    ))
+                })
+                .collect(),
+        };
         drop(unmark);
         let mut settled = settled.into_iter();
         for answer in answers {
             let _ = answer.send(settled.next().unwrap_or_else(|| Err(abandoned())));
         }
+    }
+}
+
+impl Shared {
+    /// How long a batch whose items have `leases` may go unanswered.
+    fn bound(&self, leases: impl Iterator<Item = Duration>) -> Duration {
+        leases
+            .map(call_bound)
+            .min()
+            .unwrap_or(self.batch_timeout)
+            .min(self.batch_timeout)
+    }
+}
+
+/// `fut`'s output, or `fut` back, unfinished, once `bound` has passed.
+async fn within<F: std::future::Future + Unpin>(
+    bound: Duration,
+    mut fut: F,
+) -> Result<F::Output, F> {
+    tokio::select! {
+        out = &mut fut => Ok(out),
+        () = tokio::time::sleep(bound) => Err(fut),
     }
 }
 

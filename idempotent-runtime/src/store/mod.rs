@@ -24,6 +24,7 @@ use crate::error::{StoreError, StoreErrorKind};
 use crate::key::{Key, KeyPart};
 
 mod combining;
+pub(crate) mod deadline;
 #[cfg(feature = "memory")]
 pub mod memory;
 mod redact;
