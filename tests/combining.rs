@@ -416,11 +416,13 @@ async fn a_batch_that_never_answers_does_not_hold_the_other_keys() {
     assert!(poll_once(claim.as_mut()).is_pending());
     inner.batch_entered().await;
     inner.let_through();
-    assert!(matches!(within(claim).await.unwrap(), Claim::Acquired { .. }));
+    assert!(matches!(
+        within(claim).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
 
-    let completion = Completion::new(None, lease * 100).for_claim(
-        idempotency::AcquiredClaim::new(1, None).with_lease(lease),
-    );
+    let completion = Completion::new(None, lease * 100)
+        .for_claim(idempotency::AcquiredClaim::new(1, None).with_lease(lease));
     inner.stall_next.store(true, Ordering::SeqCst);
     let unknown = within(store.complete(&other.key, &other.token, &completion))
         .await

@@ -1,10 +1,14 @@
 //! A deterministic simulation of the engine under faults, in the spirit of FoundationDB's
-//! simulator: a seeded scheduler drives several concurrent callers of the real engine
-//! (`Operation::run_with`, replay on, sometimes a business `done` check) over the real
-//! `MemoryStore`, and decides everything a real deployment leaves to chance:
+//! simulator: a seeded scheduler drives several concurrent callers of the real engine over the
+//! real `MemoryStore`, through every door: single calls (`Operation::run_with`, replay on,
+//! sometimes a business `done` check, sometimes holding the key on error), batches of one or
+//! two keys (`Batch`), calls through a `CombiningStore`, lock holders (`Lock`), and an
+//! operator's actions (`Admin`: `force_release`, `delete`, `purge`, `unhold`) racing them. It
+//! decides everything a real deployment leaves to chance:
 //!
 //! - at every store command: applied and answered, refused before being applied, applied with
-//!   its reply lost, or left in flight for later (and possibly applied after its caller is gone);
+//!   its reply lost, never answered (not applied), applied and never answered, or left in
+//!   flight for later (and possibly applied after its caller is gone);
 //! - at every await point of a caller: poll it now, later, or drop it (a timeout, a client
 //!   hanging up);
 //! - between steps: let background tasks run, or move the clock (the store's clock and Tokio's
@@ -12,12 +16,20 @@
 //!
 //! After every schedule it checks:
 //!
-//! 1. per key, effects <= 1 + the owners whose completion was refused (lost ownership); with
-//!    `done`, effects applied while their owner held the live claim <= 1 (an owner stalled past
-//!    its lease is what the fence at the resource is for: the engine cannot stop it);
-//! 2. no owner whose body returned `Ok` ever gives its claim back;
-//! 3. once every caller is gone and a lease has passed, no key is in progress;
-//! 4. every duplicate answer follows an applied effect, and every replayed value is one a body
+//! 1. per key, effects <= 1 + the losses reported (owners told `LostOwnership`, completions
+//!    the store refused, completions lost after `Ok` handed to the `on_completion_lost` hook,
+//!    callers dropped after their effect) plus the completed records an operator deleted on
+//!    purpose; with `done`, effects applied while
+//!    their owner held the live claim <= 1 (an owner stalled past its lease is what the fence
+//!    at the resource is for: the engine cannot stop it);
+//! 2. no owner whose body returned `Ok` ever gives its claim back (an operator's
+//!    `force_release` is the operator's, not the owner's);
+//! 3. no operator delete removes a claim whose lease is live when the delete lands;
+//! 4. a lock holder whose guard says the lock is held is the store's live holder;
+//! 5. every caller answers, though some store commands never do; once every caller is gone and
+//!    a lease has passed, no key is in progress, except one whose claim the store applied and
+//!    never answered (its lease is all that frees it);
+//! 6. every duplicate answer follows an applied effect, and every replayed value is one a body
 //!    of that key returned.
 //!
 //! `SIM_SCHEDULES` sets how many schedules run (default 100,000 in release builds, 2,000 in
@@ -36,10 +48,12 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use idempotency::admin::Admin;
 use idempotency::memory::{Clock, MemoryStore};
+use idempotency::store::{CombiningStore, Expect, ScanCursor, ScanPage, Settle, Settlement};
 use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, Record, RecordState,
-    SharedStore, Store, StoreError, StoreErrorKind, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, Lock, OnError, Record,
+    RecordState, SharedStore, Store, StoreError, StoreErrorKind, Token,
 };
 
 const LEASE: Duration = Duration::from_millis(300);
@@ -124,6 +138,16 @@ enum Command {
     Release(Key, Token),
     Renew(Key, Token, Duration),
     Read(Key),
+    /// An operator's delete: of a record with this token, or of a value that is no record.
+    Delete(Key, Option<Token>),
+    /// An operator's release (`force_release`): frees a claim on purpose, live or not.
+    ForceRelease(Key, Token),
+    Reopen(Key, Token),
+    Scan(String, ScanCursor, usize),
+    /// A batch claim: one round trip, as every built-in store sends it.
+    ClaimMany(Vec<ClaimRequest>),
+    /// A batch settlement: one round trip.
+    CompleteMany(Vec<Settlement>),
 }
 
 #[derive(Debug)]
@@ -131,6 +155,9 @@ enum Reply {
     Claim(Result<Claim, StoreError>),
     Bool(Result<bool, StoreError>),
     Read(Result<Option<Record>, StoreError>),
+    Scan(Result<ScanPage, StoreError>),
+    Claims(Vec<Result<Claim, StoreError>>),
+    Bools(Vec<Result<bool, StoreError>>),
 }
 
 struct InFlight {
@@ -148,8 +175,16 @@ struct World {
     in_flight: Vec<InFlight>,
     /// Fences of owners whose body returned `Ok`, per key index.
     ok_fences: BTreeMap<usize, BTreeSet<u64>>,
-    /// Completions the store refused (the owner had lost the key), per key index.
-    refused: BTreeMap<usize, usize>,
+    /// The fences of owners that lost their key, per key index: their completion was refused
+    /// by the store, they were told `LostOwnership`, or their loss went to the hook.
+    losers: BTreeMap<usize, BTreeSet<u64>>,
+    /// The fence each acquired claim's token got.
+    token_fences: BTreeMap<Vec<u8>, u64>,
+    /// Completed records an operator deleted (an explicit "run it again"), per key index.
+    rerun_by_operator: BTreeMap<usize, usize>,
+    /// Keys with a command the store applied and never answered: a claim that may hold the
+    /// key until its lease runs out, with no one to give it back.
+    applied_unanswered: BTreeSet<usize>,
     violations: Vec<String>,
     trace: Option<Vec<String>>,
 }
@@ -197,65 +232,166 @@ impl SimStore {
     /// Applies a command to the real store, checking rule 2 on the way.
     fn apply(&self, command: &Command, world: &mut World) -> Reply {
         match command {
-            Command::Claim(req) => Reply::Claim(ready(self.inner.claim(req))),
-            Command::Complete(key, token, completion) => {
-                let out: Result<bool, StoreError> =
-                    ready(self.inner.complete(key, token, completion));
-                if let Ok(false) = out {
-                    *world.refused.entry(self.key_index(key)).or_default() += 1;
+            Command::Claim(req) => {
+                let claim = ready(self.inner.claim(req));
+                if let Ok(Claim::Acquired { fence }) = &claim {
+                    world
+                        .token_fences
+                        .insert(req.token.as_bytes().to_vec(), *fence);
                 }
-                Reply::Bool(out)
+                Reply::Claim(claim)
             }
-            Command::Release(key, token) => {
-                let before: Option<Record> = ready(self.inner.read(key)).unwrap();
-                if let Some(record) = before {
-                    if record.token == *token
-                        && matches!(record.state, RecordState::InProgress { .. })
-                        && world
-                            .ok_fences
-                            .get(&self.key_index(key))
-                            .is_some_and(|f| f.contains(&record.fence))
-                    {
-                        world.violations.push(format!(
-                            "the owner of `{key}` (fence {}) gave its claim back after its body returned Ok",
-                            record.fence
-                        ));
+            Command::Complete(key, token, completion) => {
+                Reply::Bool(self.complete_now(key, token, completion, world))
+            }
+            Command::Release(key, token) => Reply::Bool(self.release_now(key, token, world)),
+            Command::ClaimMany(reqs) => {
+                let claims = ready(self.inner.claim_many(reqs));
+                for (req, claim) in reqs.iter().zip(&claims) {
+                    if let Ok(Claim::Acquired { fence }) = claim {
+                        world
+                            .token_fences
+                            .insert(req.token.as_bytes().to_vec(), *fence);
                     }
                 }
-                Reply::Bool(ready(self.inner.release(key, token)))
+                Reply::Claims(claims)
             }
+            Command::CompleteMany(items) => Reply::Bools(
+                items
+                    .iter()
+                    .map(|item| match &item.action {
+                        Settle::Complete(c) => self.complete_now(&item.key, &item.token, c, world),
+                        _ => self.release_now(&item.key, &item.token, world),
+                    })
+                    .collect(),
+            ),
             Command::Renew(key, token, lease) => {
                 Reply::Bool(ready(self.inner.renew(key, token, *lease)))
             }
             Command::Read(key) => Reply::Read(ready(self.inner.read(key))),
+            Command::Delete(key, token) => {
+                let before: Option<Record> = ready(self.inner.read(key)).unwrap_or(None);
+                let expect = match token {
+                    Some(token) => Expect::Token(token),
+                    None => Expect::Corrupt,
+                };
+                let out = ready(self.inner.delete(key, expect));
+                if let (Ok(true), Some(record)) = (&out, &before) {
+                    match record.state {
+                        RecordState::InProgress { lease_left } if !lease_left.is_zero() => {
+                            world.violations.push(format!(
+                                "an operator deleted the live claim on `{key}` (fence {})",
+                                record.fence
+                            ));
+                        }
+                        RecordState::Completed => {
+                            *world
+                                .rerun_by_operator
+                                .entry(self.key_index(key))
+                                .or_default() += 1;
+                        }
+                        _ => {}
+                    }
+                }
+                Reply::Bool(out)
+            }
+            Command::Reopen(key, token) => Reply::Bool(ready(self.inner.reopen(key, token))),
+            Command::ForceRelease(key, token) => Reply::Bool(ready(self.inner.release(key, token))),
+            Command::Scan(prefix, cursor, limit) => {
+                Reply::Scan(ready(self.inner.scan(prefix, cursor, *limit)))
+            }
         }
     }
 
+    /// A completion, counting a refused one (its owner had lost the key).
+    fn complete_now(
+        &self,
+        key: &Key,
+        token: &Token,
+        completion: &Completion,
+        world: &mut World,
+    ) -> Result<bool, StoreError> {
+        let out = ready(self.inner.complete(key, token, completion));
+        if let Ok(false) = out {
+            if let Some(&fence) = world.token_fences.get(token.as_bytes().as_slice()) {
+                world
+                    .losers
+                    .entry(self.key_index(key))
+                    .or_default()
+                    .insert(fence);
+            }
+        }
+        out
+    }
+
+    /// A release, checking rule 2: an owner whose body returned `Ok` never gives it back.
+    fn release_now(&self, key: &Key, token: &Token, world: &mut World) -> Result<bool, StoreError> {
+        let before: Option<Record> = ready(self.inner.read(key)).unwrap();
+        if let Some(record) = before {
+            if record.token == *token
+                && matches!(record.state, RecordState::InProgress { .. })
+                && world
+                    .ok_fences
+                    .get(&self.key_index(key))
+                    .is_some_and(|f| f.contains(&record.fence))
+            {
+                world.violations.push(format!(
+                    "the owner of `{key}` (fence {}) gave its claim back after its body returned Ok",
+                    record.fence
+                ));
+            }
+        }
+        ready(self.inner.release(key, token))
+    }
+
     /// Settles in-flight command number `index` with `fault`: 0 applied and answered, 1 refused
-    /// before being applied, 2 applied with its reply lost.
+    /// before being applied, 2 applied with its reply lost, 3 never answered and never applied
+    /// (a request lost on a silent connection), 4 applied and never answered (a silent
+    /// connection after the server applied it).
     fn settle(&self, index: usize, fault: u32) {
         let mut world = self.world.lock().unwrap();
         let command = world.in_flight[index].command.clone();
         let reply = match fault {
-            1 => fail(&command, StoreErrorKind::Unavailable),
+            1 => Some(fail(&command, StoreErrorKind::Unavailable)),
             2 => {
                 self.apply(&command, &mut world);
-                fail(&command, StoreErrorKind::OutcomeUnknown)
+                Some(fail(&command, StoreErrorKind::OutcomeUnknown))
             }
-            _ => self.apply(&command, &mut world),
+            3 => None,
+            4 => {
+                self.apply(&command, &mut world);
+                let claimed: Vec<usize> = match &command {
+                    Command::Claim(req) => vec![self.key_index(&req.key)],
+                    Command::ClaimMany(reqs) => {
+                        reqs.iter().map(|req| self.key_index(&req.key)).collect()
+                    }
+                    _ => Vec::new(),
+                };
+                world.applied_unanswered.extend(claimed);
+                None
+            }
+            _ => Some(self.apply(&command, &mut world)),
         };
         let id = world.in_flight[index].id;
         world.log(|| {
             format!(
                 "  settle #{id} {} -> {reply:?}",
-                ["applied", "refused", "applied, reply lost"][fault as usize]
+                [
+                    "applied",
+                    "refused",
+                    "applied, reply lost",
+                    "never answered",
+                    "applied, never answered"
+                ][fault as usize]
             )
         });
         let entry = &mut world.in_flight[index];
-        entry.reply = Some(reply);
         entry.settled = true;
-        if let Some(waker) = entry.waker.take() {
-            waker.wake();
+        if let Some(reply) = reply {
+            entry.reply = Some(reply);
+            if let Some(waker) = entry.waker.take() {
+                waker.wake();
+            }
         }
     }
 
@@ -280,6 +416,18 @@ fn fail(command: &Command, kind: StoreErrorKind) -> Reply {
     match command {
         Command::Claim(_) => Reply::Claim(Err(err)),
         Command::Read(_) => Reply::Read(Err(err)),
+        Command::Scan(..) => Reply::Scan(Err(err)),
+        Command::ClaimMany(reqs) => Reply::Claims(
+            reqs.iter()
+                .map(|_| Err(StoreError::new(kind, "simulated fault")))
+                .collect(),
+        ),
+        Command::CompleteMany(items) => Reply::Bools(
+            items
+                .iter()
+                .map(|_| Err(StoreError::new(kind, "simulated fault")))
+                .collect(),
+        ),
         _ => Reply::Bool(Err(err)),
     }
 }
@@ -294,6 +442,27 @@ fn describe(command: &Command) -> String {
         Command::Release(key, token) => format!("release {key} token {token:?}"),
         Command::Renew(key, token, _) => format!("renew {key} token {token:?}"),
         Command::Read(key) => format!("read {key}"),
+        Command::Delete(key, token) => format!("operator delete {key} token {token:?}"),
+        Command::Reopen(key, token) => format!("operator reopen {key} token {token:?}"),
+        Command::ForceRelease(key, token) => format!("operator release {key} token {token:?}"),
+        Command::Scan(prefix, cursor, _) => format!("operator scan {prefix} from {cursor}"),
+        Command::ClaimMany(reqs) => format!(
+            "claim_many {:?}",
+            reqs.iter()
+                .map(|r| (r.key.to_string(), r.token))
+                .collect::<Vec<_>>()
+        ),
+        Command::CompleteMany(items) => format!(
+            "complete_many {:?}",
+            items
+                .iter()
+                .map(|i| (
+                    i.key.to_string(),
+                    i.token,
+                    matches!(i.action, Settle::Complete(_))
+                ))
+                .collect::<Vec<_>>()
+        ),
     }
 }
 
@@ -368,6 +537,119 @@ impl Store for SimStore {
             _ => None,
         })
     }
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        sent(self.send(Command::Reopen(key.clone(), *token)), bool_reply)
+    }
+    fn claim_many<'a>(
+        &'a self,
+        reqs: &'a [ClaimRequest],
+    ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
+        sent(self.send(Command::ClaimMany(reqs.to_vec())), |r| match r {
+            Reply::Claims(c) => Some(c),
+            _ => None,
+        })
+    }
+    fn complete_many<'a>(
+        &'a self,
+        items: &'a [Settlement],
+    ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
+        sent(
+            self.send(Command::CompleteMany(items.to_vec())),
+            |r| match r {
+                Reply::Bools(b) => Some(b),
+                _ => None,
+            },
+        )
+    }
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        cursor: &'a ScanCursor,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+        let command = Command::Scan(prefix.to_owned(), cursor.clone(), limit);
+        sent(self.send(command), |r| match r {
+            Reply::Scan(r) => Some(r),
+            _ => None,
+        })
+    }
+    fn delete<'a>(
+        &'a self,
+        key: &'a Key,
+        expect: Expect<'a>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let token = match expect {
+            Expect::Token(token) => Some(*token),
+            _ => None,
+        };
+        sent(self.send(Command::Delete(key.clone(), token)), bool_reply)
+    }
+}
+
+/// The store as an operator's actions reach it: the same commands, but its releases are
+/// the operator's (`force_release` frees a claim on purpose), not an owner giving its claim
+/// back.
+struct OperatorView(Arc<SimStore>);
+
+impl Store for OperatorView {
+    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        self.0.claim(req)
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        completion: &'a Completion,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.0.complete(key, token, completion)
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        sent(
+            self.0.send(Command::ForceRelease(key.clone(), *token)),
+            bool_reply,
+        )
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.0.renew(key, token, lease)
+    }
+    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.0.read(key)
+    }
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.0.reopen(key, token)
+    }
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        cursor: &'a ScanCursor,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+        self.0.scan(prefix, cursor, limit)
+    }
+    fn delete<'a>(
+        &'a self,
+        key: &'a Key,
+        expect: Expect<'a>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.0.delete(key, expect)
+    }
 }
 
 fn bool_reply(reply: Reply) -> Option<Result<bool, StoreError>> {
@@ -407,11 +689,68 @@ struct Effects {
     values: Vec<BTreeSet<u64>>,
 }
 
-struct Caller {
+/// The fence a body applied its effect under, once it did.
+type Ran = Arc<Mutex<Option<u64>>>;
+
+/// What a caller was told for one of its keys.
+struct Answer {
     key: usize,
-    future: Pin<Box<dyn Future<Output = Result<u64, AppError>>>>,
-    /// Whether this caller's body ran (so an `Ok` is its own value, not a replay).
-    ran: Arc<Mutex<bool>>,
+    /// The fence its body applied the effect under, once it did (so an `Ok` is its own value,
+    /// not a replay).
+    ran: Ran,
+    out: Result<u64, AppError>,
+}
+
+/// A caller: a single call, a batch, an operator's action or a lock holder. It answers once,
+/// for each of its keys (operators and lock holders answer nothing the checks look at).
+struct Caller {
+    future: Pin<Box<dyn Future<Output = Vec<Answer>>>>,
+    /// Its keys, each with the fence its body applied the effect under, once it did: a
+    /// caller dropped after its effect is a loss the law counts (its message is redelivered).
+    rans: Vec<(usize, Ran)>,
+}
+
+/// The item of a batch caller.
+struct Item {
+    key: usize,
+    value: u64,
+    steps: u32,
+    fails: bool,
+    ran: Ran,
+}
+
+/// The completions lost after their caller got `Ok` that the engine reported (the hook of
+/// `idempotency::on_completion_lost`, installed once): one of the losses the law counts.
+fn lost_completions() -> &'static Mutex<Vec<idempotency::CompletionLost>> {
+    static LOST: Mutex<Vec<idempotency::CompletionLost>> = Mutex::new(Vec::new());
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| {
+        idempotency::on_completion_lost(|lost| LOST.lock().unwrap().push(lost.clone()));
+    });
+    &LOST
+}
+
+/// A batch's answers, one per item, with the item's key and whether its body ran.
+fn answers(rans: Vec<(usize, Ran)>, outs: Vec<Result<u64, AppError>>) -> Vec<Answer> {
+    rans.into_iter()
+        .zip(outs)
+        .map(|((key, ran), out)| Answer { key, ran, out })
+        .collect()
+}
+
+/// Returns `Pending` `n` times (waking itself): await points where a caller can be dropped.
+struct Steps(u32);
+
+impl Future for Steps {
+    type Output = ();
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.0 == 0 {
+            return Poll::Ready(());
+        }
+        self.0 -= 1;
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
 }
 
 /// A body: waits `steps` polls (await points where it can be dropped), then applies its effect
@@ -424,7 +763,7 @@ struct Body {
     value: u64,
     effects: Arc<Mutex<Effects>>,
     world: Arc<Mutex<World>>,
-    ran: Arc<Mutex<bool>>,
+    ran: Ran,
 }
 
 impl Future for Body {
@@ -435,11 +774,11 @@ impl Future for Body {
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
-        *self.ran.lock().unwrap() = true;
+        let fence = idempotency::current().expect("the body's claim").fence();
         if self.fails {
             return Poll::Ready(Err(AppError::Business));
         }
-        let fence = idempotency::current().expect("the body's claim").fence();
+        *self.ran.lock().unwrap() = Some(fence);
         let record = ready(self.store.inner.read(&self.store.keys[self.key])).unwrap();
         let live_owner = record.is_some_and(|r| {
             r.fence == fence
@@ -478,6 +817,7 @@ fn run_schedule(choices: &mut Choices, traced: bool) -> Outcome {
 }
 
 async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
+    lost_completions().lock().unwrap().clear();
     let world = Arc::new(Mutex::new(World {
         trace: traced.then(Vec::new),
         ..World::default()
@@ -503,74 +843,221 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
     let log = |line: String| world.lock().unwrap().log(|| line);
     log(format!("keys={n_keys} done_check={with_done}"));
 
-    let n_callers = 2 + choices.pick(4) as usize;
-    let mut waiting: Vec<Caller> = Vec::new();
-    for i in 0..n_callers {
-        let key = choices.pick(n_keys as u32) as usize;
-        let ran = Arc::new(Mutex::new(false));
-        let body = Body {
-            steps: choices.pick(4),
-            fails: choices.chance(1, 5),
+    let with_hold = choices.chance(1, 4);
+    let lock_keys: Vec<Key> = (0..2u64)
+        .map(|i| Key::new("simlock", 1, &[&i]).unwrap())
+        .collect();
+    let combined = choices.chance(1, 4);
+    let engine_store: SharedStore = if combined {
+        // Batches without a lease to go by (releases) wait at most a lease, so that quiescing
+        // (twice a lease of quiet) sees them through.
+        let combining = CombiningStore::new(shared.clone(), 1 + choices.pick(2) as usize);
+        Arc::new(combining.batch_timeout(LEASE))
+    } else {
+        shared.clone()
+    };
+    log(format!("hold={with_hold} combining={combined}"));
+    let body = {
+        let (store, effects, world) = (store.clone(), effects.clone(), world.clone());
+        move |key: usize, value: u64, steps: u32, fails: bool, ran: &Ran| Body {
+            steps,
+            fails,
             store: store.clone(),
             key,
-            value: i as u64,
+            value,
             effects: effects.clone(),
             world: world.clone(),
             ran: ran.clone(),
-        };
-        let guard = Idempotency::new(TTL).lease(LEASE).store(shared.clone());
-        let op = guard.operation(keys[key].clone()).replay();
-        let future: Pin<Box<dyn Future<Output = Result<u64, AppError>>>> = if with_done {
-            let effects = effects.clone();
-            Box::pin(
-                op.done(move || {
-                    let done = effects.lock().unwrap().applied[key] > 0;
-                    async move { Ok::<_, AppError>(done) }
+        }
+    };
+
+    let n_callers = 2 + choices.pick(4) as usize;
+    let mut waiting: Vec<Caller> = Vec::new();
+    for i in 0..n_callers {
+        let guard = Idempotency::new(TTL)
+            .lease(LEASE)
+            .store(engine_store.clone());
+        let hold = |_: &AppError| OnError::Hold;
+        let mut rans_of: Vec<(usize, Ran)> = Vec::new();
+        let future: Pin<Box<dyn Future<Output = Vec<Answer>>>> = match choices.pick(10) {
+            // A batch of one or two keys.
+            5 | 6 => {
+                let first = choices.pick(n_keys as u32) as usize;
+                let mut item_keys = vec![first];
+                if n_keys > 1 && choices.chance(1, 2) {
+                    item_keys.push((first + 1) % n_keys);
+                }
+                let items: Vec<(Key, Item)> = item_keys
+                    .iter()
+                    .enumerate()
+                    .map(|(n, &key)| {
+                        let item = Item {
+                            key,
+                            value: (1000 + i * 10 + n) as u64,
+                            steps: choices.pick(4),
+                            fails: choices.chance(1, 5),
+                            ran: Arc::new(Mutex::new(None)),
+                        };
+                        (keys[key].clone(), item)
+                    })
+                    .collect();
+                let rans: Vec<(usize, Ran)> = items
+                    .iter()
+                    .map(|(_, item)| (item.key, item.ran.clone()))
+                    .collect();
+                rans_of.clone_from(&rans);
+                let handler = {
+                    let body = body.clone();
+                    move |item: Item| body(item.key, item.value, item.steps, item.fails, &item.ran)
+                };
+                let mut batch = guard.batch::<Item, Result<u64, AppError>>().replay();
+                if with_hold {
+                    batch = batch.on_error(hold);
+                }
+                log(format!("caller {i}: batch of keys {item_keys:?}"));
+                if with_done {
+                    let effects = effects.clone();
+                    let batch = batch.done(move |item: &Item| {
+                        let done = effects.lock().unwrap().applied[item.key] > 0;
+                        async move { Ok::<_, AppError>(done) }
+                    });
+                    Box::pin(async move {
+                        let outs = batch.run(items, handler).await;
+                        answers(rans, outs)
+                    })
+                } else {
+                    Box::pin(async move {
+                        let outs = batch.run(items, handler).await;
+                        answers(rans, outs)
+                    })
+                }
+            }
+            // An operator's action on an operation key, through the store itself.
+            7 | 9 => {
+                let key = keys[choices.pick(n_keys as u32) as usize].clone();
+                let action = choices.pick(4);
+                let admin = Admin::new(Arc::new(OperatorView(store.clone()))).timeout(LEASE);
+                log(format!("caller {i}: operator action {action} on {key}"));
+                Box::pin(async move {
+                    match action {
+                        0 => {
+                            if let Ok(Some(seen)) = admin.inspect(&key).await {
+                                let _ = admin.force_release(&key, seen.fence).await;
+                            }
+                        }
+                        1 => drop(admin.delete(&key).await),
+                        2 => drop(admin.purge("sim").await),
+                        _ => drop(admin.unhold(&key).await),
+                    }
+                    Vec::new()
                 })
-                .run_with(|_| body),
-            )
-        } else {
-            Box::pin(op.run_with(|_| body))
+            }
+            // A lock holder: while its guard says the lock is held, the store must agree.
+            8 => {
+                let lock_key = lock_keys[choices.pick(2) as usize].clone();
+                let locks = Lock::new(engine_store.clone(), LEASE);
+                let (steps, unlock) = (choices.pick(4), choices.chance(1, 2));
+                let (store, world) = (store.clone(), world.clone());
+                log(format!("caller {i}: lock {lock_key}"));
+                Box::pin(async move {
+                    let Ok(Some(held)) = locks.try_lock(lock_key.clone()).await else {
+                        return Vec::new();
+                    };
+                    Steps(steps).await;
+                    let fence = held.fence();
+                    if !held.is_lost() {
+                        let record = ready(store.inner.read(&lock_key)).unwrap();
+                        let live = record.is_some_and(|r| {
+                            r.fence == fence
+                                && matches!(r.state, RecordState::InProgress { lease_left } if !lease_left.is_zero())
+                        });
+                        if !live {
+                            world.lock().unwrap().violations.push(format!(
+                                "the holder of `{lock_key}` (fence {fence}) believes it holds a lock the store says it does not"
+                            ));
+                        }
+                    }
+                    if unlock {
+                        let _ = held.unlock().await;
+                    }
+                    Vec::new()
+                })
+            }
+            // A single call.
+            _ => {
+                let key = choices.pick(n_keys as u32) as usize;
+                let ran: Ran = Arc::new(Mutex::new(None));
+                let body = body(key, i as u64, choices.pick(4), choices.chance(1, 5), &ran);
+                let mut op = guard.operation(keys[key].clone()).replay();
+                if with_hold {
+                    op = op.on_error(hold);
+                }
+                log(format!("caller {i}: key {key}"));
+                rans_of.push((key, ran.clone()));
+                let answer = move |out| vec![Answer { key, ran, out }];
+                if with_done {
+                    let effects = effects.clone();
+                    let op = op.done(move || {
+                        let done = effects.lock().unwrap().applied[key] > 0;
+                        async move { Ok::<_, AppError>(done) }
+                    });
+                    Box::pin(async move { answer(op.run_with(|_| body).await) })
+                } else {
+                    Box::pin(async move { answer(op.run_with(|_| body).await) })
+                }
+            }
         };
-        log(format!("caller {i}: key {key}"));
-        waiting.push(Caller { key, future, ran });
+        waiting.push(Caller {
+            future,
+            rans: rans_of,
+        });
     }
     let mut live: Vec<(usize, Caller)> = Vec::new();
     let mut next_caller = 0usize;
 
-    let check_answer = |i: usize, caller: &Caller, out: &Result<u64, AppError>| -> Option<String> {
+    let check_answer = |i: usize, answer: &Answer| -> Option<String> {
         let effects = effects.lock().unwrap();
-        let ran = *caller.ran.lock().unwrap();
-        match out {
-            Ok(v) if !ran && !effects.values[caller.key].contains(v) => Some(format!(
-                "caller {i} got replayed value {v} that no body of key {} returned",
-                caller.key
+        let ran = answer.ran.lock().unwrap().is_some();
+        let key = answer.key;
+        match &answer.out {
+            Ok(v) if !ran && !effects.values[key].contains(v) => Some(format!(
+                "caller {i} got replayed value {v} that no body of key {key} returned"
             )),
-            Err(AppError::Idem(kind))
-                if kind == "duplicate" && effects.applied[caller.key] == 0 =>
-            {
-                Some(format!(
-                    "caller {i} was told duplicate before any effect of key {}",
-                    caller.key
-                ))
-            }
+            Err(AppError::Idem(kind)) if kind == "duplicate" && effects.applied[key] == 0 => Some(
+                format!("caller {i} was told duplicate before any effect of key {key}"),
+            ),
             _ => None,
         }
     };
 
-    // Polls caller `at` once; when it answers, checks the answer and removes it.
+    // Polls caller `at` once; when it answers, checks the answers and removes it.
     let poll_caller = |live: &mut Vec<(usize, Caller)>, at: usize| -> bool {
         let (i, caller) = &mut live[at];
-        let Poll::Ready(out) = caller
+        let Poll::Ready(answers) = caller
             .future
             .as_mut()
             .poll(&mut Context::from_waker(Waker::noop()))
         else {
             return false;
         };
-        log(format!("caller {i} answered {out:?}"));
-        if let Some(v) = check_answer(*i, caller, &out) {
-            world.lock().unwrap().violations.push(v);
+        for answer in &answers {
+            log(format!(
+                "caller {i} answered key {}: {:?}",
+                answer.key, answer.out
+            ));
+            if let Some(v) = check_answer(*i, answer) {
+                world.lock().unwrap().violations.push(v);
+            }
+            let ran = *answer.ran.lock().unwrap();
+            if let (Err(AppError::Idem(kind)), Some(fence)) = (&answer.out, ran) {
+                if kind == "lost_ownership" {
+                    let mut world = world.lock().unwrap();
+                    world.losers.entry(answer.key).or_default().insert(fence);
+                }
+            }
+        }
+        if answers.is_empty() {
+            log(format!("caller {i} finished"));
         }
         live.remove(at);
         true
@@ -596,17 +1083,25 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
             // Drop a caller at its current await point.
             6 if !live.is_empty() => {
                 let at = choices.pick(live.len() as u32) as usize;
-                let (i, _) = live.remove(at);
+                let (i, caller) = live.remove(at);
                 log(format!("drop caller {i}"));
+                let mut world = world.lock().unwrap();
+                for (key, ran) in &caller.rans {
+                    if let Some(fence) = *ran.lock().unwrap() {
+                        world.losers.entry(*key).or_default().insert(fence);
+                    }
+                }
             }
             // Settle a store command.
             7..=11 => {
                 let unsettled = store.unsettled();
                 if !unsettled.is_empty() {
                     let index = unsettled[choices.pick(unsettled.len() as u32) as usize];
-                    let fault = match choices.pick(10) {
-                        0 => 1,
-                        1 => 2,
+                    let fault = match choices.pick(20) {
+                        0 | 1 => 1,
+                        2 | 3 => 2,
+                        4 => 3,
+                        5 => 4,
                         _ => 0,
                     };
                     store.settle(index, fault);
@@ -655,7 +1150,12 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         }
         tokio::time::advance(Duration::from_millis(10)).await;
     }
-    assert!(live.is_empty(), "callers still running after quiescing");
+    if !live.is_empty() {
+        let ids: Vec<usize> = live.iter().map(|(i, _)| *i).collect();
+        world.lock().unwrap().violations.push(format!(
+            "callers {ids:?} never answered, though every command was answered"
+        ));
+    }
     // One lease later, nothing may be in progress.
     tokio::time::advance(LEASE + Duration::from_millis(1)).await;
     for _ in 0..4 {
@@ -664,18 +1164,26 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
 
     let mut world_guard = world.lock().unwrap();
     let effects = effects.lock().unwrap();
+    for lost in lost_completions().lock().unwrap().drain(..) {
+        let at = keys
+            .iter()
+            .position(|k| *k == lost.key)
+            .unwrap_or(usize::MAX);
+        world_guard.losers.entry(at).or_default().insert(lost.fence);
+    }
     for (i, key) in keys.iter().enumerate() {
         let applied = effects.applied[i];
-        let refused = world_guard.refused.get(&i).copied().unwrap_or(0) as u32;
+        let refused = world_guard.losers.get(&i).map_or(0, BTreeSet::len) as u32;
+        let rerun = world_guard.rerun_by_operator.get(&i).copied().unwrap_or(0) as u32;
         let by_live_owner = effects.by_live_owner[i];
         if with_done && by_live_owner > 1 {
             world_guard.violations.push(format!(
                 "`{key}`: {by_live_owner} effects by live owners with a done check"
             ));
         }
-        if applied > 1 + refused {
+        if applied > 1 + refused + rerun {
             world_guard.violations.push(format!(
-                "`{key}`: {applied} effects but only {refused} lost ownerships"
+                "`{key}`: {applied} effects but only {refused} losses reported and {rerun} records an operator deleted"
             ));
         }
         let mut read = store.inner.read(key);
@@ -684,10 +1192,14 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
             Poll::Pending => None,
         };
         if let Some(record) = record {
-            if matches!(record.state, RecordState::InProgress { .. }) {
-                world_guard.violations.push(format!(
-                    "`{key}` is still in progress after every caller left and a lease passed"
-                ));
+            if let RecordState::InProgress { lease_left } = record.state {
+                // A claim the store applied and never answered has no one to give it back:
+                // its lease running out is all that frees the key.
+                if !lease_left.is_zero() || !world_guard.applied_unanswered.contains(&i) {
+                    world_guard.violations.push(format!(
+                        "`{key}` is still in progress after every caller left and a lease passed"
+                    ));
+                }
             }
         }
     }

@@ -284,12 +284,14 @@ impl AdminOutcome {
 #[derive(Clone)]
 pub struct Admin {
     store: SharedStore,
+    timeout: Duration,
 }
 
 impl std::fmt::Debug for Admin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Admin")
             .field("store", &self.store.name())
+            .field("timeout", &self.timeout)
             .finish()
     }
 }
@@ -299,7 +301,36 @@ impl Admin {
     pub fn new(store: impl IntoStore) -> Admin {
         Admin {
             store: store.into_store(),
+            timeout: Duration::from_secs(30),
         }
+    }
+
+    /// How long one store call of an action may go unanswered (30 s by default; at least
+    /// 1 ms) before the action fails with [`StoreErrorKind::OutcomeUnknown`]: a silent
+    /// connection never hangs an operator. A write abandoned this way that lands later is
+    /// still checked against the token (and the lease) the action read.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use idempotent_runtime::admin::Admin;
+    /// use idempotent_runtime::MemoryStore;
+    ///
+    /// let admin = Admin::new(Arc::new(MemoryStore::new())).timeout(Duration::from_secs(5));
+    /// # let _ = admin;
+    /// ```
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Admin {
+        self.timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    async fn call<T>(
+        &self,
+        what: &'static str,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        crate::engine::bounded(self.timeout, what, call).await
     }
 
     /// The record of `key`, or `None` when it has none.
@@ -309,7 +340,11 @@ impl Admin {
     /// The store's error (a record it cannot read is
     /// [`StoreErrorKind::Corrupt`]).
     pub async fn inspect(&self, key: &Key) -> Result<Option<Inspection>, StoreError> {
-        Ok(self.store.read(key).await?.as_ref().map(Inspection::of))
+        Ok(self
+            .call("read", self.store.read(key))
+            .await?
+            .as_ref()
+            .map(Inspection::of))
     }
 
     /// Frees `key` from a stuck owner: the in-progress record with fence `expected_fence`
@@ -326,7 +361,7 @@ impl Admin {
         key: &Key,
         expected_fence: u64,
     ) -> Result<AdminOutcome, StoreError> {
-        let outcome = match self.store.read(key).await? {
+        let outcome = match self.call("read", self.store.read(key)).await? {
             None => AdminOutcome::Missing,
             Some(record) if record.fence != expected_fence => AdminOutcome::FenceMismatch {
                 fence: record.fence,
@@ -337,7 +372,10 @@ impl Admin {
                 }
             }
             Some(record) => {
-                if self.store.release(key, &record.token).await? {
+                if self
+                    .call("release", self.store.release(key, &record.token))
+                    .await?
+                {
                     AdminOutcome::Done {
                         fence: record.fence,
                     }
@@ -359,13 +397,16 @@ impl Admin {
     /// [`Store::reopen`](crate::Store::reopen) refuses with
     /// [`StoreErrorKind::Protocol`].
     pub async fn unhold(&self, key: &Key) -> Result<AdminOutcome, StoreError> {
-        let outcome = match self.store.read(key).await? {
+        let outcome = match self.call("read", self.store.read(key)).await? {
             None => AdminOutcome::Missing,
             Some(record) if !is_held(&record) => AdminOutcome::WrongState {
                 state: record.state,
             },
             Some(record) => {
-                if self.store.reopen(key, &record.token).await? {
+                if self
+                    .call("reopen", self.store.reopen(key, &record.token))
+                    .await?
+                {
                     AdminOutcome::Done {
                         fence: record.fence,
                     }
@@ -416,10 +457,8 @@ impl Admin {
     /// [`Store::scan`](crate::Store::scan) refuses with
     /// [`StoreErrorKind::Protocol`].
     pub async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
-        let page = self
-            .store
-            .scan(&query.prefix, &query.cursor, query.limit)
-            .await?;
+        let scan = self.store.scan(&query.prefix, &query.cursor, query.limit);
+        let page = self.call("scan", scan).await?;
         let records = page
             .records
             .into_iter()
@@ -445,9 +484,12 @@ impl Admin {
     ///
     /// The store's error; nothing changed.
     pub async fn delete(&self, key: &Key) -> Result<AdminOutcome, StoreError> {
-        let outcome = match self.store.read(key).await {
+        let outcome = match self.call("read", self.store.read(key)).await {
             Err(err) if err.kind() == StoreErrorKind::Corrupt => {
-                if self.store.delete(key, Expect::Corrupt).await? {
+                if self
+                    .call("delete", self.store.delete(key, Expect::Corrupt))
+                    .await?
+                {
                     AdminOutcome::DeletedCorrupt
                 } else {
                     AdminOutcome::Changed
@@ -467,14 +509,20 @@ impl Admin {
                 state: record.state,
             });
         }
-        if self.store.delete(key, Expect::Token(&record.token)).await? {
+        if self
+            .call(
+                "delete",
+                self.store.delete(key, Expect::Token(&record.token)),
+            )
+            .await?
+        {
             return Ok(AdminOutcome::Done {
                 fence: record.fence,
             });
         }
         // The store refused: the record changed, or its owner renewed since the read (the
         // store never deletes a live claim). Say which, as the read would have.
-        Ok(match self.store.read(key).await {
+        Ok(match self.call("read", self.store.read(key)).await {
             Ok(Some(now)) if now.token == record.token && Inspection::of(&now).is_live_claim() => {
                 AdminOutcome::WrongState { state: now.state }
             }
@@ -498,7 +546,9 @@ impl Admin {
         let mut report = PurgeReport::default();
         let mut cursor = ScanCursor::start();
         loop {
-            let page = self.store.scan(&query.prefix, &cursor, query.limit).await?;
+            let page = self
+                .call("scan", self.store.scan(&query.prefix, &cursor, query.limit))
+                .await?;
             for (key, record) in page.records {
                 match record {
                     Ok(record) => match self.delete_read(&key, &record).await? {
@@ -507,7 +557,10 @@ impl Admin {
                         _ => report.changed += 1,
                     },
                     Err(err) if err.kind() == StoreErrorKind::Corrupt => {
-                        if self.store.delete(&key, Expect::Corrupt).await? {
+                        if self
+                            .call("delete", self.store.delete(&key, Expect::Corrupt))
+                            .await?
+                        {
                             report.corrupt_deleted += 1;
                         } else {
                             report.changed += 1;

@@ -255,7 +255,7 @@ where
 {
     let span = tracing::Span::current();
     let store: SharedStore = batch.batch.clone();
-    let claim = match pending::claim(&store, &req, first).await {
+    let claim = match pending::claim_or_give_back(&store, &req, first).await {
         Ok(claim) => claim,
         Err(err) => {
             batch.batch.forget(&req.token);

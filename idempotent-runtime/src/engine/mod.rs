@@ -36,6 +36,7 @@ pub use batch::Batch;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) use bound::{run_bound, Bound, BoundCall};
 pub use current::{current, Current};
+pub(crate) use deadline::bounded;
 pub use handler::HandlerResult;
 pub use idempotency::Idempotency;
 pub use lock::{Lock, LockGuard};

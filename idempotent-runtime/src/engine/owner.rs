@@ -99,7 +99,15 @@ impl Claimed {
         }
     }
 
+    /// Whether the lease is lost: marked lost (the store said so, or the watchdog saw it run
+    /// out), or past its end on the caller's clock even if no watchdog has looked yet (one
+    /// starved of the CPU, a paused process), so the answer is never late.
     pub(crate) fn is_lost(&self) -> bool {
+        self.is_marked_lost() || tokio::time::Instant::now() >= self.lease_until()
+    }
+
+    /// Whether the lease was marked lost ([`set_lost`](Claimed::set_lost)).
+    pub(crate) fn is_marked_lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)
     }
 

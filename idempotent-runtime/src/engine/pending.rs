@@ -36,7 +36,11 @@ pub(crate) async fn claim(
         other => return other,
     };
     tracing::debug!(error = %unknown, "claim reply lost; reading the record back");
-    let resolved = match store.read(&req.key).await {
+    // The read is bounded (abandoning a read changes nothing); the claim sent again is not,
+    // since one abandoned in flight may still land: the bound of the caller's round trip
+    // ([`PendingClaim`]) covers it, and what lands then is given back.
+    let read = bounded(call_bound(req.lease), "read", store.read(&req.key));
+    let resolved = match read.await {
         Ok(Some(record))
             if record.token == req.token
                 && matches!(record.state, RecordState::InProgress { .. }) =>
@@ -55,6 +59,20 @@ pub(crate) async fn claim(
         run_detached(give_back(store, key, token, req.lease, give_up_at));
     }
     resolved
+}
+
+/// [`claim`] for a caller that may be dropped while it reads a lost reply back (an item of a
+/// batch), bounded like a claim round trip: dropped or timed out then, the resolution is
+/// finished in the background as a [`PendingClaim`]'s is, and what it acquired given back.
+pub(crate) async fn claim_or_give_back(
+    store: &SharedStore,
+    req: &ClaimRequest,
+    first: Result<Claim, StoreError>,
+) -> Result<Claim, StoreError> {
+    if !matches!(&first, Err(err) if err.is_outcome_unknown()) {
+        return first;
+    }
+    PendingClaim::resolving(store, Arc::new(req.clone()), first).await
 }
 
 /// Gives a claim back, token-checked, retrying with backoff while the store fails, until it
@@ -107,6 +125,23 @@ impl PendingClaim {
                 let first = s.claim(&r).await;
                 claim(&s, &r, first).await
             })),
+            timer: None,
+        }
+    }
+}
+
+impl PendingClaim {
+    /// The rest of a claim round trip whose first answer was `first`: a lost reply read back.
+    fn resolving(
+        store: &SharedStore,
+        req: Arc<ClaimRequest>,
+        first: Result<Claim, StoreError>,
+    ) -> PendingClaim {
+        let (s, r) = (store.clone(), req.clone());
+        PendingClaim {
+            store: store.clone(),
+            req,
+            fut: Some(Box::pin(async move { claim(&s, &r, first).await })),
             timer: None,
         }
     }

@@ -75,13 +75,13 @@ pub(crate) async fn watch<F: Future>(
         }
         let now = Instant::now();
         let lease_until = claim.lease_until();
-        if !claim.is_lost() && now >= lease_until {
+        if !claim.is_marked_lost() && now >= lease_until {
             tracing::warn!(
                 "lease ran out before a renewal succeeded; another owner may take the key"
             );
             claim.set_lost();
         }
-        if claim.is_lost() {
+        if claim.is_marked_lost() {
             if on_lost == OnLostLease::Cancel {
                 return Poll::Ready(Watched::Cancelled);
             }

@@ -252,10 +252,8 @@ impl Shared {
                 tokio::spawn(async move {
                     let claims = sent.await;
                     for (req, claim) in reqs.iter().zip(claims) {
-                        if let Ok(Claim::Acquired { .. }) = claim {
-                            if let Err(err) = inner.release(&req.key, &req.token).await {
-                                tracing::warn!(error = %err, "releasing a claim of an abandoned batch failed; the key is free once its lease runs out");
-                            }
+                        if may_hold(&claim) {
+                            give_back(&inner, req).await;
                         }
                     }
                 });
@@ -265,10 +263,11 @@ impl Shared {
         let mut claims = claims.into_iter();
         for (req, answer) in reqs.iter().zip(answers) {
             let claim = claims.next().unwrap_or_else(|| Err(abandoned()));
-            if let Err(Ok(Claim::Acquired { .. })) = answer.send(claim) {
-                // Its caller went away while the batch was on its way: give the key back.
-                if let Err(err) = self.inner.release(&req.key, &req.token).await {
-                    tracing::warn!(error = %err, "releasing a claim whose caller went away failed; the key is free once its lease runs out");
+            if let Err(claim) = answer.send(claim) {
+                // Its caller went away while the batch was on its way: give back what it may
+                // hold.
+                if may_hold(&claim) {
+                    give_back(&self.inner, req).await;
                 }
             }
         }
@@ -321,6 +320,36 @@ impl Shared {
             .min()
             .unwrap_or(self.batch_timeout)
             .min(self.batch_timeout)
+    }
+}
+
+/// Whether a claim that answered `claim` may have left its token on the record: acquired, or
+/// an outcome the store could not tell (a reply lost, a batch cut short). Releasing is
+/// token-checked, so releasing one that was not applied changes nothing.
+fn may_hold(claim: &Result<Claim, StoreError>) -> bool {
+    match claim {
+        Ok(claim) => matches!(claim, Claim::Acquired { .. }),
+        Err(err) => err.is_outcome_unknown(),
+    }
+}
+
+/// Releases `req`'s claim, token-checked, retrying with backoff (each attempt bounded) while
+/// the store fails, until the record would have expired anyway.
+async fn give_back(inner: &SharedStore, req: &ClaimRequest) {
+    let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        match within(call_bound(req.lease), inner.release(&req.key, &req.token)).await {
+            Ok(Ok(_)) => return,
+            Ok(Err(err)) if err.is_permanent() => {
+                tracing::warn!(error = %err, "releasing a claim of an abandoned batch failed; the key is free once its lease runs out");
+                return;
+            }
+            _ if tokio::time::Instant::now() >= give_up_at => return,
+            _ => {}
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(1));
     }
 }
 
