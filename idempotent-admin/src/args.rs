@@ -139,7 +139,9 @@ pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
 
 #[derive(Debug, Args)]
 pub(crate) struct KeyArgs {
-    /// The key's encoded text (`<prefix>:v<version>:{<parts>}`).
+    /// The key as `list` and `inspect` print it (`<prefix>:v<version>:{<parts>}`): bytes
+    /// outside printable ASCII written `\xNN`, a backslash `\\`, quotes `\'` and `\"`, tab,
+    /// carriage return and newline `\t`, `\r`, `\n`.
     #[arg(long, conflicts_with_all = ["prefix", "part"])]
     key: Option<String>,
     /// The key's prefix, as in the handler's attribute.
@@ -156,7 +158,7 @@ pub(crate) struct KeyArgs {
 impl KeyArgs {
     pub(crate) fn key(&self) -> Result<Key, Failure> {
         let built = match (&self.key, &self.prefix) {
-            (Some(text), _) => Key::parse(text),
+            (Some(text), _) => Key::parse_escaped(text),
             (None, Some(prefix)) => {
                 let parts: Vec<&dyn idempotency::KeyPart> = self
                     .part

@@ -13,7 +13,10 @@
 //! ```
 //!
 //! A key is named by its parts, as the handler builds it (`--prefix`, `--version`, one
-//! `--part` per key part, in order), or by its encoded text (`--key`). `release`, `unhold`,
+//! `--part` per key part, in order), or by its text as `list` and `inspect` print it
+//! (`--key`): bytes outside printable ASCII (a part that is not UTF-8, a character outside
+//! ASCII) are printed `\xNN`, a backslash `\\`, quotes `\'` and `\"`, tab, carriage return
+//! and newline `\t`, `\r`, `\n`, and `--key` reads that form back. `release`, `unhold`,
 //! `delete`, `purge` and the outbox's `retry` and `discard` ask for confirmation unless
 //! `--yes` is given. Output is a readable table, or JSON with `--json`. Durations are written
 //! `500ms`, `30s`, `10m`, `2h` or `7d`.
