@@ -16,6 +16,10 @@ pub(crate) struct Cli {
     /// `sqlite:`).
     #[arg(long, env = "IDEMPOTENT_STORE_URL", global = true)]
     pub(crate) store: Option<String>,
+    /// The records table of an SQL store (default `idempotent_records`), as the
+    /// application's store builder names it with `.table(...)`; given before the command.
+    #[arg(long)]
+    pub(crate) table: Option<String>,
     /// JSON output, for scripts.
     #[arg(long, global = true)]
     pub(crate) json: bool,
@@ -88,6 +92,10 @@ pub(crate) enum Command {
         #[arg(long)]
         yes: bool,
     },
+    /// Creates the records table of an SQL store and its migrations table if they are
+    /// missing, and applies the migrations not applied yet (what the application's store
+    /// does when it opens). The only command that changes the schema.
+    Migrate,
     /// The transactional outbox of an SQL database: counts, dead messages, retry, discard,
     /// purge of published ones.
     Outbox(outbox::OutboxArgs),

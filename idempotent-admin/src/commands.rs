@@ -5,12 +5,12 @@ use std::time::Duration;
 
 use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::store::ScanCursor;
-use idempotency::{Key, RecordState, StoreError};
+use idempotency::{Key, RecordState, StoreError, StoreErrorKind};
 use serde_json::json;
 
 use crate::args::{Cli, Command};
 use crate::show::{inspection_json, print_inspection, seconds, state_name};
-use crate::{confirm, outbox, Failure};
+use crate::{confirm, connect, outbox, Failure};
 
 /// What to do, checked before the store is reached: bad input changes nothing.
 enum Plan {
@@ -20,6 +20,7 @@ enum Plan {
     Delete(Key, bool),
     List(ListQuery, usize),
     Purge(String, bool),
+    Migrate,
 }
 
 impl Plan {
@@ -58,6 +59,7 @@ impl Plan {
                 ListQuery::new(prefix).map_err(bad_prefix)?;
                 Plan::Purge(prefix.clone(), *yes)
             }
+            Command::Migrate => Plan::Migrate,
             Command::Outbox(_) => unreachable!("the outbox has its own command line"),
         })
     }
@@ -73,12 +75,20 @@ pub(crate) async fn run(cli: &Cli) -> Result<(), Failure> {
         return outbox::run(url, args, cli.json).await;
     }
     let plan = Plan::of(&cli.command)?;
-    let store = idempotency::connect(url)
-        .await
-        .map_err(|e| Failure::Store(format!("cannot use the store: {e}")))?;
+    let migrate = matches!(plan, Plan::Migrate);
+    let store = connect::open(url, cli.table.as_deref(), migrate).await?;
     let admin = Admin::new(store);
-    let store_error = |e: StoreError| Failure::Store(format!("{e}"));
+    let store_error = |e: StoreError| Failure::Store(connect::chain(&e));
     match plan {
+        Plan::Migrate => {
+            let table = cli.table.as_deref().unwrap_or("idempotent_records");
+            if cli.json {
+                println!("{}", json!({ "action": "migrate", "table": table }));
+            } else {
+                println!("migrate: done; the records table `{table}` is ready");
+            }
+            Ok(())
+        }
         Plan::Inspect(key) => {
             let Some(seen) = admin.inspect(&key).await.map_err(store_error)? else {
                 if cli.json {
@@ -152,10 +162,14 @@ async fn list(
 ) -> Result<(), Failure> {
     let mut rows = Vec::new();
     let next = loop {
-        let page = admin
-            .list(&query)
-            .await
-            .map_err(|e| Failure::Store(format!("{e}")))?;
+        let page = admin.list(&query).await.map_err(|e| {
+            // The only thing a listing rejects is a cursor of another store.
+            if e.kind() == StoreErrorKind::Rejected {
+                Failure::Input(format!("bad --cursor: {}", connect::chain(&e)))
+            } else {
+                Failure::Store(connect::chain(&e))
+            }
+        })?;
         rows.extend(page.records);
         match page.next {
             Some(next) if rows.len() >= limit => break Some(next),

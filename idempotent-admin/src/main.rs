@@ -8,6 +8,8 @@
 //! IDEMPOTENT_STORE_URL=postgres://app@db/orders idempotent-admin unhold --key 'payment:capture:v1:{6:pay-42}' --yes
 //! idempotent-admin --store postgres://app@db/orders delete --prefix coupon:issue --part u-7 --yes
 //! idempotent-admin --store postgres://app@db/orders purge --prefix checkout:v0-retired --yes
+//! idempotent-admin --store mysql://app@db/shop --table shop_idempotency list --prefix order:pay --state held
+//! idempotent-admin --store postgres://app@db/orders migrate
 //! idempotent-admin --store postgres://app@db/orders outbox dead
 //! idempotent-admin --store postgres://app@db/orders outbox retry --id 01J9... --yes
 //! ```
@@ -21,11 +23,18 @@
 //! `--yes` is given. Output is a readable table, or JSON with `--json`. Durations are written
 //! `500ms`, `30s`, `10m`, `2h` or `7d`.
 //!
+//! On an SQL store `--table` (before the command) names the records table, as the
+//! application's store builder does (`idempotent_records` by default). The record commands
+//! never change the schema: on a database without the table they say so, and `migrate`
+//! creates it (as the application's store does when it opens).
+//!
 //! Exit codes: 0 done (or the record was found, or the listing ran); 1 nothing changed (no
 //! record, another fence, a record in another state, a record that changed meanwhile, a
-//! refused confirmation); 2 bad input (arguments, a malformed key or prefix, an outbox
-//! command on a store that is not SQL); 3 the store failed (unreachable, a record it cannot
-//! read).
+//! refused confirmation); 2 bad input (arguments, a malformed key or prefix, a store URL of
+//! no known scheme or that does not parse, an invalid table name, `--table` on a store that
+//! is not SQL, a cursor of another store, an outbox command on a store that is not SQL); 3
+//! the store failed (unreachable, refused the credentials, no such database, no records
+//! table, a record it cannot read). Errors print their causes.
 
 use std::io::{BufRead, Write};
 use std::process::ExitCode;
@@ -34,6 +43,7 @@ use clap::Parser;
 
 mod args;
 mod commands;
+mod connect;
 mod outbox;
 mod show;
 

@@ -1,6 +1,6 @@
 //! Keys whose parts are not UTF-8 or hold special characters, through the real binary on
 //! real servers: what `list` prints, `inspect` and `delete` take back with `--key`, and
-//! `purge` deletes them all. Redis at `IDEMPOTENT_REDIS_URL`, PostgreSQL at
+//! `purge` deletes them all (exact counts). Redis at `IDEMPOTENT_REDIS_URL`, PostgreSQL at
 //! `IDEMPOTENT_POSTGRES_URL` (a schema of the test's own), MariaDB at `IDEMPOTENT_MYSQL_URL`
 //! (a table of the test's own).
 
@@ -111,4 +111,28 @@ async fn special_keys_round_trip_on_postgres() {
     conn.execute(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .await
         .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn special_keys_round_trip_on_mariadb() {
+    let url = common::mysql_url();
+    let table = unique("idem_keys").to_lowercase();
+    let store = idempotency::sql::MySqlStore::builder(&url)
+        .table(table.clone())
+        .build()
+        .await
+        .unwrap();
+    round_trip(
+        &url,
+        std::sync::Arc::new(store),
+        "payment:capture",
+        &["--table", &table],
+    )
+    .await;
+    let mut conn = sqlx::MySqlConnection::connect(&url).await.unwrap();
+    for name in [table.clone(), format!("{table}_migrations")] {
+        conn.execute(sqlx::AssertSqlSafe(format!("DROP TABLE {name}")))
+            .await
+            .unwrap();
+    }
 }
