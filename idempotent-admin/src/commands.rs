@@ -108,6 +108,16 @@ pub(crate) async fn run(cli: &Cli) -> Result<(), Failure> {
                 .force_release(&key, fence)
                 .await
                 .map_err(store_error)?;
+            if let AdminOutcome::FenceMismatch { fence: has } = outcome {
+                // Say what is known: the record's fence. Whether it is another owner's (a
+                // later claim) or the same owner's (a mistyped fence) is not.
+                if cli.json {
+                    report("release", &key, outcome, true).ok();
+                }
+                return Err(Failure::Unchanged(format!(
+                    "the record's fence is {has}, not {fence}: nothing was released (`inspect` shows the fence of whoever holds `{key}`)"
+                )));
+            }
             report("release", &key, outcome, cli.json)
         }
         Plan::Unhold(key, yes) => {
@@ -258,7 +268,7 @@ fn report(action: &str, key: &Key, outcome: AdminOutcome, as_json: bool) -> Resu
         }
         AdminOutcome::Missing => Err(Failure::Unchanged(format!("`{key}` has no record"))),
         AdminOutcome::FenceMismatch { fence } => Err(Failure::Unchanged(format!(
-            "the record's fence is {fence}: another owner holds `{key}` now"
+            "the record's fence is {fence}, not the one given"
         ))),
         AdminOutcome::WrongState { state } => Err(Failure::Unchanged(match state {
             RecordState::InProgress { .. } if action == "delete" => {

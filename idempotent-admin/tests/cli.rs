@@ -96,7 +96,9 @@ async fn a_stuck_key_on_redis_is_inspected_and_released() {
         "",
     );
     assert_eq!(code(&wrong), 1, "{}", text(&wrong));
-    assert!(text(&wrong).contains(&format!("fence is {fence}")));
+    assert!(text(&wrong).contains(&format!("fence is {fence}, not 1")));
+    // The same owner still holds the key: the message must not say another one does.
+    assert!(!text(&wrong).contains("another owner"), "{}", text(&wrong));
     let refused = admin(
         &url,
         &[&["release"][..], &by_parts, &["--fence", &fence_text]].concat(),
