@@ -316,20 +316,40 @@ impl Key {
     /// a brace inside the parts, longer than [`MAX_KEY_LEN`]), or the prefix's error from
     /// [`Key::new`]'s rules.
     pub fn parse(encoded: &str) -> Result<Key, KeyError> {
+        Key::parse_bytes(encoded.as_bytes())
+    }
+
+    /// [`Key::parse`] on the stored bytes of a key, whose parts may be any bytes (invalid
+    /// UTF-8 included): the key a store holds under `encoded`.
+    ///
+    /// ```
+    /// use idempotent_runtime::Key;
+    ///
+    /// let key = Key::new("order:consume", 1, &[&[0xffu8, b'}']])?;
+    /// assert_eq!(Key::parse_bytes(key.as_bytes())?, key);
+    /// # Ok::<(), idempotent_runtime::KeyError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`Key::parse`]; the prefix and version must be UTF-8.
+    pub fn parse_bytes(encoded: &[u8]) -> Result<Key, KeyError> {
         let not = |why| KeyError::NotAKey { why };
         if encoded.len() > MAX_KEY_LEN {
             return Err(not("longer than any key"));
         }
         let open = encoded
-            .find('{')
+            .iter()
+            .position(|&b| b == b'{')
             .ok_or_else(|| not("no `{` before the parts"))?;
         let body = encoded[open + 1..]
-            .strip_suffix('}')
+            .strip_suffix(b"}")
             .ok_or_else(|| not("no `}` at the end"))?;
-        if body.is_empty() || body.contains(['{', '}']) {
+        if body.is_empty() || body.iter().any(|b| matches!(b, b'{' | b'}')) {
             return Err(not("the parts are empty or hold a brace"));
         }
-        let head = encoded[..open]
+        let head = std::str::from_utf8(&encoded[..open])
+            .map_err(|_| not("the prefix is not UTF-8"))?
             .strip_suffix(':')
             .ok_or_else(|| not("no `:` before the parts"))?;
         let at = head.rfind(":v").ok_or_else(|| not("no `:v<version>`"))?;
@@ -343,9 +363,66 @@ impl Key {
         let prefix = &head[..at];
         validate_prefix(prefix)?;
         Ok(Key {
-            bytes: encoded.as_bytes().into(),
+            bytes: encoded.into(),
             prefix_len: prefix.len(),
         })
+    }
+
+    /// The key whose printed form (its [`Display`](fmt::Display), as logs and
+    /// `idempotent-admin` show it) is `printed`: the inverse of `to_string`. Printable ASCII
+    /// stands for itself, `\\`, `\'` and `\"` for a backslash and the quotes, `\t`, `\r`
+    /// and `\n` for those controls, and `\xNN` (two hex digits) for any other byte; other
+    /// characters stand for their UTF-8 bytes.
+    ///
+    /// ```
+    /// use idempotent_runtime::Key;
+    ///
+    /// let key = Key::new("order:consume", 1, &[&"café", &[0xffu8, 0x00]])?;
+    /// assert_eq!(key.to_string(), r"order:consume:v1:{5:caf\xc3\xa9,2:\xff\x00}");
+    /// assert_eq!(Key::parse_escaped(&key.to_string())?, key);
+    /// // Typed as it is, a character outside ASCII is its UTF-8 bytes.
+    /// let typed = Key::parse_escaped("order:consume:v1:{5:café}")?;
+    /// assert_eq!(typed, Key::new("order:consume", 1, &[&"café"])?);
+    /// # Ok::<(), idempotent_runtime::KeyError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`KeyError::NotAKey`] for a `\` that starts no escape above, or what
+    /// [`Key::parse_bytes`] refuses in the bytes it stands for.
+    pub fn parse_escaped(printed: &str) -> Result<Key, KeyError> {
+        let not = |why| KeyError::NotAKey { why };
+        let mut bytes = Vec::with_capacity(printed.len());
+        let mut rest = printed.as_bytes();
+        while let Some((&b, tail)) = rest.split_first() {
+            rest = tail;
+            if b != b'\\' {
+                bytes.push(b);
+                continue;
+            }
+            let (&escape, tail) = rest
+                .split_first()
+                .ok_or_else(|| not("a `\\` ends the text"))?;
+            rest = tail;
+            bytes.push(match escape {
+                b'\\' | b'\'' | b'"' => escape,
+                b't' => b'\t',
+                b'r' => b'\r',
+                b'n' => b'\n',
+                b'x' => {
+                    let digit = |i: usize| rest.get(i).and_then(|&c| char::from(c).to_digit(16));
+                    let (Some(high), Some(low)) = (digit(0), digit(1)) else {
+                        return Err(not("`\\x` is not followed by two hex digits"));
+                    };
+                    rest = &rest[2..];
+                    u8::try_from(high * 16 + low).map_err(|_| not("`\\x` is out of range"))?
+                }
+                _ => return Err(not(
+                    "a `\\` starts no escape (`\\\\`, `\\'`, `\\\"`, `\\t`, `\\r`, `\\n`, `\\xNN`)",
+                )),
+            });
+        }
+        Key::parse_bytes(&bytes)
     }
 
     /// The encoded key, as stored.
@@ -369,7 +446,8 @@ impl Key {
 }
 
 impl fmt::Display for Key {
-    /// Writes the key with non-printable bytes escaped, for logs.
+    /// Writes the key with bytes outside printable ASCII escaped (`\xNN`), as well as
+    /// backslashes and quotes, for logs and operators; [`Key::parse_escaped`] reads it back.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(&self.bytes.escape_ascii(), f)
     }
@@ -609,6 +687,42 @@ mod tests {
         let key = Key::new(&"p".repeat(MAX_PREFIX_LEN), u32::MAX, &[&braces]).unwrap();
         assert!(key.is_hashed());
         assert!(key.as_bytes().len() <= MAX_KEY_LEN);
+    }
+
+    #[test]
+    fn the_printed_form_reads_back_as_the_same_key() {
+        let parts: [&[u8]; 9] = [
+            b"caf\xc3\xa9",
+            &[0xff, 0x00, 0x80],
+            b"a}b{c%",
+            b"back\\slash\\x41",
+            b"quotes ' and \"",
+            b"tab\tcr\rnl\n",
+            b"spaces and, commas: colons",
+            &[0x7f, 0x1b, b'\\'],
+            b"\\",
+        ];
+        for part in parts {
+            let key = Key::new("p:q", 3, &[&part]).unwrap();
+            let printed = key.to_string();
+            assert!(printed.is_ascii(), "{printed}");
+            assert_eq!(Key::parse_escaped(&printed).unwrap(), key, "{printed}");
+            assert_eq!(Key::parse_bytes(key.as_bytes()).unwrap(), key);
+        }
+        let hashed = Key::new("p", 1, &[&[0xffu8; 200]]).unwrap();
+        assert_eq!(Key::parse_escaped(&hashed.to_string()).unwrap(), hashed);
+        for bad in [
+            r"p:v1:{1:\}",
+            r"p:v1:{1:\q}",
+            r"p:v1:{1:\x4}",
+            r"p:v1:{1:\xzz}",
+            r"p:v1:{2:a\",
+        ] {
+            assert!(Key::parse_escaped(bad).is_err(), "{bad}");
+        }
+        // An escaped brace is still a brace: the parts may hold none.
+        assert!(Key::parse_escaped(r"p:v1:{1:\x7d}").is_err());
+        assert!(Key::parse_bytes(b"p\xff:v1:{1:a}").is_err());
     }
 
     #[test]

@@ -801,8 +801,7 @@ impl Store for RedisStore {
             };
             let keys: Vec<Key> = keys
                 .iter()
-                .filter_map(|bytes| std::str::from_utf8(bytes).ok())
-                .filter_map(|text| Key::parse(text).ok())
+                .filter_map(|bytes| Key::parse_bytes(bytes).ok())
                 .filter(|key| key.prefix() == prefix)
                 .collect();
             let reads = futures_util::future::join_all(keys.iter().map(|key| self.read(key))).await;

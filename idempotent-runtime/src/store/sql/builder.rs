@@ -18,7 +18,7 @@ use crate::store::Store;
 use crate::store::DEFAULT_MAX_RESULT_SIZE;
 
 use crate::store::sql::driver::{Dialect, Statements};
-use crate::store::sql::error::{migrate_error, store_error, Phase};
+use crate::store::sql::error::{store_error, Phase};
 use crate::store::sql::store::SqlStore;
 use crate::store::sql::table::{TableName, DEFAULT_TABLE};
 
@@ -391,9 +391,13 @@ impl<DB: Dialect> SqlStore<DB> {
 
     /// Applies the embedded migrations that are not applied yet (creating the table, its
     /// expiry index and, on PostgreSQL, a missing schema), recording them in
-    /// `<table>_migrations`. Safe to run from many processes at once: the migrator takes a
-    /// database lock (PostgreSQL, MySQL), and every statement is `IF NOT EXISTS`, so a table
-    /// created earlier from the shipped `.sql` files is left as it is.
+    /// `<table>_migrations`. Safe to run from many processes at once: the migration runs
+    /// under a lock that waits for another process's migration (PostgreSQL: an advisory
+    /// lock; MySQL / MariaDB: a named `GET_LOCK` of the table, asked again until it is held,
+    /// for up to a minute; SQLite: a `BEGIN IMMEDIATE` transaction, waiting through the busy
+    /// timeout), so the processes after the first find it applied. Every statement is
+    /// `IF NOT EXISTS`, so a table created earlier from the shipped `.sql` files is left as
+    /// it is.
     ///
     /// ```no_run
     /// use idempotent_runtime::sql::PostgresStore;
@@ -430,9 +434,13 @@ impl<DB: Dialect> SqlStore<DB> {
         if let Some(schema) = self.table.schema() {
             migrator.create_schema(schema.to_string());
         }
+        let migrations_table = self.table.migrations_table();
         let mut conn = self.acquire().await?;
-        DB::migrate(&mut conn, &migrator)
-            .await
-            .map_err(migrate_error::<DB>)
+        let migrated = DB::migrate(&mut conn, &mut migrator, &migrations_table).await;
+        if migrated.is_err() {
+            // A session lock it may still hold goes with the connection.
+            conn.close_on_drop();
+        }
+        migrated
     }
 }

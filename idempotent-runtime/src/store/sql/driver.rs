@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::error::DatabaseError;
-use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::migrate::Migrator;
 use sqlx::pool::PoolOptions;
 use sqlx::{Database, Pool};
 
@@ -326,11 +326,13 @@ pub trait Driver: Database {
     /// [`HEADROOM`] for the rest of the statement or row.
     fn result_capacity(pool: &Pool<Self>) -> BoxFuture<'_, Result<usize, sqlx::Error>>;
 
-    /// Runs `migrator` on `conn`.
+    /// Runs `migrator`, whose migrations table is `migrations_table`, on `conn`, holding a
+    /// lock that keeps other processes' migrations of the table out meanwhile.
     fn migrate<'c>(
         conn: &'c mut Self::Connection,
-        migrator: &'c Migrator,
-    ) -> BoxFuture<'c, Result<(), MigrateError>>;
+        migrator: &'c mut Migrator,
+        migrations_table: &'c str,
+    ) -> BoxFuture<'c, Result<(), crate::error::StoreError>>;
 
     /// What a database error says about the failed statement.
     fn classify(err: &dyn DatabaseError) -> DbFailure;
@@ -528,9 +530,14 @@ macro_rules! statement_fns {
 
         fn migrate<'c>(
             conn: &'c mut $conn,
-            migrator: &'c sqlx::migrate::Migrator,
-        ) -> $crate::store::BoxFuture<'c, Result<(), sqlx::migrate::MigrateError>> {
-            Box::pin(migrator.run_direct(None, conn, false))
+            migrator: &'c mut sqlx::migrate::Migrator,
+            migrations_table: &'c str,
+        ) -> $crate::store::BoxFuture<'c, Result<(), $crate::error::StoreError>> {
+            $crate::store::sql::migrate::LockedMigrate::migrate_locked(
+                conn,
+                migrator,
+                migrations_table,
+            )
         }
     };
 }

@@ -192,6 +192,7 @@ pub(crate) mod driver;
 pub(crate) mod error;
 mod exec;
 mod failure;
+mod migrate;
 mod purge;
 mod record;
 mod store;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use sqlx::error::DatabaseError;
 use sqlx::pool::PoolOptions;
-use sqlx::sqlite::{Sqlite, SqliteConnectOptions, SqliteConnection, SqliteJournalMode};
+use sqlx::sqlite::{Sqlite, SqliteConnectOptions, SqliteConnection};
 use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::store::sql::driver::{
@@ -346,8 +346,8 @@ impl Driver for Sqlite {
         include_str!("../../../migrations/sqlite/0001_create_idempotent_records.sql"),
     )];
 
-    /// A file database gets write-ahead logging (readers never wait for the writer) and a
-    /// busy timeout. An in-memory database (`sqlite::memory:`, `mode=memory`) is shared by
+    /// A file database gets write-ahead logging (readers never wait for the writer; switched
+    /// on once, waiting out other processes' switches) and a busy timeout. An in-memory database (`sqlite::memory:`, `mode=memory`) is shared by
     /// the pool's connections (sqlx opens it in shared-cache mode under a unique name) and
     /// lives as long as one of them: the pool keeps one connection open for good.
     fn open(
@@ -364,10 +364,14 @@ impl Driver for Sqlite {
                     .max_lifetime(None);
                 options.connect_with(connect).await
             } else {
-                let connect = connect
-                    .create_if_missing(true)
-                    .journal_mode(SqliteJournalMode::Wal);
-                options.connect_with(connect).await
+                // Write-ahead logging is switched on once, for the file, by one connection
+                // that waits out other processes' switches: a switch on every connection
+                // fails when processes open the file together.
+                let pool = options
+                    .connect_with(connect.create_if_missing(true))
+                    .await?;
+                crate::store::sql::migrate::sqlite_wal(&pool).await?;
+                Ok(pool)
             }
         })
     }

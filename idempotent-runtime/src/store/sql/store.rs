@@ -267,10 +267,7 @@ impl<DB: Dialect> Store for SqlStore<DB> {
             let mut records = Vec::with_capacity(rows.len());
             for (bytes, row) in rows {
                 // A row under a key this crate did not write is not an operation's record.
-                let Some(key) = std::str::from_utf8(&bytes)
-                    .ok()
-                    .and_then(|k| Key::parse(k).ok())
-                else {
+                let Ok(key) = Key::parse_bytes(&bytes) else {
                     continue;
                 };
                 let record = row
