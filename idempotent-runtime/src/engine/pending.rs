@@ -254,10 +254,17 @@ impl Drop for PendingBatch {
         let give_up_at = tokio::time::Instant::now() + Duration::from_secs(60);
         run_detached(async move {
             let claims = fut.await;
-            for (req, first) in reqs.iter().zip(claims) {
-                if let Ok(Claim::Acquired { .. }) = claim(&store, req, first).await {
-                    let give_up_at =
-                        give_up_at.max(tokio::time::Instant::now() + req.ttl.max(req.lease));
+            // No one waits for these claims: give back every one that may hold its key (an
+            // acquired one, or one whose reply was lost: the release is token-checked), all
+            // at once, without reading any back.
+            let give_backs = reqs.iter().zip(claims).filter_map(|(req, claim)| {
+                let may_hold = match &claim {
+                    Ok(claim) => matches!(claim, Claim::Acquired { .. }),
+                    Err(err) => err.is_outcome_unknown(),
+                };
+                let give_up_at =
+                    give_up_at.max(tokio::time::Instant::now() + req.ttl.max(req.lease));
+                may_hold.then(|| {
                     give_back(
                         store.clone(),
                         req.key.clone(),
@@ -265,9 +272,9 @@ impl Drop for PendingBatch {
                         req.lease,
                         give_up_at,
                     )
-                    .await;
-                }
-            }
+                })
+            });
+            futures_util::future::join_all(give_backs).await;
         });
     }
 }
