@@ -1,7 +1,13 @@
 //! What the command line's tests share: running the binary, its exit code and output, and
 //! names no other test uses.
 
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    dead_code,
+    unreachable_pub,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic
+)]
 
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
