@@ -5,58 +5,20 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::io::Write;
-use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, Connection, Executor};
 use idempotency::{Claim, ClaimRequest, Error, Idempotency, Key, OnError, Store, Token};
 
-fn redis_url() -> String {
-    std::env::var("IDEMPOTENT_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
+mod common;
 
+use common::{admin, code, json, redis_url, text};
+
+/// `<prefix>-<random>`: a key prefix no other test or run uses.
 fn unique(prefix: &str) -> String {
     let token = format!("{:?}", Token::generate());
     format!("{prefix}-{}", &token[6..token.len() - 1])
-}
-
-/// Runs the binary with `args`, `stdin` as its input.
-fn admin(store: &str, args: &[&str], stdin: &str) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_idempotent-admin"))
-        .arg("--store")
-        .arg(store)
-        .args(args)
-        .env_remove("IDEMPOTENT_STORE_URL")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
-}
-
-fn code(out: &Output) -> i32 {
-    out.status.code().unwrap()
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-fn json(out: &Output) -> serde_json::Value {
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(out)))
 }
 
 /// A stuck owner on Redis: seen in progress with its fence; a wrong fence and a refused
@@ -208,7 +170,7 @@ async fn bad_input_and_store_failures_have_their_exit_codes() {
     assert!(text(&malformed).contains("bad key"));
     let bad_prefix = admin(&url, &["inspect", "--prefix", "a{b", "--part", "x"], "");
     assert_eq!(code(&bad_prefix), 2, "{}", text(&bad_prefix));
-    let no_store = Command::new(env!("CARGO_BIN_EXE_idempotent-admin"))
+    let no_store = std::process::Command::new(env!("CARGO_BIN_EXE_idempotent-admin"))
         .args(["inspect", "--prefix", "p", "--part", "x"])
         .env_remove("IDEMPOTENT_STORE_URL")
         .output()
