@@ -336,7 +336,11 @@ use proc_macro::TokenStream;
 /// `Result<bool, D>`, where `E: From<D>`. It may borrow the parameters. After a claim is
 /// acquired, and when a call meets a live claim, the runtime asks it whether the effect is
 /// already applied; `Ok(true)` completes the record and skips the body. This keeps effects
-/// exactly-once even when the store lost its data.
+/// exactly-once even when the store lost its data, and when a completion retried in the
+/// background after the caller got `Ok` was lost (the runtime counts that loss as
+/// `idempotency.completion.lost` and hands it to the hook registered with
+/// `idempotency::on_completion_lost`: without `done` or a fence at the effect, the next
+/// delivery of that operation runs the body again).
 ///
 /// ```
 /// # use idempotency::idempotent;

@@ -296,7 +296,9 @@ impl<R: HandlerResult, D> Operation<R, D> {
     /// It is asked after an acquired claim, before the handler runs (a `true` completes the
     /// record and the call returns [`Error::Duplicate`] without running), and when the claim
     /// finds another owner's live claim (a `true` returns [`Error::Duplicate`] at once, leaving
-    /// the record to its owner). This keeps effects exactly-once when the store lost its data.
+    /// the record to its owner). This keeps effects exactly-once when the store lost its data,
+    /// and when a completion retried in the background after the caller got `Ok` was lost
+    /// (reported to [`on_completion_lost`](crate::on_completion_lost)).
     /// A check that fails gives the claim back and returns its error: nothing runs.
     pub fn done<F, Fut, X>(self, check: F) -> Operation<R, Done<F>>
     where
