@@ -15,8 +15,20 @@
 //! | no key where one is required | `400` [`missing-key`](#missing-key) |
 //! | store down | `503` [`store-unavailable`](#store-unavailable); the handler does not run (fail closed) |
 //!
-//! Keys are scoped: the key stored is the scope function's caller (hashed), the method, the
-//! path and the client's key, so one caller never gets another's response.
+//! Keys are scoped: the key stored is the scope function's caller (hashed) and the client's
+//! key, so one caller never gets another's response.
+//!
+//! # One key, one request
+//!
+//! As the IETF draft has it, a key identifies one request: its method, path, query and body
+//! make the request's fingerprint, and the same key sent with another method, to another path
+//! or with another query or body is `422` [`payload-mismatch`](#payload-mismatch); the handler
+//! does not run. Paths are compared as the router reads them: percent-escapes are decoded
+//! (`/pay/%61bc` is `/pay/abc`, `/pay/a%40b` is `/pay/a@b`) but those of `/` and `%`, whose
+//! hex digits are compared in uppercase (`/pay/x%2fy` is `/pay/x%2Fy`, not `/pay/x/y`);
+//! letter case and a trailing slash make another path, as they make another axum route.
+//! Queries are compared after decoding the escapes of unreserved characters (RFC 3986
+//! section 6.2.2). The path and query are hashed, not stored, so they may be of any length.
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
@@ -102,6 +114,8 @@
 mod body;
 mod key;
 mod problem;
+mod request;
+mod respond;
 mod service;
 mod stored;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
@@ -296,7 +310,7 @@ impl IdempotencyLayer {
         Arc::make_mut(&mut self.config)
     }
 
-    /// The key prefix (default `http`): keys are `<prefix>:v1:{scope, method, path, key}`.
+    /// The key prefix (default `http`): keys are `<prefix>:v2:{scope, key}`.
     /// Give each API its own when several share a store.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.config().prefix = prefix.into();
@@ -325,7 +339,9 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The longest key accepted, in characters (default 255).
+    /// The longest key accepted, in characters (default 255). Keys longer than a key part
+    /// can be ([`MAX_PART_LEN`](crate::key::MAX_PART_LEN), 4096 bytes) are refused with
+    /// [`Problem::InvalidKey`] whatever this setting.
     pub fn max_key_len(mut self, len: usize) -> Self {
         self.config().max_key_len = len;
         self
@@ -361,9 +377,10 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The request's fingerprint, in place of the default SHA-256 of the method, path, query
+    /// The fingerprint of the request's payload, in place of the default SHA-256 of its query
     /// and body: for example selected JSON fields, so that a client re-serialising the same
-    /// order is not a mismatch.
+    /// order is not a mismatch. The method and the path are part of the request's fingerprint
+    /// whatever this function returns, so a key reused on another route is still a mismatch.
     pub fn fingerprint(mut self, fingerprint: fn(&Parts, &[u8]) -> Fingerprint) -> Self {
         self.config().fingerprint = Some(fingerprint);
         self

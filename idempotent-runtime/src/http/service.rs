@@ -7,11 +7,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
-use http::request::Parts;
-use http::{header, HeaderValue, Request, Response, StatusCode};
+use http::{Request, Response};
 use http_body::Frame;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
-use sha2::{Digest, Sha256};
+use http_body_util::BodyExt;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
@@ -19,10 +17,11 @@ use crate::codec;
 use crate::default_store::{carry, scoped};
 use crate::error::Error;
 use crate::http::body::{Body, BoxError};
-use crate::http::key::{self, KeyHeader};
+use crate::http::request::{prepare, Guarded, Prepared};
+use crate::http::respond::{answer, reject};
 use crate::http::stored::{storable, Stored};
-use crate::http::{Config, Problem, Replayed, Storage, REPLAYED};
-use crate::key::{hex_string, Key};
+use crate::http::{Config, Problem, Storage};
+use crate::key::Key;
 use crate::store::Fingerprint;
 
 /// The service [`IdempotencyLayer`](crate::http::IdempotencyLayer) wraps around `S`.
@@ -175,92 +174,6 @@ where
     answer(&config, outcome, &live)
 }
 
-/// A guarded request, read and keyed, before anything is claimed.
-pub(crate) struct Prepared {
-    pub(crate) parts: Parts,
-    pub(crate) bytes: Bytes,
-    pub(crate) key: Key,
-    pub(crate) fingerprint: Fingerprint,
-}
-
-/// What becomes of a request before anything is claimed.
-pub(crate) enum Guarded<B> {
-    /// Not guarded: its method, or no key where none is required.
-    Pass(Request<B>),
-    /// Refused with a problem.
-    Answer(Response<Body>),
-    /// To run under its key.
-    Run(Prepared),
-}
-
-/// Reads the key, the scope and the body of `request` (only for the layer's methods when
-/// `by_method`), and builds its key and fingerprint.
-pub(crate) async fn prepare<B>(config: &Config, request: Request<B>, by_method: bool) -> Guarded<B>
-where
-    B: http_body::Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    let counts = &config.counts;
-    if by_method && !config.methods.contains(request.method()) {
-        counts.passed_through.fetch_add(1, Ordering::Relaxed);
-        return Guarded::Pass(request);
-    }
-    let client_key = match key::read(request.headers(), &config.header_names, config.max_key_len) {
-        KeyHeader::Key(key) => key,
-        KeyHeader::Missing if !config.require_key => {
-            counts.passed_through.fetch_add(1, Ordering::Relaxed);
-            return Guarded::Pass(request);
-        }
-        KeyHeader::Missing => {
-            let detail = format!(
-                "{} requests need an {} header",
-                request.method(),
-                config
-                    .header_names
-                    .first()
-                    .map_or("Idempotency-Key", |n| n.as_str())
-            );
-            return Guarded::Answer(reject(config, Problem::MissingKey, &detail));
-        }
-        KeyHeader::Invalid(why) => {
-            return Guarded::Answer(reject(config, Problem::InvalidKey, &why))
-        }
-    };
-    let (parts, body) = request.into_parts();
-    let Some(scope) = (config.scope)(&parts) else {
-        let detail = "the request has no caller to scope its idempotency key to";
-        return Guarded::Answer(reject(config, Problem::MissingScope, detail));
-    };
-    let bytes = match read_request(&parts, body, config.max_request_body).await {
-        Ok(bytes) => bytes,
-        Err((problem, detail)) => return Guarded::Answer(reject(config, problem, &detail)),
-    };
-    let fingerprint = match config.fingerprint {
-        Some(custom) => custom(&parts, &bytes),
-        None => fingerprint(&parts, &bytes),
-    };
-    let scope = hex_string(&Sha256::digest(scope.as_bytes())[..16]);
-    let key = Key::new(
-        &config.prefix,
-        1,
-        &[
-            &scope,
-            &parts.method.as_str(),
-            &parts.uri.path(),
-            &client_key,
-        ],
-    );
-    match key {
-        Ok(key) => Guarded::Run(Prepared {
-            parts,
-            bytes,
-            key,
-            fingerprint,
-        }),
-        Err(err) => Guarded::Answer(reject(config, Problem::Internal, &err.to_string())),
-    }
-}
-
 /// An unguarded request: the inner service's answer, body boxed.
 async fn pass<S, B, RB>(mut inner: S, request: Request<B>) -> Result<Response<Body>, S::Error>
 where
@@ -269,56 +182,6 @@ where
     RB::Error: Into<BoxError>,
 {
     Ok(inner.call(request).await?.map(Body::stream))
-}
-
-/// The request body, whole, or why not.
-pub(crate) async fn read_request<B>(
-    parts: &Parts,
-    body: B,
-    max: usize,
-) -> Result<Bytes, (Problem, String)>
-where
-    B: http_body::Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    let too_large = || {
-        let detail = format!("the request body is larger than {max} bytes");
-        (Problem::RequestTooLarge, detail)
-    };
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > max as u64) {
-        return Err(too_large());
-    }
-    match Limited::new(body, max).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(err) if err.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
-        Err(err) => Err((
-            Problem::InvalidBody,
-            format!("the request body could not be read: {err}"),
-        )),
-    }
-}
-
-/// SHA-256 of the method, path, query and body, each length-prefixed.
-fn fingerprint(parts: &Parts, body: &[u8]) -> Fingerprint {
-    let mut hash = Sha256::new();
-    for part in [
-        parts.method.as_str().as_bytes(),
-        parts.uri.path().as_bytes(),
-        parts.uri.query().unwrap_or("").as_bytes(),
-        body,
-    ] {
-        hash.update((part.len() as u64).to_be_bytes());
-        hash.update(part);
-    }
-    let digest = hash.finalize();
-    let mut first = [0u8; 16];
-    first.copy_from_slice(&digest[..16]);
-    Fingerprint::from_bytes(first)
 }
 
 /// Claims the key and runs the inner service under it; the engine completes the key with
@@ -424,122 +287,4 @@ where
         }
     };
     (Some(whole.clone()), Body::full(whole))
-}
-
-/// The response to send for a run's outcome.
-pub(crate) fn answer<E>(
-    config: &Config,
-    outcome: Result<Stored, Failure<E>>,
-    live: &Live,
-) -> Result<Response<Body>, E> {
-    let counts = &config.counts;
-    match outcome {
-        Ok(stored) => {
-            let fresh = live
-                .response
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take();
-            match fresh {
-                Some(mut response) => {
-                    counts.fresh.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(outcome = "fresh", status = %response.status(), "stored");
-                    response.extensions_mut().insert(Replayed(false));
-                    Ok(response)
-                }
-                None => Ok(replay(config, stored)),
-            }
-        }
-        Err(Failure::Released(mut response)) => {
-            counts.released.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(outcome = "released", status = %response.status(), "not stored");
-            response.extensions_mut().insert(Replayed(false));
-            Ok(response)
-        }
-        Err(Failure::Service(err)) => Err(err),
-        Err(Failure::Engine(err)) => Ok(engine_problem(config, &err)),
-    }
-}
-
-/// A stored response, as a retry gets it.
-fn replay(config: &Config, stored: Stored) -> Response<Body> {
-    let Stored {
-        status,
-        headers,
-        body,
-    } = stored;
-    let mut response = match body {
-        Some(body) => {
-            let mut response = Response::new(Body::full(body));
-            *response.status_mut() = status;
-            *response.headers_mut() = headers;
-            response
-        }
-        None => match headers.get(header::LOCATION) {
-            Some(location) => {
-                let mut response = Response::new(Body::full(Bytes::new()));
-                *response.status_mut() = StatusCode::SEE_OTHER;
-                response
-                    .headers_mut()
-                    .insert(header::LOCATION, location.clone());
-                response
-            }
-            None => {
-                let detail = format!(
-                    "the first request with this key completed with status {status}, but its \
-                     response body was too large to keep; it is not run again"
-                );
-                return reject(config, Problem::ResponseNotStored, &detail);
-            }
-        },
-    };
-    config.counts.replayed.fetch_add(1, Ordering::Relaxed);
-    tracing::debug!(outcome = "replayed", status = %response.status(), "replayed");
-    response
-        .headers_mut()
-        .insert(REPLAYED, HeaderValue::from_static("true"));
-    response.extensions_mut().insert(Replayed(true));
-    response
-}
-
-/// The problem for an engine answer other than a run or a replay.
-fn engine_problem(config: &Config, err: &Error) -> Response<Body> {
-    let (problem, detail) = match err {
-        Error::InProgress { .. } => (
-            Problem::InFlight,
-            "a request with this idempotency key is being processed; retry later".to_owned(),
-        ),
-        Error::PayloadMismatch { .. } => (
-            Problem::PayloadMismatch,
-            "this idempotency key was used with another request (method, path, query or body)"
-                .to_owned(),
-        ),
-        Error::Held { .. } => (
-            Problem::Held,
-            "the first request with this key ended with an unknown outcome; the key is held"
-                .to_owned(),
-        ),
-        Error::Duplicate { .. } => (
-            Problem::AlreadyProcessed,
-            "this key was processed without a response to replay".to_owned(),
-        ),
-        Error::Store(store) => (
-            Problem::StoreUnavailable,
-            format!(
-                "the idempotency store did not answer ({:?}); nothing was run",
-                store.kind()
-            ),
-        ),
-        other => (Problem::Internal, other.to_string()),
-    };
-    reject(config, problem, &detail)
-}
-
-/// A problem response, counted.
-pub(crate) fn reject(config: &Config, problem: Problem, detail: &str) -> Response<Body> {
-    config.counts.rejected.fetch_add(1, Ordering::Relaxed);
-    let retry_after = matches!(problem, Problem::InFlight | Problem::StoreUnavailable)
-        .then_some(config.retry_after);
-    tracing::debug!(problem = problem.slug(), detail, "answered with a problem");
-    problem.response(&config.problem_base, detail, retry_after)
 }

@@ -12,9 +12,9 @@ use http::{Request, Response};
 use crate::codec;
 use crate::engine::{run_bound, BoundCall, Outcomes};
 use crate::http::body::{Body, BoxError};
-use crate::http::service::{
-    answer, capture, prepare, read_request, reject, Failure, Guarded, Live, Prepared,
-};
+use crate::http::request::{prepare, read_request, Guarded, Prepared};
+use crate::http::respond::{answer, reject};
+use crate::http::service::{capture, Failure, Live};
 use crate::http::stored::Stored;
 use crate::http::{Config, IdempotencyLayer, Problem};
 use crate::store::sql::tx::InTx;
