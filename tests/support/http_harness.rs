@@ -115,12 +115,22 @@ pub async fn serve(
     router: Router,
     configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
 ) -> Running {
+    serve_wrapped(backend, router, configure, |router| router).await
+}
+
+/// [`serve`], with `wrap`'s layers outside the idempotency layer.
+pub async fn serve_wrapped(
+    backend: Backend,
+    router: Router,
+    configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+    wrap: impl FnOnce(Router) -> Router,
+) -> Running {
     let store = store(backend).await;
     let idempotency = Idempotency::new(Duration::from_secs(3600))
         .lease(Duration::from_secs(10))
         .store(store.store.clone());
     let layer = configure(IdempotencyLayer::new(idempotency, tenant).prefix(store.prefix.clone()));
-    let router = router.layer(layer.clone());
+    let router = wrap(router.layer(layer.clone()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr: SocketAddr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });

@@ -70,7 +70,12 @@
 //!
 //! Once a handler started it runs to completion in a task of the layer's, even when the
 //! client hangs up (a server drops the request's future), and its response is stored: the
-//! client's retry gets the replay. [`IdempotencyLayer::shutdown`] waits for those tasks.
+//! client's retry gets the replay. The outcome is counted in that task too, so
+//! [`IdempotencyLayer::counts`] has the runs whose clients left. [`IdempotencyLayer::shutdown`]
+//! waits for those tasks.
+//!
+//! A handler that panics is answered `500` [`internal`](#internal) (the connection stays up)
+//! and its key is released: it answered for nothing, so a retry runs it again.
 //!
 //! # In the business transaction
 //!
@@ -109,7 +114,8 @@
 //! ### store-unavailable
 //! `503` with `Retry-After`: the store did not answer; nothing ran.
 //! ### internal
-//! `500`: the layer failed (a stored response it cannot read).
+//! `500`: the handler panicked (its key is released: a retry runs it), or the layer failed
+//! (a stored response it cannot read).
 
 mod body;
 mod key;
@@ -130,7 +136,7 @@ use http::{HeaderMap, HeaderName, Method, StatusCode};
 use tokio_util::task::TaskTracker;
 
 use crate::engine::Idempotency;
-use crate::store::Fingerprint;
+use crate::store::{Fingerprint, MAX_DURATION};
 
 pub use body::{Body, BoxError};
 pub use problem::Problem;
@@ -387,9 +393,21 @@ impl IdempotencyLayer {
     }
 
     /// The `Retry-After` sent with [`Problem::InFlight`] and [`Problem::StoreUnavailable`]
-    /// (default 1 second; rounded up to whole seconds).
+    /// (default 1 second; rounded up to whole seconds, at least 1), clamped to
+    /// [`MAX_DURATION`](crate::store::MAX_DURATION) (36,500 days) as the store's durations are.
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use idempotent_runtime::{http::IdempotencyLayer, Idempotency, MemoryStore};
+    ///
+    /// let idempotency = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    /// // `Retry-After: 3153600000`, not a panic.
+    /// let layer = IdempotencyLayer::new(idempotency, |_: &http::request::Parts| Some(String::new()))
+    ///     .retry_after(Duration::MAX);
+    /// # let _ = layer;
+    /// ```
     pub fn retry_after(mut self, after: Duration) -> Self {
-        self.config().retry_after = after;
+        self.config().retry_after = after.min(MAX_DURATION);
         self
     }
 

@@ -43,6 +43,11 @@ pub(crate) fn answer<E>(
             Ok(response)
         }
         Err(Failure::Service(err)) => Err(err),
+        Err(Failure::Panicked(message)) => {
+            tracing::error!(panic = %message, "the handler panicked; its key is released");
+            let detail = "the handler failed; nothing was stored and a retry runs it again";
+            Ok(reject(config, Problem::Internal, detail))
+        }
         Err(Failure::Engine(err)) => Ok(engine_problem(config, &err)),
     }
 }

@@ -1,15 +1,18 @@
 //! [`IdempotencyService`]: one request, from its key header to its answer.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt as _;
 use http::{Request, Response};
 use http_body::Frame;
 use http_body_util::BodyExt;
+use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
@@ -112,6 +115,17 @@ pub(crate) enum Failure<E> {
     Released(Response<Body>),
     /// The inner service failed.
     Service(E),
+    /// The handler panicked (with this message): the key is released.
+    Panicked(String),
+}
+
+/// What a panic said, when it said it with a string.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(message), _) => (*message).to_owned(),
+        (_, Some(message)) => message.clone(),
+        _ => "a panic without a message".to_owned(),
+    }
 }
 
 impl<E> From<Error> for Failure<E> {
@@ -119,6 +133,9 @@ impl<E> From<Error> for Failure<E> {
         Failure::Engine(err)
     }
 }
+
+/// The answer of a run, or the inner service's error.
+type Reply<E> = oneshot::Sender<Result<Response<Body>, E>>;
 
 async fn serve<S, B, RB>(
     inner: S,
@@ -146,32 +163,45 @@ where
         Guarded::Answer(response) => return Ok(response),
     };
     let request = Request::from_parts(parts, B::from(bytes));
-    let live = Arc::new(Live::default());
-    // The handler runs in a task of its own: a client that hangs up drops this future, not
-    // the handler, whose response is stored for the client's retry.
+    let (reply, replied) = oneshot::channel();
+    // The run, from the claim to the answer and its count, is a task of its own: a client
+    // that hangs up drops this future, not the handler, whose response is stored for the
+    // client's retry and counted.
     let task = tasks.spawn(carry(
         scoped(),
-        run(
-            inner,
-            config.clone(),
-            key,
-            fingerprint,
-            request,
-            live.clone(),
-        )
-        .instrument(tracing::Span::current()),
+        conclude(inner, config.clone(), key, fingerprint, request, reply)
+            .instrument(tracing::Span::current()),
     ));
-    let outcome = match task.await {
-        Ok(outcome) => outcome,
-        Err(err) => match err.try_into_panic() {
-            Ok(panic) => std::panic::resume_unwind(panic),
-            Err(_) => {
-                let detail = "the handler's task was cancelled (the runtime is shutting down)";
-                return Ok(reject(&config, Problem::Internal, detail));
-            }
-        },
+    if let Ok(answer) = replied.await {
+        return answer;
+    }
+    // The task ended without an answer: a bug of the layer's, or a runtime shutting down.
+    let detail = match task.await {
+        Err(err) if err.is_panic() => "the idempotency layer failed while answering",
+        _ => "the handler's task was cancelled (the runtime is shutting down)",
     };
-    answer(&config, outcome, &live)
+    Ok(reject(&config, Problem::Internal, detail))
+}
+
+/// Runs the request under its key and sends its answer on `reply`, counted here, where the
+/// outcome is known, whether or not the client still waits for it.
+async fn conclude<S, B, RB>(
+    inner: S,
+    config: Arc<Config>,
+    key: Key,
+    fingerprint: Fingerprint,
+    request: Request<B>,
+    reply: Reply<S::Error>,
+) where
+    S: tower_service::Service<Request<B>, Response = Response<RB>>,
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let live = Live::default();
+    let outcome = run(inner, &config, key, fingerprint, request, &live).await;
+    let answer = answer(&config, outcome, &live);
+    // The client may be gone: the answer is counted, stored or not, all the same.
+    let _ = reply.send(answer);
 }
 
 /// An unguarded request: the inner service's answer, body boxed.
@@ -188,11 +218,11 @@ where
 /// the stored response, or releases it.
 async fn run<S, B, RB>(
     mut inner: S,
-    config: Arc<Config>,
+    config: &Config,
     key: Key,
     fingerprint: Fingerprint,
     request: Request<B>,
-    live: Arc<Live>,
+    live: &Live,
 ) -> Result<Stored, Failure<S::Error>>
 where
     S: tower_service::Service<Request<B>, Response = Response<RB>>,
@@ -206,8 +236,13 @@ where
         .replay_with(|stored| stored.encode(codec::OK), Stored::decode)
         .run(async {
             live.ran.store(true, Ordering::Relaxed);
-            let response = inner.call(request).await.map_err(Failure::Service)?;
-            capture(&config, response, &live).await
+            // A handler that panics has done nothing it answered for: its key is released
+            // (the engine sees an error) and the client gets a `500`, not a dropped connection.
+            let response = match AssertUnwindSafe(inner.call(request)).catch_unwind().await {
+                Ok(response) => response.map_err(Failure::Service)?,
+                Err(panic) => return Err(Failure::Panicked(panic_message(&*panic))),
+            };
+            capture(config, response, live).await
         })
         .await
 }
