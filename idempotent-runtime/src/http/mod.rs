@@ -52,11 +52,25 @@
 //! replayed; 5xx, `408`, `425`, `429`, `401` and `403` release the key, so a retry runs the
 //! handler again. Stored headers leave out hop-by-hop headers, `Date`, `Content-Length` and
 //! `Set-Cookie`, then pass through [`IdempotencyLayer::sanitize_headers`]. A response body
-//! larger than [`IdempotencyLayer::max_stored_body`] (or one that fails while read) still
-//! completes the key, without its body: the first client gets the whole body, retries get
-//! `303 See Other` to the response's `Location` when it has one, else the problem
-//! [`response-not-stored`](#response-not-stored). The handler never runs twice because its
-//! answer was too large to keep.
+//! larger than [`IdempotencyLayer::max_stored_body`] (or one that fails while read, or has
+//! trailers, or whose client left before its end) still completes the key, without its body:
+//! the first client gets the whole body, retries get `303 See Other` to the response's
+//! `Location` when it has one, else the problem [`response-not-stored`](#response-not-stored).
+//! The handler never runs twice because its answer was too large to keep.
+//!
+//! # Streamed responses
+//!
+//! The response is sent as the handler produces it: its head as soon as the handler returned
+//! it, each body frame as soon as it is produced (server-sent events reach the client one by
+//! one), while the layer keeps a copy up to the stored-body limit. The handler's effect has
+//! happened once it returned its head, so from then on the key is never released; it
+//! **completes** when the body ended (with the body, replayed to retries), or as soon as the
+//! body will not be kept: it outgrew the limit, failed or had trailers, or the client left
+//! before its end (the body is then read no further than what is ready). Until then a retry
+//! gets `409` [`in-flight`](#in-flight). The body's last frame and its end (or, past the
+//! limit, the rest of the body) reach the client only after the completion is recorded, so a
+//! client that read the whole response and retries gets the replay. With
+//! [`InTransaction`] the response is sent after the commit instead, whole.
 //!
 //! # Telling a replay from a fresh run
 //!
@@ -110,7 +124,8 @@
 //! `409`: the key was completed elsewhere (a consumer sharing the key space), without a
 //! response.
 //! ### response-not-stored
-//! `409`: the first response was too large to keep and had no `Location`.
+//! `409`: the first response was completed without its body (too large, failed, or its
+//! client left mid-stream) and had no `Location`.
 //! ### store-unavailable
 //! `503` with `Retry-After`: the store did not answer; nothing ran.
 //! ### internal
@@ -124,6 +139,7 @@ mod request;
 mod respond;
 mod service;
 mod stored;
+mod stream;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod transaction;
 
@@ -394,7 +410,7 @@ impl IdempotencyLayer {
 
     /// The `Retry-After` sent with [`Problem::InFlight`] and [`Problem::StoreUnavailable`]
     /// (default 1 second; rounded up to whole seconds, at least 1), clamped to
-    /// [`MAX_DURATION`](crate::store::MAX_DURATION) (36,500 days) as the store's durations are.
+    /// [`MAX_DURATION`] (36,500 days) as the store's durations are.
     ///
     /// ```
     /// use std::{sync::Arc, time::Duration};

@@ -43,8 +43,9 @@ pub enum Problem {
     /// `409`: the key was completed by something other than this layer (a consumer sharing
     /// the key space), so there is no response to replay.
     AlreadyProcessed,
-    /// `409`: the first request completed, but its response was too large (or streamed) to
-    /// keep, so it cannot be replayed. Its handler is never run again.
+    /// `409`: the first request completed, but its response body was not kept (too large,
+    /// failed, with trailers, or its client left mid-stream), so it cannot be replayed. Its
+    /// handler is never run again.
     ResponseNotStored,
     /// `503`: the idempotency store did not answer; nothing was run (fail closed).
     StoreUnavailable,

@@ -33,6 +33,12 @@ pub(crate) fn answer<E>(
                     response.extensions_mut().insert(Replayed(false));
                     Ok(response)
                 }
+                // Sent already, as the handler produced it: the outcome is counted here.
+                None if live.streamed.load(Ordering::Relaxed) => {
+                    counts.fresh.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(outcome = "fresh", status = %stored.status, "stored");
+                    Ok(Response::new(Body::full(Bytes::new())))
+                }
                 None => Ok(replay(config, stored)),
             }
         }
@@ -78,7 +84,8 @@ fn replay(config: &Config, stored: Stored) -> Response<Body> {
             None => {
                 let detail = format!(
                     "the first request with this key completed with status {status}, but its \
-                     response body was too large to keep; it is not run again"
+                     response body was not kept (too large, failed, or its client left \
+                     mid-stream); it is not run again"
                 );
                 return reject(config, Problem::ResponseNotStored, &detail);
             }

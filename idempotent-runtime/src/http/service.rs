@@ -7,11 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::FutureExt as _;
 use http::{Request, Response};
-use http_body::Frame;
-use http_body_util::BodyExt;
 use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -22,8 +20,9 @@ use crate::error::Error;
 use crate::http::body::{Body, BoxError};
 use crate::http::request::{prepare, Guarded, Prepared};
 use crate::http::respond::{answer, reject};
-use crate::http::stored::{storable, Stored};
-use crate::http::{Config, Problem, Storage};
+use crate::http::stored::Stored;
+use crate::http::stream::{self, Tail};
+use crate::http::{Config, Problem};
 use crate::key::Key;
 use crate::store::Fingerprint;
 
@@ -103,8 +102,12 @@ where
 pub(crate) struct Live {
     /// The handler started.
     pub(crate) ran: AtomicBool,
-    /// The response for the request that ran the handler.
+    /// The response for the request that ran the handler, when it is sent after the run.
     pub(crate) response: Mutex<Option<Response<Body>>>,
+    /// The response's head was sent to the client while the run went on ([`stream`]).
+    pub(crate) streamed: AtomicBool,
+    /// What of a streamed response waits for the key's completion.
+    pub(crate) tail: Mutex<Option<Tail>>,
 }
 
 /// How a run ended, besides a stored response.
@@ -198,10 +201,24 @@ async fn conclude<S, B, RB>(
     RB::Error: Into<BoxError>,
 {
     let live = Live::default();
-    let outcome = run(inner, &config, key, fingerprint, request, &live).await;
+    let reply = Mutex::new(Some(reply));
+    let outcome = run(inner, &config, key, fingerprint, request, &live, &reply).await;
+    // The completion is recorded (or known refused): the rest of a streamed response may go.
+    let tail = live
+        .tail
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    if let Some(tail) = tail {
+        tail.release();
+    }
     let answer = answer(&config, outcome, &live);
-    // The client may be gone: the answer is counted, stored or not, all the same.
-    let _ = reply.send(answer);
+    // The client may be gone, or have its streamed response already: the answer is counted
+    // all the same.
+    let reply = reply.lock().unwrap_or_else(PoisonError::into_inner).take();
+    if let Some(reply) = reply {
+        let _ = reply.send(answer);
+    }
 }
 
 /// An unguarded request: the inner service's answer, body boxed.
@@ -214,8 +231,8 @@ where
     Ok(inner.call(request).await?.map(Body::stream))
 }
 
-/// Claims the key and runs the inner service under it; the engine completes the key with
-/// the stored response, or releases it.
+/// Claims the key and runs the inner service under it, its response streamed to the client
+/// ([`stream`]); the engine completes the key with the stored response, or releases it.
 async fn run<S, B, RB>(
     mut inner: S,
     config: &Config,
@@ -223,6 +240,7 @@ async fn run<S, B, RB>(
     fingerprint: Fingerprint,
     request: Request<B>,
     live: &Live,
+    reply: &Mutex<Option<Reply<S::Error>>>,
 ) -> Result<Stored, Failure<S::Error>>
 where
     S: tower_service::Service<Request<B>, Response = Response<RB>>,
@@ -242,84 +260,13 @@ where
                 Ok(response) => response.map_err(Failure::Service)?,
                 Err(panic) => return Err(Failure::Panicked(panic_message(&*panic))),
             };
-            capture(config, response, live).await
+            let send_head = |head| {
+                live.streamed.store(true, Ordering::Relaxed);
+                if let Some(reply) = reply.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                    let _ = reply.send(Ok(head));
+                }
+            };
+            stream::capture(config, response, send_head, &live.tail).await
         })
         .await
-}
-
-/// The stored form of the handler's `response`, its body read up to the limit; the response
-/// to send is left in `live`. A response that releases the key is the failure sent as it is.
-pub(crate) async fn capture<RB, E>(
-    config: &Config,
-    response: Response<RB>,
-    live: &Live,
-) -> Result<Stored, Failure<E>>
-where
-    RB: http_body::Body<Data = Bytes> + Send + 'static,
-    RB::Error: Into<BoxError>,
-{
-    let (parts, body) = response.into_parts();
-    if (config.storage)(parts.status) == Storage::Release {
-        return Err(Failure::Released(Response::from_parts(
-            parts,
-            Body::stream(body),
-        )));
-    }
-    let headers = storable(&parts.headers, config.sanitize);
-    let status = parts.status;
-    let (kept, body) = read_response(body, config.max_stored_body).await;
-    *live.response.lock().unwrap_or_else(PoisonError::into_inner) =
-        Some(Response::from_parts(parts, body));
-    Ok(Stored {
-        status,
-        headers,
-        body: kept,
-    })
-}
-
-/// The response body whole when it is at most `max` bytes of data (then also the body to
-/// send), or `None` and a body that sends what was read, then the rest.
-async fn read_response<RB>(body: RB, max: usize) -> (Option<Bytes>, Body)
-where
-    RB: http_body::Body<Data = Bytes> + Send + 'static,
-    RB::Error: Into<BoxError>,
-{
-    let mut body = body.map_err(Into::into).boxed_unsync();
-    let mut frames: Vec<Frame<Bytes>> = Vec::new();
-    let mut size = 0usize;
-    loop {
-        match body.frame().await {
-            None => break,
-            Some(Ok(frame)) => {
-                let Some(data) = frame.data_ref() else {
-                    // Trailers are not kept: the response is not replayable as it was.
-                    frames.push(frame);
-                    return (None, Body::resume(frames, None, Some(body)));
-                };
-                size += data.len();
-                frames.push(frame);
-                if size > max {
-                    return (None, Body::resume(frames, None, Some(body)));
-                }
-            }
-            Some(Err(err)) => return (None, Body::resume(frames, Some(err), None)),
-        }
-    }
-    let whole = match frames.len() {
-        0 => Bytes::new(),
-        1 => frames
-            .pop()
-            .and_then(|frame| frame.into_data().ok())
-            .unwrap_or_default(),
-        _ => {
-            let mut whole = BytesMut::with_capacity(size);
-            for frame in frames {
-                if let Ok(data) = frame.into_data() {
-                    whole.extend_from_slice(&data);
-                }
-            }
-            whole.freeze()
-        }
-    };
-    (Some(whole.clone()), Body::full(whole))
 }
