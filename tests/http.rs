@@ -575,7 +575,7 @@ async fn an_oversized_response_completes_without_rerunning() {
         assert_eq!(again.status, StatusCode::CONFLICT, "{backend:?}");
         assert_eq!(again.problem(), "response-not-stored");
 
-        let located = send(server.post("/big-located", "a", Some("k"))).await;
+        let located = send(server.post("/big-located", "a", Some("k2"))).await;
         assert_eq!(located.body.len(), BIG);
         let client = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
@@ -585,7 +585,7 @@ async fn an_oversized_response_completes_without_rerunning() {
             client
                 .post(format!("{}/big-located", server.base))
                 .header("x-tenant", "a")
-                .header("idempotency-key", "k"),
+                .header("idempotency-key", "k2"),
         )
         .await;
         assert_eq!(again.status, StatusCode::SEE_OTHER);
@@ -611,8 +611,8 @@ async fn server_errors_release_and_client_errors_are_stored() {
         assert!(third.replayed());
         assert_eq!(server.runs(), 2);
 
-        let rejected = send(server.post("/rejected", "a", Some("k"))).await;
-        let again = send(server.post("/rejected", "a", Some("k"))).await;
+        let rejected = send(server.post("/rejected", "a", Some("k2"))).await;
+        let again = send(server.post("/rejected", "a", Some("k2"))).await;
         assert_eq!(
             (rejected.status, again.status),
             (

@@ -15,8 +15,20 @@
 //! | no key where one is required | `400` [`missing-key`](#missing-key) |
 //! | store down | `503` [`store-unavailable`](#store-unavailable); the handler does not run (fail closed) |
 //!
-//! Keys are scoped: the key stored is the scope function's caller (hashed), the method, the
-//! path and the client's key, so one caller never gets another's response.
+//! Keys are scoped: the key stored is the scope function's caller (hashed) and the client's
+//! key, so one caller never gets another's response.
+//!
+//! # One key, one request
+//!
+//! As the IETF draft has it, a key identifies one request: its method, path, query and body
+//! make the request's fingerprint, and the same key sent with another method, to another path
+//! or with another query or body is `422` [`payload-mismatch`](#payload-mismatch); the handler
+//! does not run. Paths are compared as the router reads them: percent-escapes are decoded
+//! (`/pay/%61bc` is `/pay/abc`, `/pay/a%40b` is `/pay/a@b`) but those of `/` and `%`, whose
+//! hex digits are compared in uppercase (`/pay/x%2fy` is `/pay/x%2Fy`, not `/pay/x/y`);
+//! letter case and a trailing slash make another path, as they make another axum route.
+//! Queries are compared after decoding the escapes of unreserved characters (RFC 3986
+//! section 6.2.2). The path and query are hashed, not stored, so they may be of any length.
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
@@ -40,11 +52,25 @@
 //! replayed; 5xx, `408`, `425`, `429`, `401` and `403` release the key, so a retry runs the
 //! handler again. Stored headers leave out hop-by-hop headers, `Date`, `Content-Length` and
 //! `Set-Cookie`, then pass through [`IdempotencyLayer::sanitize_headers`]. A response body
-//! larger than [`IdempotencyLayer::max_stored_body`] (or one that fails while read) still
-//! completes the key, without its body: the first client gets the whole body, retries get
-//! `303 See Other` to the response's `Location` when it has one, else the problem
-//! [`response-not-stored`](#response-not-stored). The handler never runs twice because its
-//! answer was too large to keep.
+//! larger than [`IdempotencyLayer::max_stored_body`] (or one that fails while read, or has
+//! trailers, or whose client left before its end) still completes the key, without its body:
+//! the first client gets the whole body, retries get `303 See Other` to the response's
+//! `Location` when it has one, else the problem [`response-not-stored`](#response-not-stored).
+//! The handler never runs twice because its answer was too large to keep.
+//!
+//! # Streamed responses
+//!
+//! The response is sent as the handler produces it: its head as soon as the handler returned
+//! it, each body frame as soon as it is produced (server-sent events reach the client one by
+//! one), while the layer keeps a copy up to the stored-body limit. The handler's effect has
+//! happened once it returned its head, so from then on the key is never released; it
+//! **completes** when the body ended (with the body, replayed to retries), or as soon as the
+//! body will not be kept: it outgrew the limit, failed or had trailers, or the client left
+//! before its end (the body is then read no further than what is ready). Until then a retry
+//! gets `409` [`in-flight`](#in-flight). The body's last frame and its end (or, past the
+//! limit, the rest of the body) reach the client only after the completion is recorded, so a
+//! client that read the whole response and retries gets the replay. With
+//! [`InTransaction`] the response is sent after the commit instead, whole.
 //!
 //! # Telling a replay from a fresh run
 //!
@@ -58,7 +84,12 @@
 //!
 //! Once a handler started it runs to completion in a task of the layer's, even when the
 //! client hangs up (a server drops the request's future), and its response is stored: the
-//! client's retry gets the replay. [`IdempotencyLayer::shutdown`] waits for those tasks.
+//! client's retry gets the replay. The outcome is counted in that task too, so
+//! [`IdempotencyLayer::counts`] has the runs whose clients left. [`IdempotencyLayer::shutdown`]
+//! waits for those tasks.
+//!
+//! A handler that panics is answered `500` [`internal`](#internal) (the connection stays up)
+//! and its key is released: it answered for nothing, so a retry runs it again.
 //!
 //! # In the business transaction
 //!
@@ -93,17 +124,22 @@
 //! `409`: the key was completed elsewhere (a consumer sharing the key space), without a
 //! response.
 //! ### response-not-stored
-//! `409`: the first response was too large to keep and had no `Location`.
+//! `409`: the first response was completed without its body (too large, failed, or its
+//! client left mid-stream) and had no `Location`.
 //! ### store-unavailable
 //! `503` with `Retry-After`: the store did not answer; nothing ran.
 //! ### internal
-//! `500`: the layer failed (a stored response it cannot read).
+//! `500`: the handler panicked (its key is released: a retry runs it), or the layer failed
+//! (a stored response it cannot read).
 
 mod body;
 mod key;
 mod problem;
+mod request;
+mod respond;
 mod service;
 mod stored;
+mod stream;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod transaction;
 
@@ -116,7 +152,7 @@ use http::{HeaderMap, HeaderName, Method, StatusCode};
 use tokio_util::task::TaskTracker;
 
 use crate::engine::Idempotency;
-use crate::store::Fingerprint;
+use crate::store::{Fingerprint, MAX_DURATION};
 
 pub use body::{Body, BoxError};
 pub use problem::Problem;
@@ -296,7 +332,7 @@ impl IdempotencyLayer {
         Arc::make_mut(&mut self.config)
     }
 
-    /// The key prefix (default `http`): keys are `<prefix>:v1:{scope, method, path, key}`.
+    /// The key prefix (default `http`): keys are `<prefix>:v2:{scope, key}`.
     /// Give each API its own when several share a store.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.config().prefix = prefix.into();
@@ -325,7 +361,9 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The longest key accepted, in characters (default 255).
+    /// The longest key accepted, in characters (default 255). Keys longer than a key part
+    /// can be ([`MAX_PART_LEN`](crate::key::MAX_PART_LEN), 4096 bytes) are refused with
+    /// [`Problem::InvalidKey`] whatever this setting.
     pub fn max_key_len(mut self, len: usize) -> Self {
         self.config().max_key_len = len;
         self
@@ -361,18 +399,31 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The request's fingerprint, in place of the default SHA-256 of the method, path, query
+    /// The fingerprint of the request's payload, in place of the default SHA-256 of its query
     /// and body: for example selected JSON fields, so that a client re-serialising the same
-    /// order is not a mismatch.
+    /// order is not a mismatch. The method and the path are part of the request's fingerprint
+    /// whatever this function returns, so a key reused on another route is still a mismatch.
     pub fn fingerprint(mut self, fingerprint: fn(&Parts, &[u8]) -> Fingerprint) -> Self {
         self.config().fingerprint = Some(fingerprint);
         self
     }
 
     /// The `Retry-After` sent with [`Problem::InFlight`] and [`Problem::StoreUnavailable`]
-    /// (default 1 second; rounded up to whole seconds).
+    /// (default 1 second; rounded up to whole seconds, at least 1), clamped to
+    /// [`MAX_DURATION`] (36,500 days) as the store's durations are.
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use idempotent_runtime::{http::IdempotencyLayer, Idempotency, MemoryStore};
+    ///
+    /// let idempotency = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    /// // `Retry-After: 3153600000`, not a panic.
+    /// let layer = IdempotencyLayer::new(idempotency, |_: &http::request::Parts| Some(String::new()))
+    ///     .retry_after(Duration::MAX);
+    /// # let _ = layer;
+    /// ```
     pub fn retry_after(mut self, after: Duration) -> Self {
-        self.config().retry_after = after;
+        self.config().retry_after = after.min(MAX_DURATION);
         self
     }
 

@@ -43,12 +43,14 @@ pub enum Problem {
     /// `409`: the key was completed by something other than this layer (a consumer sharing
     /// the key space), so there is no response to replay.
     AlreadyProcessed,
-    /// `409`: the first request completed, but its response was too large (or streamed) to
-    /// keep, so it cannot be replayed. Its handler is never run again.
+    /// `409`: the first request completed, but its response body was not kept (too large,
+    /// failed, with trailers, or its client left mid-stream), so it cannot be replayed. Its
+    /// handler is never run again.
     ResponseNotStored,
     /// `503`: the idempotency store did not answer; nothing was run (fail closed).
     StoreUnavailable,
-    /// `500`: the layer itself failed (a stored response it cannot read, a bad setting).
+    /// `500`: the handler panicked (its key is released, so a retry runs it), or the layer
+    /// itself failed (a stored response it cannot read, a bad setting).
     Internal,
 }
 
@@ -131,7 +133,9 @@ impl Problem {
             HeaderValue::from_static("application/problem+json"),
         );
         if let Some(after) = retry_after {
-            let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+            let secs = after
+                .as_secs()
+                .saturating_add(u64::from(after.subsec_nanos() > 0));
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
         }
         response.extensions_mut().insert(self);

@@ -5,18 +5,22 @@ use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use bytes::Bytes;
+use std::sync::PoisonError;
+
+use bytes::{Bytes, BytesMut};
 use http::request::Parts;
 use http::{Request, Response};
+use http_body::Frame;
+use http_body_util::BodyExt;
 
 use crate::codec;
 use crate::engine::{run_bound, BoundCall, Outcomes};
 use crate::http::body::{Body, BoxError};
-use crate::http::service::{
-    answer, capture, prepare, read_request, reject, Failure, Guarded, Live, Prepared,
-};
-use crate::http::stored::Stored;
-use crate::http::{Config, IdempotencyLayer, Problem};
+use crate::http::request::{prepare, read_request, Guarded, Prepared};
+use crate::http::respond::{answer, reject};
+use crate::http::service::{Failure, Live};
+use crate::http::stored::{storable, Stored};
+use crate::http::{Config, IdempotencyLayer, Problem, Storage};
 use crate::store::sql::tx::InTx;
 use crate::store::sql::{Dialect, SqlStore};
 
@@ -189,4 +193,81 @@ impl<DB: Dialect> InTransaction<DB> {
             },
         }
     }
+}
+
+/// The stored form of the handler's `response`, its body read up to the limit; the response
+/// to send is left in `live`. A response that releases the key is the failure sent as it is.
+async fn capture<RB, E>(
+    config: &Config,
+    response: Response<RB>,
+    live: &Live,
+) -> Result<Stored, Failure<E>>
+where
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let (parts, body) = response.into_parts();
+    if (config.storage)(parts.status) == Storage::Release {
+        return Err(Failure::Released(Response::from_parts(
+            parts,
+            Body::stream(body),
+        )));
+    }
+    let headers = storable(&parts.headers, config.sanitize);
+    let status = parts.status;
+    let (kept, body) = read_response(body, config.max_stored_body).await;
+    *live.response.lock().unwrap_or_else(PoisonError::into_inner) =
+        Some(Response::from_parts(parts, body));
+    Ok(Stored {
+        status,
+        headers,
+        body: kept,
+    })
+}
+
+/// The response body whole when it is at most `max` bytes of data (then also the body to
+/// send), or `None` and a body that sends what was read, then the rest.
+async fn read_response<RB>(body: RB, max: usize) -> (Option<Bytes>, Body)
+where
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let mut body = body.map_err(Into::into).boxed_unsync();
+    let mut frames: Vec<Frame<Bytes>> = Vec::new();
+    let mut size = 0usize;
+    loop {
+        match body.frame().await {
+            None => break,
+            Some(Ok(frame)) => {
+                let Some(data) = frame.data_ref() else {
+                    // Trailers are not kept: the response is not replayable as it was.
+                    frames.push(frame);
+                    return (None, Body::resume(frames, None, Some(body)));
+                };
+                size += data.len();
+                frames.push(frame);
+                if size > max {
+                    return (None, Body::resume(frames, None, Some(body)));
+                }
+            }
+            Some(Err(err)) => return (None, Body::resume(frames, Some(err), None)),
+        }
+    }
+    let whole = match frames.len() {
+        0 => Bytes::new(),
+        1 => frames
+            .pop()
+            .and_then(|frame| frame.into_data().ok())
+            .unwrap_or_default(),
+        _ => {
+            let mut whole = BytesMut::with_capacity(size);
+            for frame in frames {
+                if let Ok(data) = frame.into_data() {
+                    whole.extend_from_slice(&data);
+                }
+            }
+            whole.freeze()
+        }
+    };
+    (Some(whole.clone()), Body::full(whole))
 }

@@ -1,0 +1,233 @@
+//! A fresh response sent to its client as the handler produces it, and kept for replay when it
+//! fits.
+//!
+//! The head goes to the client as soon as the handler returned it, and each body frame as soon
+//! as it is produced, while the layer keeps a copy up to the stored-body limit. The key
+//! completes (its record written) when the body ended (with the body), or as soon as it is
+//! known that the body will not be kept: it outgrew the limit, failed, had trailers, or the
+//! client left before its end (without a body: a retry gets `303` to its `Location` or
+//! `response-not-stored`, never a second run). What the client gets from that point on (the
+//! body's last frame and its end, or the rest of the body) is held back until the completion
+//! is recorded, so a client that has the whole response and retries gets the replay.
+
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::{Mutex, PoisonError};
+use std::task::{ready, Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt as _;
+use http::{header, Response};
+use http_body::{Body as _, Frame, SizeHint};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::BodyExt;
+use tokio::sync::mpsc;
+
+use crate::http::body::{Body, BoxError};
+use crate::http::service::Failure;
+use crate::http::stored::{storable, Stored};
+use crate::http::{Config, Replayed, Storage};
+
+/// What travels from the layer's task to the client's body.
+enum Piece {
+    Frame(Frame<Bytes>),
+    /// The rest of the handler's body, for the client to read itself.
+    Rest(UnsyncBoxBody<Bytes, BoxError>),
+    Error(BoxError),
+    End,
+}
+
+/// The pieces held back until the key's completion is recorded, and the way to the client.
+pub(crate) struct Tail {
+    to_client: mpsc::UnboundedSender<Piece>,
+    held: Vec<Piece>,
+}
+
+impl Tail {
+    /// Sends what was held back, then the end of the body.
+    pub(crate) fn release(self) {
+        for piece in self.held.into_iter().chain([Piece::End]) {
+            if self.to_client.send(piece).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Sends the head of the handler's `response` with `send_head` and its body as it comes,
+/// keeping a copy up to the limit; returns its stored form and leaves the [`Tail`] in `tail`.
+/// A response that releases the key is the failure sent as it is, unread.
+pub(crate) async fn capture<RB, E>(
+    config: &Config,
+    response: Response<RB>,
+    send_head: impl FnOnce(Response<Body>),
+    tail: &Mutex<Option<Tail>>,
+) -> Result<Stored, Failure<E>>
+where
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let (parts, body) = response.into_parts();
+    if (config.storage)(parts.status) == Storage::Release {
+        return Err(Failure::Released(Response::from_parts(
+            parts,
+            Body::stream(body),
+        )));
+    }
+    let headers = storable(&parts.headers, config.sanitize);
+    let status = parts.status;
+    let hint = body.size_hint();
+    // The body's length when it is known: its last frame is then known when it arrives.
+    let declared = hint.exact().or_else(|| {
+        parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+    });
+    let (to_client, from_layer) = mpsc::unbounded_channel();
+    let mut head = Response::from_parts(
+        parts,
+        Body::stream(Streamed {
+            pieces: from_layer,
+            rest: None,
+            hint,
+            ended: false,
+        }),
+    );
+    head.extensions_mut().insert(Replayed(false));
+    send_head(head);
+
+    let mut body = body.map_err(Into::into).boxed_unsync();
+    let max = config.max_stored_body;
+    let mut kept: Vec<Bytes> = Vec::new();
+    let mut size = 0usize;
+    let mut held: Vec<Piece> = Vec::new();
+    let mut holding = false;
+    let mut client_left = false;
+    let whole = loop {
+        let next = AssertUnwindSafe(body.frame()).catch_unwind();
+        let next = if client_left {
+            // Nobody reads on: keep what the body has ready, wait for nothing.
+            match next.now_or_never() {
+                Some(next) => next,
+                None => break None,
+            }
+        } else {
+            tokio::select! {
+                biased;
+                next = next => next,
+                () = to_client.closed() => {
+                    client_left = true;
+                    continue;
+                }
+            }
+        };
+        let frame = match next {
+            Ok(None) => break Some(concat(kept, size)),
+            Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(err))) => {
+                held.push(Piece::Error(err));
+                break None;
+            }
+            Err(_panic) => {
+                tracing::error!("the response body panicked; the key completes without it");
+                held.push(Piece::Error("the response body failed".into()));
+                break None;
+            }
+        };
+        let Some(data) = frame.data_ref() else {
+            // Trailers are not kept: the response is not replayable as it was.
+            held.extend([Piece::Frame(frame), Piece::Rest(body)]);
+            break None;
+        };
+        size += data.len();
+        if size > max {
+            held.extend([Piece::Frame(frame), Piece::Rest(body)]);
+            break None;
+        }
+        kept.push(data.clone());
+        holding |= body.is_end_stream() || declared == Some(size as u64);
+        if holding {
+            held.push(Piece::Frame(frame));
+        } else if !client_left && to_client.send(Piece::Frame(frame)).is_err() {
+            client_left = true;
+        }
+    };
+    *tail.lock().unwrap_or_else(PoisonError::into_inner) = Some(Tail { to_client, held });
+    Ok(Stored {
+        status,
+        headers,
+        body: whole,
+    })
+}
+
+fn concat(mut kept: Vec<Bytes>, size: usize) -> Bytes {
+    match kept.len() {
+        0 => Bytes::new(),
+        1 => kept.pop().unwrap_or_default(),
+        _ => {
+            let mut whole = BytesMut::with_capacity(size);
+            for part in kept {
+                whole.extend_from_slice(&part);
+            }
+            whole.freeze()
+        }
+    }
+}
+
+/// The client's body of a fresh response: the frames the layer forwards, then possibly the
+/// rest of the handler's body.
+struct Streamed {
+    pieces: mpsc::UnboundedReceiver<Piece>,
+    rest: Option<UnsyncBoxBody<Bytes, BoxError>>,
+    hint: SizeHint,
+    ended: bool,
+}
+
+impl http_body::Body for Streamed {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        loop {
+            if let Some(rest) = &mut self.rest {
+                return Pin::new(rest).poll_frame(cx);
+            }
+            if self.ended {
+                return Poll::Ready(None);
+            }
+            match ready!(self.pieces.poll_recv(cx)) {
+                Some(Piece::Frame(frame)) => return Poll::Ready(Some(Ok(frame))),
+                Some(Piece::Rest(rest)) => self.rest = Some(rest),
+                Some(Piece::Error(err)) => {
+                    self.ended = true;
+                    return Poll::Ready(Some(Err(err)));
+                }
+                Some(Piece::End) => {
+                    self.ended = true;
+                    return Poll::Ready(None);
+                }
+                None => {
+                    self.ended = true;
+                    let cut = "the response was cut off: the layer's task ended";
+                    return Poll::Ready(Some(Err(cut.into())));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.rest {
+            Some(rest) => rest.is_end_stream(),
+            None => self.ended,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.hint
+    }
+}

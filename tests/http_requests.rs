@@ -1,0 +1,193 @@
+//! What the HTTP layer takes to be one request, over real HTTP (an axum server on 127.0.0.1
+//! and a real HTTP/1.1 client) on the memory store, Redis and PostgreSQL: a key identifies
+//! one request, method and path included, and the path is compared as the router reads it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "support/http_harness.rs"]
+mod http_harness;
+#[path = "support/redis_server.rs"]
+mod redis_server;
+#[path = "support/sql_tables.rs"]
+mod sql_tables;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::Router;
+use http_harness::{send, serve, Running, BACKENDS};
+
+/// `POST`/`PATCH /pay/{id}` and `POST /refund/{id}`: each run counted, the id (as axum decoded
+/// it) and the run's number in the body.
+fn app(runs: Arc<AtomicUsize>) -> Router {
+    async fn pay(
+        State(runs): State<Arc<AtomicUsize>>,
+        Path(id): Path<String>,
+    ) -> (StatusCode, String) {
+        let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+        (StatusCode::CREATED, format!("paid {id} #{n}"))
+    }
+    async fn refund(
+        State(runs): State<Arc<AtomicUsize>>,
+        Path(id): Path<String>,
+    ) -> (StatusCode, String) {
+        let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+        (StatusCode::CREATED, format!("refunded {id} #{n}"))
+    }
+    Router::new()
+        .route("/pay/{id}", post(pay).patch(pay))
+        .route("/refund/{id}", post(refund))
+        .with_state(runs)
+}
+
+async fn start(backend: http_harness::Backend) -> (Running, Arc<AtomicUsize>) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    (serve(backend, app(runs.clone()), |layer| layer).await, runs)
+}
+
+/// Percent-encodings axum decodes to the same path parameter are the same request: an
+/// encoded unreserved character, an encoded reserved one, lower- or uppercase hex. The handler
+/// runs once per key and the retry is a replay.
+#[tokio::test]
+async fn an_encoded_path_is_the_same_request() {
+    for backend in BACKENDS {
+        let (server, runs) = start(backend).await;
+        let first = send(server.post("/pay/abc", "k1")).await;
+        assert_eq!(
+            (first.status, first.text()),
+            (StatusCode::CREATED, "paid abc #1".into())
+        );
+        for encoded in ["/pay/%61bc", "/pay/%61%62%63", "/pay/ab%63"] {
+            let again = send(server.post(encoded, "k1")).await;
+            assert_eq!(again.status, StatusCode::CREATED, "{backend:?} {encoded}");
+            assert!(again.replayed(), "{backend:?} {encoded}");
+            assert_eq!(again.body, first.body);
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{backend:?}");
+
+        // The router decodes reserved characters in a parameter too.
+        let at = send(server.post("/pay/a@b", "k2")).await;
+        assert_eq!(at.text(), "paid a@b #2");
+        let encoded = send(server.post("/pay/a%40b", "k2")).await;
+        assert!(encoded.replayed(), "{backend:?}");
+        assert_eq!(encoded.body, at.body);
+
+        // `%2f` and `%2F` are one escape (a slash inside the parameter, not a separator).
+        let lower = send(server.post("/pay/x%2fy", "k3")).await;
+        assert_eq!(lower.text(), "paid x/y #3");
+        let upper = send(server.post("/pay/x%2Fy", "k3")).await;
+        assert!(upper.replayed(), "{backend:?}");
+        assert_eq!(upper.body, lower.body);
+        assert_eq!(runs.load(Ordering::SeqCst), 3, "{backend:?}");
+
+        // What the handler sees of an encoded path, under a key of its own: the same id.
+        let fresh = send(server.post("/pay/%61bc", "k4")).await;
+        assert_eq!(fresh.text(), "paid abc #4");
+        let counts = server.layer.counts();
+        assert_eq!((counts.fresh, counts.replayed), (4, 5), "{backend:?}");
+    }
+}
+
+/// A trailing slash, another letter case or a decoded `%2F` make another route for axum, so
+/// another request: the same key on it is `422 payload-mismatch` and nothing runs; under
+/// keys of their own they get the router's own answers.
+#[tokio::test]
+async fn a_trailing_slash_or_another_case_is_another_request() {
+    for backend in BACKENDS {
+        let (server, runs) = start(backend).await;
+        assert_eq!(
+            send(server.post("/pay/abc", "k")).await.status,
+            StatusCode::CREATED
+        );
+        for other in ["/pay/abc/", "/pay/ABC", "/Pay/abc", "/pay/a%62c/"] {
+            let answer = send(server.post(other, "k")).await;
+            assert_eq!(
+                answer.status,
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "{backend:?} {other}"
+            );
+            assert_eq!(answer.problem(), "payload-mismatch");
+        }
+        assert_eq!(
+            send(server.post("/pay/x%2Fy", "k2")).await.text(),
+            "paid x/y #2"
+        );
+        let split = send(server.post("/pay/x/y", "k2")).await;
+        assert_eq!(
+            split.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{backend:?}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "{backend:?}");
+
+        let upper = send(server.post("/pay/ABC", "k3")).await;
+        assert_eq!(upper.text(), "paid ABC #3");
+        let slash = send(server.post("/pay/abc/", "k4")).await;
+        assert_eq!(slash.status, StatusCode::NOT_FOUND, "{backend:?}");
+        assert_eq!(runs.load(Ordering::SeqCst), 3, "{backend:?}");
+    }
+}
+
+/// Per the IETF draft a key identifies one request: the same key with another path, method or
+/// query is `422 payload-mismatch` and the handler does not run; the same method, path, query
+/// and body is a replay.
+#[tokio::test]
+async fn a_key_reused_with_another_path_or_method_is_422() {
+    for backend in BACKENDS {
+        let (server, runs) = start(backend).await;
+        let first = send(server.post("/pay/abc", "k").body("100 EUR")).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        for (method, path) in [
+            ("POST", "/refund/abc"),
+            ("POST", "/pay/abd"),
+            ("PATCH", "/pay/abc"),
+            ("POST", "/pay/abc?currency=usd"),
+        ] {
+            let answer = send(server.request(method, path, "k").body("100 EUR")).await;
+            assert_eq!(
+                answer.status,
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "{backend:?} {method} {path}"
+            );
+            assert_eq!(answer.problem(), "payload-mismatch");
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{backend:?}");
+        let again = send(server.post("/pay/abc", "k").body("100 EUR")).await;
+        assert!(again.replayed(), "{backend:?}");
+        assert_eq!(again.body, first.body);
+        let counts = server.layer.counts();
+        assert_eq!(
+            (counts.fresh, counts.replayed, counts.rejected),
+            (1, 1, 4),
+            "{backend:?}"
+        );
+    }
+}
+
+/// A 5,000-character path is a request like any other (the path is hashed, not part of the
+/// stored key): it runs once and its retry is a replay. A key longer than a key part can be,
+/// where the layer accepts such keys, is the client's `400 invalid-key`, not a `500`.
+#[tokio::test]
+async fn long_paths_run_and_overlong_keys_are_400() {
+    for backend in BACKENDS {
+        let (server, runs) = start(backend).await;
+        let path = format!("/pay/{}", "p".repeat(5000));
+        let first = send(server.post(&path, "k")).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{backend:?}");
+        let again = send(server.post(&path, "k")).await;
+        assert!(again.replayed(), "{backend:?}");
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+    let runs = Arc::new(AtomicUsize::new(0));
+    let server = serve(http_harness::Backend::Memory, app(runs.clone()), |layer| {
+        layer.max_key_len(10_000)
+    })
+    .await;
+    let answer = send(server.post("/pay/abc", &"k".repeat(5000))).await;
+    assert_eq!(answer.status, StatusCode::BAD_REQUEST);
+    assert_eq!(answer.problem(), "invalid-key");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
