@@ -191,3 +191,62 @@ async fn long_paths_run_and_overlong_keys_are_400() {
     assert_eq!(answer.problem(), "invalid-key");
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
+
+/// A key the previous version of the layer completed (its record under the previous layout,
+/// `<prefix>:v1:{scope, method, path, key}`) is not run again after an upgrade: the retry is
+/// answered `409 already-processed`. With the check turned off it runs, as a new key would.
+#[tokio::test]
+async fn a_request_processed_before_an_upgrade_is_not_run_again() {
+    use sha2::Digest as _;
+    for backend in BACKENDS {
+        for check in [true, false] {
+            let runs = Arc::new(AtomicUsize::new(0));
+            let server = serve(backend, app(runs.clone()), |layer| {
+                layer.previous_layout(check)
+            })
+            .await;
+            // What the previous version wrote for `POST /pay/abc` from tenant `a`.
+            let scope: String = sha2::Sha256::digest(b"a")[..16]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            let parts: [&dyn idempotency::KeyPart; 4] = [&scope, &"POST", &"/pay/abc", &"old-1"];
+            let previous = idempotency::Key::new(&server.store.prefix, 1, &parts).unwrap();
+            let hour = std::time::Duration::from_secs(3600);
+            let owner = idempotency::ClaimRequest::new(
+                previous.clone(),
+                idempotency::Token::generate(),
+                hour,
+                hour,
+            );
+            let store = &server.store.store;
+            assert!(matches!(
+                store.claim(&owner).await.unwrap(),
+                idempotency::Claim::Acquired { .. }
+            ));
+            let done = idempotency::Completion::new(None, hour);
+            assert!(store
+                .complete(&previous, &owner.token, &done)
+                .await
+                .unwrap());
+
+            let retry = send(server.post("/pay/abc", "old-1")).await;
+            if check {
+                assert_eq!(
+                    retry.status,
+                    StatusCode::CONFLICT,
+                    "{backend:?}: {}",
+                    retry.text()
+                );
+                assert_eq!(retry.problem(), "already-processed", "{backend:?}");
+                assert_eq!(runs.load(Ordering::SeqCst), 0, "{backend:?}: ran again");
+            } else {
+                assert_eq!(retry.status, StatusCode::CREATED, "{backend:?}");
+                assert_eq!(runs.load(Ordering::SeqCst), 1, "{backend:?}");
+            }
+            // A new key is not slowed by the check beyond its read: it runs once.
+            let fresh = send(server.post("/pay/abc", "new-1")).await;
+            assert_eq!(fresh.status, StatusCode::CREATED, "{backend:?}");
+        }
+    }
+}

@@ -231,6 +231,7 @@ pub(crate) struct Config {
     pub(crate) sanitize: Option<fn(&mut HeaderMap)>,
     pub(crate) fingerprint: Option<FingerprintFn>,
     pub(crate) retry_after: Duration,
+    pub(crate) previous_layout: bool,
     pub(crate) problem_base: String,
     pub(crate) counts: Arc<Counters>,
 }
@@ -317,6 +318,7 @@ impl IdempotencyLayer {
                 sanitize: None,
                 fingerprint: None,
                 retry_after: Duration::from_secs(1),
+                previous_layout: true,
                 problem_base:
                     "https://docs.rs/idempotent-runtime/latest/idempotent_runtime/http/index.html#"
                         .to_owned(),
@@ -330,6 +332,31 @@ impl IdempotencyLayer {
         // Settings are made before the layer is cloned into services; a clone made earlier
         // keeps the settings it was cloned with (and shares the counters).
         Arc::make_mut(&mut self.config)
+    }
+
+    /// Whether a request that would run its handler first looks for the record the same
+    /// request has under the previous key layout (`<prefix>:v1:{scope, method, path, key}`,
+    /// written by earlier versions of this layer): if that record is completed, the request
+    /// was processed before the upgrade, and it is answered `409`
+    /// [`already-processed`](Problem::AlreadyProcessed) instead of running again (default:
+    /// `true`). It costs one read for each request that runs its handler, none for a replay.
+    /// Turn it off once the layer has run this version for a `ttl` (no record of the previous
+    /// layout lives longer), or for a deployment that never ran the previous one. A request
+    /// still running under the previous layout on an old instance during a rolling upgrade is
+    /// not seen.
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use idempotent_runtime::http::IdempotencyLayer;
+    /// use idempotent_runtime::{Idempotency, MemoryStore};
+    ///
+    /// let guard = Idempotency::new(Duration::from_secs(86_400)).store(Arc::new(MemoryStore::new()));
+    /// let layer = IdempotencyLayer::new(guard, |_| Some(String::new())).previous_layout(false);
+    /// # let _ = layer;
+    /// ```
+    pub fn previous_layout(mut self, check: bool) -> Self {
+        self.config().previous_layout = check;
+        self
     }
 
     /// The key prefix (default `http`): keys are `<prefix>:v2:{scope, key}`.

@@ -31,6 +31,34 @@ pub(crate) struct Prepared {
     pub(crate) bytes: Bytes,
     pub(crate) key: Key,
     pub(crate) fingerprint: Fingerprint,
+    /// The key the same request had in the previous layout (`<prefix>:v1:{scope, method,
+    /// path, client key}`), when the layer checks it ([`IdempotencyLayer::previous_layout`]).
+    ///
+    /// [`IdempotencyLayer::previous_layout`]: crate::http::IdempotencyLayer::previous_layout
+    pub(crate) previous: Option<Key>,
+}
+
+impl Prepared {
+    /// Whether the previous layout's record of this request says it was completed: a retry
+    /// that spans an upgrade of the layer must not run the handler again.
+    pub(crate) async fn done_before(
+        previous: Option<&Key>,
+        config: &Config,
+    ) -> Result<bool, crate::Error> {
+        let Some(previous) = previous else {
+            return Ok(false);
+        };
+        let Some(store) = config
+            .idempotency
+            .store
+            .clone()
+            .or_else(crate::default_store)
+        else {
+            return Ok(false);
+        };
+        let record = store.read(previous).await?;
+        Ok(record.is_some_and(|r| r.state == crate::store::RecordState::Completed))
+    }
 }
 
 /// What becomes of a request before anything is claimed.
@@ -91,12 +119,23 @@ where
     };
     let fingerprint = fingerprint(&parts, &payload);
     let scope = hex_string(&Sha256::digest(scope.as_bytes())[..16]);
+    // A path too long for a key part had no key in the previous layout either.
+    let previous = config.previous_layout.then(|| {
+        let parts: [&dyn crate::key::KeyPart; 4] = [
+            &scope,
+            &parts.method.as_str(),
+            &parts.uri.path(),
+            &client_key,
+        ];
+        Key::new(&config.prefix, 1, &parts).ok()
+    });
     match Key::new(&config.prefix, KEY_VERSION, &[&scope, &client_key]) {
         Ok(key) => Guarded::Run(Prepared {
             parts,
             bytes,
             key,
             fingerprint,
+            previous: previous.flatten(),
         }),
         // The client's key is longer than a key part can be (a `max_key_len` above it).
         Err(err @ KeyError::PartTooLong { index: 1, .. }) => {

@@ -160,6 +160,7 @@ where
         bytes,
         key,
         fingerprint,
+        previous,
     } = match prepare(&config, request, true).await {
         Guarded::Run(prepared) => prepared,
         Guarded::Pass(request) => return pass(inner, request).await,
@@ -172,8 +173,15 @@ where
     // client's retry and counted.
     let task = tasks.spawn(carry(
         scoped(),
-        conclude(inner, config.clone(), key, fingerprint, request, reply)
-            .instrument(tracing::Span::current()),
+        conclude(
+            inner,
+            config.clone(),
+            (key, previous),
+            fingerprint,
+            request,
+            reply,
+        )
+        .instrument(tracing::Span::current()),
     ));
     if let Ok(answer) = replied.await {
         return answer;
@@ -191,7 +199,7 @@ where
 async fn conclude<S, B, RB>(
     inner: S,
     config: Arc<Config>,
-    key: Key,
+    key: (Key, Option<Key>),
     fingerprint: Fingerprint,
     request: Request<B>,
     reply: Reply<S::Error>,
@@ -236,7 +244,7 @@ where
 async fn run<S, B, RB>(
     mut inner: S,
     config: &Config,
-    key: Key,
+    (key, previous): (Key, Option<Key>),
     fingerprint: Fingerprint,
     request: Request<B>,
     live: &Live,
@@ -252,6 +260,7 @@ where
         .operation::<Result<Stored, Failure<S::Error>>>(key)
         .fingerprint_of(fingerprint)
         .replay_with(|stored| stored.encode(codec::OK), Stored::decode)
+        .done(|| Prepared::done_before(previous.as_ref(), config))
         .run(async {
             live.ran.store(true, Ordering::Relaxed);
             // A handler that panics has done nothing it answered for: its key is released

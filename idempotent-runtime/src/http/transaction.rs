@@ -150,7 +150,17 @@ impl<DB: Dialect> InTransaction<DB> {
             bytes,
             key,
             fingerprint,
+            previous,
         } = prepared;
+        // Processed under the previous key layout, before an upgrade: not run again.
+        match Prepared::done_before(previous.as_ref(), config).await {
+            Ok(false) => {}
+            Ok(true) => {
+                let detail = "this key was processed without a response to replay";
+                return reject(config, Problem::AlreadyProcessed, detail);
+            }
+            Err(err) => return unavailable(&err),
+        }
         let mut tx = match self.store.pool().begin().await {
             Ok(tx) => tx,
             Err(err) => return unavailable(&err),
