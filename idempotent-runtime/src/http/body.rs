@@ -1,7 +1,6 @@
 //! The layer's response body: a replayed or buffered body in one piece, or the handler's own
 //! body (passed through, or continued after the part the layer read).
 
-use std::collections::VecDeque;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -47,20 +46,6 @@ impl Body {
         Body {
             inner: Inner::Stream(body.map_err(Into::into).boxed_unsync()),
         }
-    }
-
-    /// The frames the layer already read, then the rest of `rest` (or `error`, when reading
-    /// failed).
-    pub(crate) fn resume(
-        read: Vec<Frame<Bytes>>,
-        error: Option<BoxError>,
-        rest: Option<UnsyncBoxBody<Bytes, BoxError>>,
-    ) -> Body {
-        Body::stream(Resumed {
-            read: read.into(),
-            error,
-            rest,
-        })
     }
 }
 
@@ -115,33 +100,6 @@ impl http_body::Body for Body {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
             Inner::Stream(body) => body.size_hint(),
-        }
-    }
-}
-
-struct Resumed {
-    read: VecDeque<Frame<Bytes>>,
-    error: Option<BoxError>,
-    rest: Option<UnsyncBoxBody<Bytes, BoxError>>,
-}
-
-impl http_body::Body for Resumed {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if let Some(frame) = self.read.pop_front() {
-            return Poll::Ready(Some(Ok(frame)));
-        }
-        if let Some(error) = self.error.take() {
-            return Poll::Ready(Some(Err(error)));
-        }
-        match &mut self.rest {
-            Some(rest) => Pin::new(rest).poll_frame(cx),
-            None => Poll::Ready(None),
         }
     }
 }

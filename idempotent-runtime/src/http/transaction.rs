@@ -1,16 +1,20 @@
 //! [`InTransaction`]: the claim, the handler's business writes and the stored response
 //! committed in one database transaction.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use std::sync::PoisonError;
+use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use http::request::Parts;
 use http::{Request, Response};
 use http_body::Frame;
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::BodyExt;
 
 use crate::codec;
@@ -252,15 +256,15 @@ where
                 let Some(data) = frame.data_ref() else {
                     // Trailers are not kept: the response is not replayable as it was.
                     frames.push(frame);
-                    return (None, Body::resume(frames, None, Some(body)));
+                    return (None, resume(frames, None, Some(body)));
                 };
                 size += data.len();
                 frames.push(frame);
                 if size > max {
-                    return (None, Body::resume(frames, None, Some(body)));
+                    return (None, resume(frames, None, Some(body)));
                 }
             }
-            Some(Err(err)) => return (None, Body::resume(frames, Some(err), None)),
+            Some(Err(err)) => return (None, resume(frames, Some(err), None)),
         }
     }
     let whole = match frames.len() {
@@ -280,4 +284,45 @@ where
         }
     };
     (Some(whole.clone()), Body::full(whole))
+}
+
+/// The frames the layer already read, then the rest of `rest` (or `error`, when reading
+/// failed).
+fn resume(
+    read: Vec<Frame<Bytes>>,
+    error: Option<BoxError>,
+    rest: Option<UnsyncBoxBody<Bytes, BoxError>>,
+) -> Body {
+    Body::stream(Resumed {
+        read: read.into(),
+        error,
+        rest,
+    })
+}
+
+struct Resumed {
+    read: VecDeque<Frame<Bytes>>,
+    error: Option<BoxError>,
+    rest: Option<UnsyncBoxBody<Bytes, BoxError>>,
+}
+
+impl http_body::Body for Resumed {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(frame) = self.read.pop_front() {
+            return Poll::Ready(Some(Ok(frame)));
+        }
+        if let Some(error) = self.error.take() {
+            return Poll::Ready(Some(Err(error)));
+        }
+        match &mut self.rest {
+            Some(rest) => Pin::new(rest).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
+    }
 }
