@@ -97,7 +97,8 @@ pub(crate) async fn give_back(
             }
         }
         tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(MAX_BACKOFF);
+        // At least every third of the lease: the key is free soon after the store is back.
+        backoff = (backoff * 2).min(MAX_BACKOFF).min(lease / 3);
     }
 }
 

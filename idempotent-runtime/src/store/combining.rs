@@ -251,11 +251,13 @@ impl Shared {
                 let inner = self.inner.clone();
                 tokio::spawn(async move {
                     let claims = sent.await;
-                    for (req, claim) in reqs.iter().zip(claims) {
-                        if may_hold(&claim) {
-                            give_back(&inner, req).await;
-                        }
-                    }
+                    // All at once: one key whose release keeps failing holds back no other.
+                    let give_backs = reqs
+                        .iter()
+                        .zip(claims)
+                        .filter(|(_, claim)| may_hold(claim))
+                        .map(|(req, _)| give_back(&inner, req));
+                    futures_util::future::join_all(give_backs).await;
                 });
                 return;
             }
@@ -267,7 +269,9 @@ impl Shared {
                 // Its caller went away while the batch was on its way: give back what it may
                 // hold.
                 if may_hold(&claim) {
-                    give_back(&self.inner, req).await;
+                    // On a task of its own: retries must not hold this sender's place.
+                    let (inner, req) = (self.inner.clone(), req.clone());
+                    tokio::spawn(async move { give_back(&inner, &req).await });
                 }
             }
         }
@@ -349,7 +353,8 @@ async fn give_back(inner: &SharedStore, req: &ClaimRequest) {
             _ => {}
         }
         tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(1));
+        // At least every third of the lease: the key is free soon after the store is back.
+        backoff = (backoff * 2).min(Duration::from_secs(1)).min(req.lease / 3);
     }
 }
 
