@@ -11,16 +11,21 @@ use tracing::Instrument;
 
 use crate::default_store::default_store;
 use crate::engine::coalesce::{Coalescing, Forget};
+use crate::engine::conclude::{Refusal, Report};
+use crate::engine::current::Current;
 use crate::engine::decide::{decide, Busy, Next, Waiting};
 use crate::engine::handler::{DoneCheck, HandlerResult, ItemCheck, ItemDone, NoDone};
 use crate::engine::idempotency::Idempotency;
-use crate::engine::operation::{completed, own, Operation, Outcomes};
+use crate::engine::operation::Operation;
 use crate::engine::owner::{Claimed, Owner};
 use crate::engine::pending::{self, PendingBatch};
+use crate::engine::results::Results;
+use crate::engine::run::{own, run_unguarded};
 use crate::error::{Error, StoreError, StoreErrorKind};
 use crate::key::Key;
+use crate::metrics;
 use crate::policy::{OnError, OnStoreError};
-use crate::store::{Claim, ClaimRequest, Fingerprint, SharedStore, Token};
+use crate::store::{Claim, ClaimRequest, Fingerprint, SharedStore};
 
 /// The longest a batch item's completion waits for its siblings' (see `engine/coalesce.rs`).
 const MAX_SETTLE_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
@@ -65,18 +70,18 @@ const MAX_SETTLE_DELAY: std::time::Duration = std::time::Duration::from_millis(2
 /// ```
 #[must_use = "a batch does nothing until `.run(...).await`"]
 pub struct Batch<T, R: HandlerResult, D = NoDone> {
-    guard: Idempotency,
+    settings: Idempotency,
     fingerprint: Option<fn(&T) -> Fingerprint>,
-    outcomes: Outcomes<R>,
+    results: Results<R>,
     done: D,
 }
 
 impl<T, R: HandlerResult> Batch<T, R> {
-    pub(crate) fn new(guard: Idempotency) -> Batch<T, R> {
+    pub(crate) fn new(settings: Idempotency) -> Batch<T, R> {
         Batch {
-            guard,
+            settings,
             fingerprint: None,
-            outcomes: Outcomes::default(),
+            results: Results::default(),
             done: NoDone,
         }
     }
@@ -96,14 +101,14 @@ impl<T, R: HandlerResult, D> Batch<T, R, D> {
     where
         R::Ok: Serialize + DeserializeOwned,
     {
-        self.outcomes = self.outcomes.with_replay();
+        self.results = self.results.with_replay();
         self
     }
 
     /// Decides, per handler error, what happens to the item's claim
     /// ([`Operation::on_error`]).
     pub fn on_error(mut self, classify: fn(&R::Err) -> OnError) -> Self {
-        self.outcomes = self.outcomes.with_on_error(classify);
+        self.results = self.results.with_on_error(classify);
         self
     }
 
@@ -112,14 +117,14 @@ impl<T, R: HandlerResult, D> Batch<T, R, D> {
     where
         R::Err: Serialize + DeserializeOwned,
     {
-        self.outcomes = self.outcomes.with_store_errors();
+        self.results = self.results.with_store_errors();
         self
     }
 
     /// Calls `hook` with the key of each item answered with a stored result
     /// ([`Operation::on_replay`]).
     pub fn on_replay(mut self, hook: fn(&Key)) -> Self {
-        self.outcomes = self.outcomes.with_on_replay(hook);
+        self.results = self.results.with_on_replay(hook);
         self
     }
 
@@ -133,9 +138,9 @@ impl<T, R: HandlerResult, D> Batch<T, R, D> {
         R::Err: From<X>,
     {
         Batch {
-            guard: self.guard,
+            settings: self.settings,
             fingerprint: self.fingerprint,
-            outcomes: self.outcomes,
+            results: self.results,
             done: ItemDone(check),
         }
     }
@@ -157,35 +162,27 @@ where
         Fut: Future<Output = R>,
     {
         let Batch {
-            guard,
+            settings,
             fingerprint,
-            outcomes,
+            results,
             done,
         } = self;
-        let store = match guard
-            .check()
-            .map(|()| guard.store.clone().or_else(default_store))
-        {
-            Ok(Some(store)) => store,
+        let lifetime = settings.lifetime();
+        let (lifetime, store) = match (lifetime, settings.store.clone().or_else(default_store)) {
+            (Ok(lifetime), Some(store)) => (lifetime, store),
             _ => {
                 // Every item fails alike, each with its own error value.
-                let error = || guard.check().err().unwrap_or(Error::NoStore);
+                let error = || settings.lifetime().err().unwrap_or(Error::NoStore);
                 return items
                     .iter()
                     .map(|_| R::from_result(Err(error().into())))
                     .collect();
             }
         };
-        let lease = guard.lease_duration();
+        let lease = lifetime.lease;
         let reqs: Arc<[ClaimRequest]> = items
             .iter()
-            .map(|(key, item)| ClaimRequest {
-                key: key.clone(),
-                token: Token::generate(),
-                lease,
-                ttl: guard.ttl,
-                fingerprint: fingerprint.map(|f| f(item)),
-            })
+            .map(|(key, item)| lifetime.request(key.clone(), fingerprint.map(|f| f(item))))
             .collect();
         let sent_at = tokio::time::Instant::now();
         let claims = PendingBatch::new(&store, &reqs).await;
@@ -204,7 +201,7 @@ where
             reqs.iter().map(|req| req.token),
             (lease / 10).min(MAX_SETTLE_DELAY),
         );
-        let (guard, outcomes, handler) = (&guard, &outcomes, &handler);
+        let (settings, results, handler) = (&settings, &results, &handler);
         let runs = items.into_iter().zip(reqs.iter().cloned()).zip(claims).map(
             |(((_, item), req), first)| {
                 let check = done.of(&item);
@@ -212,15 +209,10 @@ where
                     batch: batch.clone(),
                     token: req.token,
                 };
-                let span = tracing::debug_span!(
-                    "idempotency",
-                    key = %req.key,
-                    fence = tracing::field::Empty,
-                    outcome = tracing::field::Empty,
-                );
+                let span = Report::span(&req.key);
                 async move {
-                    let out = settle_item(
-                        guard, outcomes, &forget, req, first, sent_at, item, check, handler,
+                    let out = run_item(
+                        settings, results, &forget, req, first, sent_at, item, check, handler,
                     )
                     .await;
                     drop(forget);
@@ -233,11 +225,57 @@ where
     }
 }
 
+impl Idempotency {
+    /// Many calls at once, to refine and [`run`](Batch::run): claimed in one store call and
+    /// settled in one (see [`Batch`]).
+    pub fn batch<T, R: HandlerResult>(&self) -> Batch<T, R> {
+        Batch::new(self.clone())
+    }
+
+    /// Runs `handler` for a batch of items, claiming all their keys with one
+    /// [`Store::claim_many`](crate::Store::claim_many) (one round trip on Redis) and
+    /// recording their outcomes with one [`Store::complete_many`](crate::Store::complete_many):
+    /// a shorthand for `self.batch().run(items, handler)`. Results come back in input order,
+    /// each what [`Operation::run`] would have returned for that item alone. Acquired items
+    /// run concurrently, each under its own lease renewal; items held by a live owner follow
+    /// the in-progress policy (with [`InProgress::Wait`] they are claimed again one by one).
+    /// For a fingerprint, replay or business check per item, use [`batch`](Self::batch).
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use idempotent_runtime::{Error, Idempotency, Key, MemoryStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let guard = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    /// let batch = |ids: &[u32]| {
+    ///     ids.iter().map(|id| (Key::new("order", 1, &[id]).unwrap(), *id)).collect::<Vec<_>>()
+    /// };
+    /// let first: Vec<Result<u32, Error>> =
+    ///     guard.run_batch(batch(&[1, 2]), |id| async move { Ok(id) }).await;
+    /// assert_eq!(first.into_iter().collect::<Result<Vec<_>, _>>().unwrap(), [1, 2]);
+    ///
+    /// let second: Vec<Result<u32, Error>> =
+    ///     guard.run_batch(batch(&[2, 3]), |id| async move { Ok(id) }).await;
+    /// assert!(matches!(second[0], Err(Error::Duplicate { .. })));
+    /// assert_eq!(second[1].as_ref().unwrap(), &3);
+    /// # }
+    /// ```
+    pub async fn run_batch<T, F, Fut, R>(&self, items: Vec<(Key, T)>, handler: F) -> Vec<R>
+    where
+        F: Fn(T) -> Fut,
+        Fut: Future<Output = R>,
+        R: HandlerResult,
+    {
+        self.batch().run(items, handler).await
+    }
+}
+
 /// One item of a batch, from its claim's outcome to its answer.
 #[allow(clippy::too_many_arguments)]
-async fn settle_item<T, R, C, F, Fut>(
-    guard: &Idempotency,
-    outcomes: &Outcomes<R>,
+async fn run_item<T, R, C, F, Fut>(
+    settings: &Idempotency,
+    results: &Results<R>,
     batch: &Forget,
     req: ClaimRequest,
     first: Result<Claim, StoreError>,
@@ -253,89 +291,72 @@ where
     F: Fn(T) -> Fut,
     Fut: Future<Output = R>,
 {
-    let span = tracing::Span::current();
     let store: SharedStore = batch.batch.clone();
+    let report = Report::current(store.name());
+    let body = move |_: Current| handler(item);
     let claim = match pending::claim_or_give_back(&store, &req, first).await {
         Ok(claim) => claim,
         Err(err) => {
             batch.batch.forget(&req.token);
-            return match guard.on_store_error {
+            metrics::store_error(report.store(), err.kind());
+            return match settings.on_store_error {
                 OnStoreError::FailOpen => {
-                    tracing::warn!(error = %err, "store failed; running unguarded (fail open)");
-                    span.record("outcome", "fail_open");
-                    handler(item).await.into_result()
+                    run_unguarded(&report, store, req, &err, &mut Some(body)).await
                 }
-                _ => {
-                    span.record("outcome", "store_error");
-                    Err(Error::Store(err).into())
-                }
+                _ => report.refuse(req.key, Refusal::Store(err), results),
             };
         }
     };
-    let mut waiting = Waiting::new(guard.in_progress);
-    let next = decide(claim, guard.in_progress, &mut waiting);
+    let mut waiting = Waiting::new(settings.in_progress);
+    let next = decide(claim, settings.in_progress, &mut waiting);
     if !matches!(next, Next::Run { .. }) {
         batch.batch.forget(&req.token);
     }
-    match next {
+    report.fence(next.fence());
+    let refusal = match next {
         Next::Run { fence } => {
-            span.record("fence", fence);
             let owner = Owner::new(Arc::new(Claimed::new(store, req, fence, sent_at)));
-            own(
+            let on_lost = settings.on_lost_lease;
+            return own(
+                &report,
                 owner,
                 &mut check,
-                outcomes,
-                guard.on_lost_lease,
-                &mut Some(|_| handler(item)),
+                results,
+                on_lost,
+                &mut Some(body),
             )
-            .await
+            .await;
         }
-        Next::Completed { fence, result } => {
-            span.record("fence", fence);
-            span.record("outcome", "completed");
-            completed(req.key, result, outcomes)
-        }
-        Next::Mismatch { fence } => {
-            span.record("fence", fence);
-            span.record("outcome", "mismatch");
-            Err(Error::PayloadMismatch { key: req.key }.into())
-        }
+        Next::Completed { result, .. } => Refusal::Completed(result),
+        Next::Mismatch { .. } => Refusal::Mismatch,
         Next::Busy { fence, then } => {
-            span.record("fence", fence);
             if let Some(done) = check.start() {
                 if done.await? {
-                    span.record("outcome", "done");
-                    return Err(Error::Duplicate { key: req.key }.into());
+                    return report.refuse(req.key, Refusal::DoneBefore, results);
                 }
             }
             match then {
-                Busy::Skip => {
-                    span.record("outcome", "skipped");
-                    Err(Error::Skipped { key: req.key }.into())
-                }
-                // Waiting for a live owner: claim again as a single call would. Boxed: a
-                // single call's future is large, and would make every item's as large.
-                Busy::Retry(_) => Box::pin(
-                    Operation::of_parts(
-                        guard.clone(),
-                        req.key,
-                        req.fingerprint,
-                        outcomes.clone(),
-                        check,
+                Busy::Skip => Refusal::Skipped,
+                Busy::Reject => Refusal::InProgress { fence },
+                // Waiting for a live owner: claim again as a single call would (which
+                // concludes on its own span, a child of this item's). Boxed: a single call's
+                // future is large, and would make every item's as large.
+                Busy::Retry(_) => {
+                    return Box::pin(
+                        Operation::of_parts(
+                            settings.clone(),
+                            req.key,
+                            req.fingerprint,
+                            results.clone(),
+                            check,
+                        )
+                        .run_with(body),
                     )
-                    .run(handler(item)),
-                )
-                .await
-                .into_result(),
-                Busy::Reject => {
-                    span.record("outcome", "in_progress");
-                    Err(Error::InProgress {
-                        key: req.key,
-                        fence,
-                    }
-                    .into())
+                    .await
+                    .into_result();
                 }
             }
         }
-    }
+    };
+    report.refuse(req.key, refusal, results)
 }

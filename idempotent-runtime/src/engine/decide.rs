@@ -21,6 +21,18 @@ pub(crate) enum Next {
     Busy { fence: u64, then: Busy },
 }
 
+impl Next {
+    /// The fence the claim answered with.
+    pub(crate) fn fence(&self) -> u64 {
+        match *self {
+            Next::Run { fence }
+            | Next::Completed { fence, .. }
+            | Next::Mismatch { fence }
+            | Next::Busy { fence, .. } => fence,
+        }
+    }
+}
+
 /// What a call does about a live owner, once the business check (if any) said "not done".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Busy {

@@ -1,15 +1,13 @@
-//! [`Idempotency`]: the settings shared by many calls, and batches.
+//! [`Idempotency`]: the settings shared by many calls.
 
-use std::future::Future;
 use std::time::Duration;
 
-use crate::engine::batch::Batch;
-use crate::engine::handler::HandlerResult;
-use crate::engine::operation::Operation;
 use crate::error::Error;
 use crate::key::Key;
 use crate::policy::{default_lease, InProgress, OnLostLease, OnStoreError};
-use crate::store::{IntoStore, SharedStore, MAX_DURATION, MIN_DURATION};
+use crate::store::{
+    ClaimRequest, Fingerprint, IntoStore, SharedStore, Token, MAX_DURATION, MIN_DURATION,
+};
 
 /// Idempotent calls without the attribute: the settings many calls share (store, ttl, lease
 /// and policies), and the calls themselves ([`run`](Idempotency::run),
@@ -125,21 +123,12 @@ impl Idempotency {
     /// ));
     /// ```
     pub fn check(&self) -> Result<(), Error> {
-        let range = MIN_DURATION..=MAX_DURATION;
-        if !range.contains(&self.ttl) {
-            return Err(Error::InvalidDuration {
-                setting: "ttl",
-                value: self.ttl,
-            });
-        }
-        let lease = self.lease_duration();
-        if !range.contains(&lease) {
-            return Err(Error::InvalidDuration {
-                setting: "lease",
-                value: lease,
-            });
-        }
-        Ok(())
+        self.lifetime().map(drop)
+    }
+
+    /// The ttl and the lease, checked.
+    pub(crate) fn lifetime(&self) -> Result<Lifetime, Error> {
+        Lifetime::new(self.ttl, self.lease_duration())
     }
 
     /// The record ttl.
@@ -151,63 +140,50 @@ impl Idempotency {
     pub fn lease_duration(&self) -> Duration {
         self.lease.unwrap_or_else(|| default_lease(self.ttl))
     }
+}
 
-    /// One call on `key`, to refine and [`run`](Operation::run).
-    pub fn operation<R: HandlerResult>(&self, key: Key) -> Operation<R> {
-        Operation::new(self.clone(), Ok(key))
+/// A claim's ttl and lease, each checked to lie in [`MIN_DURATION`] ..= [`MAX_DURATION`]:
+/// the one place durations are validated, for every door ([`Idempotency`], a lock, a call in
+/// the caller's transaction).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lifetime {
+    pub(crate) ttl: Duration,
+    pub(crate) lease: Duration,
+}
+
+impl Lifetime {
+    /// `ttl` and `lease`, checked in that order.
+    pub(crate) fn new(ttl: Duration, lease: Duration) -> Result<Lifetime, Error> {
+        Ok(Lifetime {
+            ttl: in_range("ttl", ttl)?,
+            lease: in_range("lease", lease)?,
+        })
     }
 
-    /// Many calls at once, to refine and [`run`](Batch::run): claimed in one store call and
-    /// settled in one (see [`Batch`]).
-    pub fn batch<T, R: HandlerResult>(&self) -> Batch<T, R> {
-        Batch::new(self.clone())
+    /// A lock's: its record lives twice the lease (renewals keep at least one lease ahead),
+    /// so a holder that stopped renewing is taken over with its fence + 1 while the record
+    /// exists; once it expired, the store's clock makes the next fence higher anyway.
+    pub(crate) fn of_lock(lease: Duration) -> Result<Lifetime, Error> {
+        let lease = in_range("lease", lease)?;
+        Ok(Lifetime {
+            ttl: lease.saturating_mul(2).min(MAX_DURATION),
+            lease,
+        })
     }
 
-    /// Runs `handler` for a batch of items, claiming all their keys with one
-    /// [`Store::claim_many`](crate::Store::claim_many) (one round trip on Redis) and
-    /// recording their outcomes with one [`Store::complete_many`](crate::Store::complete_many):
-    /// a shorthand for `self.batch().run(items, handler)`. Results come back in input order,
-    /// each what [`Operation::run`] would have returned for that item alone. Acquired items
-    /// run concurrently, each under its own lease renewal; items held by a live owner follow
-    /// the in-progress policy (with [`InProgress::Wait`] they are claimed again one by one).
-    /// For a fingerprint, replay or business check per item, use [`batch`](Self::batch).
-    ///
-    /// ```
-    /// use std::{sync::Arc, time::Duration};
-    /// use idempotent_runtime::{Error, Idempotency, Key, MemoryStore};
-    ///
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() {
-    /// let guard = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
-    /// let batch = |ids: &[u32]| {
-    ///     ids.iter().map(|id| (Key::new("order", 1, &[id]).unwrap(), *id)).collect::<Vec<_>>()
-    /// };
-    /// let first: Vec<Result<u32, Error>> =
-    ///     guard.run_batch(batch(&[1, 2]), |id| async move { Ok(id) }).await;
-    /// assert_eq!(first.into_iter().collect::<Result<Vec<_>, _>>().unwrap(), [1, 2]);
-    ///
-    /// let second: Vec<Result<u32, Error>> =
-    ///     guard.run_batch(batch(&[2, 3]), |id| async move { Ok(id) }).await;
-    /// assert!(matches!(second[0], Err(Error::Duplicate { .. })));
-    /// assert_eq!(second[1].as_ref().unwrap(), &3);
-    /// # }
-    /// ```
-    pub async fn run_batch<T, F, Fut, R>(&self, items: Vec<(Key, T)>, handler: F) -> Vec<R>
-    where
-        F: Fn(T) -> Fut,
-        Fut: Future<Output = R>,
-        R: HandlerResult,
-    {
-        self.batch().run(items, handler).await
+    /// The claim of `key` with these durations and a fresh token.
+    pub(crate) fn request(self, key: Key, fingerprint: Option<Fingerprint>) -> ClaimRequest {
+        let mut req = ClaimRequest::new(key, Token::generate(), self.lease, self.ttl);
+        req.fingerprint = fingerprint;
+        req
     }
+}
 
-    /// Runs `body` at most once for `key`, with these settings: a shorthand for
-    /// `self.operation(key).run(body)`.
-    pub fn run<R, F>(&self, key: Key, body: F) -> impl Future<Output = R>
-    where
-        R: HandlerResult,
-        F: Future<Output = R>,
-    {
-        self.operation(key).run(body)
+/// `value` when it lies in [`MIN_DURATION`] ..= [`MAX_DURATION`].
+fn in_range(setting: &'static str, value: Duration) -> Result<Duration, Error> {
+    if (MIN_DURATION..=MAX_DURATION).contains(&value) {
+        Ok(value)
+    } else {
+        Err(Error::InvalidDuration { setting, value })
     }
 }

@@ -4,15 +4,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tracing::Instrument;
+
+use crate::engine::conclude::{Outcome, Report};
 use crate::engine::decide::{decide, Busy, Next, Waiting};
-use crate::engine::operation::unwrap_req;
+use crate::engine::idempotency::Lifetime;
 use crate::engine::owner::{Claimed, Owner};
 use crate::engine::pending::PendingClaim;
+use crate::engine::run::unwrap_req;
 use crate::engine::watch::watch;
 use crate::error::Error;
 use crate::key::Key;
 use crate::policy::{InProgress, OnLostLease};
-use crate::store::{ClaimRequest, IntoStore, SharedStore, Token, MAX_DURATION, MIN_DURATION};
+use crate::store::{ClaimRequest, IntoStore, SharedStore, Token};
+#[cfg(doc)]
+use crate::store::{MAX_DURATION, MIN_DURATION};
 
 /// A lease lock on a store: one holder per key at a time, each holder with a **fence** that
 /// is higher than every earlier holder's.
@@ -124,43 +130,58 @@ impl Lock {
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(Error::NoRuntime);
         }
-        if !(MIN_DURATION..=MAX_DURATION).contains(&self.lease) {
-            return Err(Error::InvalidDuration {
-                setting: "lease",
-                value: self.lease,
-            });
-        }
-        // The record lives twice the lease (renewals keep at least one lease ahead): a
-        // holder that stopped renewing is taken over with its fence + 1 while the record
-        // exists, and once it expired, the store's clock makes the next fence higher anyway.
-        let ttl = self.lease.saturating_mul(2).min(MAX_DURATION);
-        let req = Arc::new(ClaimRequest::new(key, Token::generate(), self.lease, ttl));
+        let lifetime = Lifetime::of_lock(self.lease)?;
+        let span = Report::span(&key);
+        self.claim(lifetime.request(key, None), policy)
+            .instrument(span)
+            .await
+    }
+
+    async fn claim(&self, req: ClaimRequest, policy: InProgress) -> Result<LockGuard, Error> {
+        let report = Report::current(self.store.name());
+        let req = Arc::new(req);
         let mut waiting = Waiting::new(policy);
         loop {
             let sent_at = tokio::time::Instant::now();
-            let claim = PendingClaim::new(&self.store, &req).await?;
-            match decide(claim, policy, &mut waiting) {
+            let claim = match PendingClaim::new(&self.store, &req).await {
+                Ok(claim) => claim,
+                Err(err) => {
+                    report.conclude(&req.key, Outcome::StoreError);
+                    return Err(err.into());
+                }
+            };
+            let next = decide(claim, policy, &mut waiting);
+            report.fence(next.fence());
+            let (outcome, err) = match next {
                 Next::Run { fence } => {
+                    report.conclude(&req.key, Outcome::Acquired);
                     let claimed = Claimed::new(self.store.clone(), unwrap_req(req), fence, sent_at);
-                    let claimed = Arc::new(claimed);
-                    return Ok(LockGuard::new(claimed));
+                    return Ok(LockGuard::new(Arc::new(claimed)));
                 }
                 Next::Busy {
                     then: Busy::Retry(pause),
                     ..
-                } => tokio::time::sleep(jitter(pause)).await,
-                Next::Busy { fence, .. } => {
-                    return Err(Error::InProgress {
+                } => {
+                    tokio::time::sleep(jitter(pause)).await;
+                    continue;
+                }
+                Next::Busy { fence, .. } => (
+                    Outcome::InProgress,
+                    Error::InProgress {
                         key: req.key.clone(),
                         fence,
-                    })
-                }
-                Next::Completed { .. } | Next::Mismatch { .. } => {
-                    return Err(Error::Duplicate {
+                    },
+                ),
+                // The key belongs to an operation, not to a lock.
+                Next::Completed { .. } | Next::Mismatch { .. } => (
+                    Outcome::Duplicate,
+                    Error::Duplicate {
                         key: req.key.clone(),
-                    })
-                }
-            }
+                    },
+                ),
+            };
+            report.conclude(&req.key, outcome);
+            return Err(err);
         }
     }
 }

@@ -8,33 +8,21 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tracing::Instrument;
 
-use crate::codec;
 use crate::default_store::default_store;
+use crate::engine::conclude::{Refusal, Report};
 use crate::engine::current::Current;
 use crate::engine::decide::{decide, Busy, Next, Waiting};
 use crate::engine::handler::{Done, DoneCheck, HandlerResult, NoDone};
 use crate::engine::idempotency::Idempotency;
-use crate::engine::owner::{Claimed, Owner, Settled};
+use crate::engine::owner::{Claimed, Owner};
 use crate::engine::pending::PendingClaim;
-use crate::engine::watch::{watch, Watched};
-use crate::error::{Error, StoreError, StoreErrorKind};
+use crate::engine::results::Results;
+use crate::engine::run::{own, run_unguarded, unwrap_req};
+use crate::error::Error;
 use crate::key::{Key, KeyError, KeyPart};
 use crate::metrics;
-use crate::policy::{OnError, OnLostLease, OnStoreError};
-use crate::store::{ClaimRequest, Fingerprint, Token};
-
-struct Codec<T> {
-    encode: fn(&T) -> Result<Vec<u8>, Error>,
-    decode: fn(&[u8]) -> Result<T, Error>,
-}
-
-impl<T> Clone for Codec<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<T> Copy for Codec<T> {}
+use crate::policy::{OnError, OnStoreError};
+use crate::store::Fingerprint;
 
 /// One idempotent call: built by [`Idempotency::operation`] (or the attribute), run by
 /// [`Operation::run`].
@@ -65,137 +53,39 @@ impl<T> Copy for Codec<T> {}
 /// ```
 #[must_use = "an operation does nothing until `.run(...).await`"]
 pub struct Operation<R: HandlerResult, D = NoDone> {
-    guard: Idempotency,
+    settings: Idempotency,
     key: Result<Key, KeyError>,
     fingerprint: Option<Fingerprint>,
-    outcomes: Outcomes<R>,
+    results: Results<R>,
     done: D,
-}
-
-/// How a run's outcome is stored: replay codecs and the error policy.
-pub(crate) struct Outcomes<R: HandlerResult> {
-    replay: Option<Codec<R::Ok>>,
-    errors: Option<Codec<R::Err>>,
-    on_error: Option<fn(&R::Err) -> OnError>,
-    on_replay: Option<fn(&Key)>,
-}
-
-impl<R: HandlerResult> Clone for Outcomes<R> {
-    fn clone(&self) -> Self {
-        Outcomes {
-            replay: self.replay,
-            errors: self.errors,
-            on_error: self.on_error,
-            on_replay: self.on_replay,
-        }
-    }
-}
-
-impl<R: HandlerResult> Outcomes<R> {
-    /// Stores `Ok` values and replays them ([`Operation::replay`]).
-    pub(crate) fn with_replay(mut self) -> Self
-    where
-        R::Ok: Serialize + DeserializeOwned,
-    {
-        self.replay = Some(Codec {
-            encode: |value| codec::encode(codec::OK, value),
-            decode: codec::decode,
-        });
-        self
-    }
-
-    /// Classifies errors ([`Operation::on_error`]).
-    pub(crate) fn with_on_error(mut self, classify: fn(&R::Err) -> OnError) -> Self {
-        self.on_error = Some(classify);
-        self
-    }
-
-    /// Stores errors and replays them ([`Operation::store_errors`]).
-    pub(crate) fn with_store_errors(mut self) -> Self
-    where
-        R::Err: Serialize + DeserializeOwned,
-    {
-        self.errors = Some(Codec {
-            encode: |err| codec::encode(codec::ERR, err),
-            decode: codec::decode,
-        });
-        if self.on_error.is_none() {
-            self.on_error = Some(|_| OnError::Store);
-        }
-        self
-    }
-
-    /// Calls `hook` on every replay ([`Operation::on_replay`]).
-    pub(crate) fn with_on_replay(mut self, hook: fn(&Key)) -> Self {
-        self.on_replay = Some(hook);
-        self
-    }
-
-    /// Replays `Ok` values with the caller's own encoding (`encode` writes [`codec::OK`]
-    /// first).
-    #[cfg(all(
-        feature = "http",
-        any(feature = "postgres", feature = "mysql", feature = "sqlite")
-    ))]
-    pub(crate) fn replaying(
-        encode: fn(&R::Ok) -> Result<Vec<u8>, Error>,
-        decode: fn(&[u8]) -> Result<R::Ok, Error>,
-    ) -> Self {
-        Outcomes {
-            replay: Some(Codec { encode, decode }),
-            errors: None,
-            on_error: None,
-            on_replay: None,
-        }
-    }
-
-    /// The stored form of a successful run's value: `None` without replay.
-    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-    pub(crate) fn encode_ok(&self, value: &R::Ok) -> Result<Option<Vec<u8>>, Error> {
-        self.replay
-            .as_ref()
-            .map(|codec| (codec.encode)(value))
-            .transpose()
-    }
-}
-
-impl<R: HandlerResult> Default for Outcomes<R> {
-    fn default() -> Self {
-        Outcomes {
-            replay: None,
-            errors: None,
-            on_error: None,
-            on_replay: None,
-        }
-    }
 }
 
 impl<R: HandlerResult, D> Operation<R, D> {
     /// An operation with these settings (a batch item that waits for a live owner).
     pub(crate) fn of_parts(
-        guard: Idempotency,
+        settings: Idempotency,
         key: Key,
         fingerprint: Option<Fingerprint>,
-        outcomes: Outcomes<R>,
+        results: Results<R>,
         done: D,
     ) -> Operation<R, D> {
         Operation {
-            guard,
+            settings,
             key: Ok(key),
             fingerprint,
-            outcomes,
+            results,
             done,
         }
     }
 }
 
 impl<R: HandlerResult> Operation<R> {
-    pub(crate) fn new(guard: Idempotency, key: Result<Key, KeyError>) -> Operation<R> {
+    pub(crate) fn new(settings: Idempotency, key: Result<Key, KeyError>) -> Operation<R> {
         Operation {
-            guard,
+            settings,
             key,
             fingerprint: None,
-            outcomes: Outcomes::default(),
+            results: Results::default(),
             done: NoDone,
         }
     }
@@ -222,7 +112,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     where
         R::Ok: Serialize + DeserializeOwned,
     {
-        self.outcomes = self.outcomes.with_replay();
+        self.results = self.results.with_replay();
         self
     }
 
@@ -234,14 +124,14 @@ impl<R: HandlerResult, D> Operation<R, D> {
         encode: fn(&R::Ok) -> Result<Vec<u8>, Error>,
         decode: fn(&[u8]) -> Result<R::Ok, Error>,
     ) -> Self {
-        self.outcomes.replay = Some(Codec { encode, decode });
+        self.results = self.results.with_replay_codec(encode, decode);
         self
     }
 
     /// Decides, per handler error, what happens to the claim. Without it every error
     /// releases the claim ([`OnError::Release`]).
     pub fn on_error(mut self, classify: fn(&R::Err) -> OnError) -> Self {
-        self.outcomes = self.outcomes.with_on_error(classify);
+        self.results = self.results.with_on_error(classify);
         self
     }
 
@@ -251,7 +141,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     where
         R::Err: Serialize + DeserializeOwned,
     {
-        self.outcomes = self.outcomes.with_store_errors();
+        self.results = self.results.with_store_errors();
         self
     }
 
@@ -286,7 +176,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     /// # }
     /// ```
     pub fn on_replay(mut self, hook: fn(&Key)) -> Self {
-        self.outcomes = self.outcomes.with_on_replay(hook);
+        self.results = self.results.with_on_replay(hook);
         self
     }
 
@@ -307,10 +197,10 @@ impl<R: HandlerResult, D> Operation<R, D> {
         R::Err: From<X>,
     {
         Operation {
-            guard: self.guard,
+            settings: self.settings,
             key: self.key,
             fingerprint: self.fingerprint,
-            outcomes: self.outcomes,
+            results: self.results,
             done: Done(check),
         }
     }
@@ -391,27 +281,21 @@ where
         F: Future<Output = R>,
     {
         let Operation {
-            mut guard,
+            mut settings,
             key,
             fingerprint,
-            outcomes,
+            results,
             mut done,
         } = self;
-        let span = tracing::Span::current();
         let key = key.map_err(Error::from)?;
-        span.record("key", tracing::field::display(&key));
-        guard.check()?;
-        let Some(store) = guard.store.take().or_else(default_store) else {
+        tracing::Span::current().record("key", tracing::field::display(&key));
+        let lifetime = settings.lifetime()?;
+        let Some(store) = settings.store.take().or_else(default_store) else {
             return Err(Error::NoStore.into());
         };
-        let req = Arc::new(ClaimRequest {
-            key,
-            token: Token::generate(),
-            lease: guard.lease_duration(),
-            ttl: guard.ttl,
-            fingerprint,
-        });
-        let mut waiting = Waiting::new(guard.in_progress);
+        let report = Report::current(store.name());
+        let req = Arc::new(lifetime.request(key, fingerprint));
+        let mut waiting = Waiting::new(settings.in_progress);
         let name = store.name();
         let mut first_wait: Option<metrics::Started> = None;
         loop {
@@ -422,28 +306,16 @@ where
                 Ok(claim) => claim,
                 Err(err) => {
                     metrics::store_error(name, err.kind());
-                    return match guard.on_store_error {
+                    let req = unwrap_req(req);
+                    return match settings.on_store_error {
                         OnStoreError::FailOpen => {
-                            tracing::warn!(error = %err, "store failed; running unguarded (fail open)");
-                            span.record("outcome", "fail_open");
-                            metrics::outcome(&req.key, name, "fail_open");
-                            let Some(body) = body.take() else {
-                                return Err(Error::Store(body_taken()).into());
-                            };
-                            let unguarded = Claimed::new(store, unwrap_req(req), 0, sent_at);
-                            let current = Current::new(Arc::new(unguarded));
-                            current.clone().scope(body(current)).await.into_result()
+                            run_unguarded(&report, store, req, &err, &mut body).await
                         }
-                        _ => {
-                            tracing::warn!(error = %err, "store failed; not running (fail closed)");
-                            span.record("outcome", "store_error");
-                            metrics::outcome(&req.key, name, "store_error");
-                            Err(Error::Store(err).into())
-                        }
+                        _ => report.refuse(req.key, Refusal::Store(err), &results),
                     };
                 }
             };
-            let next = decide(claim, guard.in_progress, &mut waiting);
+            let next = decide(claim, settings.in_progress, &mut waiting);
             if let Some(since) = first_wait {
                 if !matches!(
                     next,
@@ -455,258 +327,55 @@ where
                     metrics::wait_duration(&req.key, name, since);
                 }
             }
-            match next {
+            report.fence(next.fence());
+            let refusal = match next {
                 Next::Run { fence } => {
-                    span.record("fence", fence);
                     let claimed = Claimed::new(store, unwrap_req(req), fence, sent_at);
                     let owner = Owner::new(Arc::new(claimed));
-                    return own(owner, &mut done, &outcomes, guard.on_lost_lease, &mut body).await;
+                    let on_lost = settings.on_lost_lease;
+                    return own(&report, owner, &mut done, &results, on_lost, &mut body).await;
                 }
-                Next::Completed { fence, result } => {
-                    span.record("fence", fence);
-                    span.record("outcome", "completed");
-                    metrics::outcome(&req.key, name, completed_label(&result, &outcomes));
-                    return completed(unwrap_req(req).key, result, &outcomes);
-                }
-                Next::Mismatch { fence } => {
-                    span.record("fence", fence);
-                    span.record("outcome", "mismatch");
-                    metrics::outcome(&req.key, name, "mismatch");
-                    return Err(Error::PayloadMismatch {
-                        key: unwrap_req(req).key,
-                    }
-                    .into());
-                }
+                Next::Completed { result, .. } => Refusal::Completed(result),
+                Next::Mismatch { .. } => Refusal::Mismatch,
                 Next::Busy { fence, then } => {
-                    span.record("fence", fence);
                     if let Some(check) = done.start() {
                         if check.await? {
-                            span.record("outcome", "done");
-                            metrics::outcome(&req.key, name, "done_fallback");
-                            return Err(Error::Duplicate {
-                                key: unwrap_req(req).key,
-                            }
-                            .into());
+                            return report.refuse(
+                                unwrap_req(req).key,
+                                Refusal::DoneBefore,
+                                &results,
+                            );
                         }
                     }
                     match then {
                         Busy::Retry(pause) => {
                             first_wait.get_or_insert_with(metrics::Started::now);
                             tokio::time::sleep(pause).await;
+                            continue;
                         }
-                        Busy::Skip => {
-                            span.record("outcome", "skipped");
-                            metrics::outcome(&req.key, name, "skipped");
-                            return Err(Error::Skipped {
-                                key: unwrap_req(req).key,
-                            }
-                            .into());
-                        }
-                        Busy::Reject => {
-                            span.record("outcome", "in_progress");
-                            metrics::outcome(&req.key, name, "in_progress");
-                            return Err(Error::InProgress {
-                                key: unwrap_req(req).key,
-                                fence,
-                            }
-                            .into());
-                        }
+                        Busy::Skip => Refusal::Skipped,
+                        Busy::Reject => Refusal::InProgress { fence },
                     }
                 }
-            }
-        }
-    }
-}
-
-/// The request back out of its `Arc` once no claim round trip holds it (a clone otherwise).
-pub(crate) fn unwrap_req(req: Arc<ClaimRequest>) -> ClaimRequest {
-    Arc::try_unwrap(req).unwrap_or_else(|shared| (*shared).clone())
-}
-
-/// The error of a call whose body was already taken: never returned, since every caller
-/// hands its body over once.
-fn body_taken() -> StoreError {
-    StoreError::new(
-        StoreErrorKind::Protocol,
-        "internal: the handler of this call was already started",
-    )
-}
-
-/// After an acquired claim: the business check, the body under the watchdog, then the
-/// outcome recorded (or the claim given back when the body failed and the policy says so).
-/// `body` is taken out where it starts, so the handler's future is stored once, in this
-/// future, however many futures the body passed through before.
-pub(crate) async fn own<R, D, B, F>(
-    owner: Owner,
-    done: &mut D,
-    outcomes: &Outcomes<R>,
-    on_lost: OnLostLease,
-    body: &mut Option<B>,
-) -> Result<R::Ok, R::Err>
-where
-    R: HandlerResult,
-    D: DoneCheck,
-    R::Err: From<D::Error>,
-    B: FnOnce(Current) -> F,
-    F: Future<Output = R>,
-{
-    let span = tracing::Span::current();
-    let claim = owner.claim().clone();
-    let name = claim.store.name();
-    let _active = metrics::Active::new(&claim.key, name);
-    let report = |label: &'static str| metrics::outcome(&claim.key, name, label);
-    if let Some(check) = done.start() {
-        match watch(std::pin::pin!(check), &claim, OnLostLease::Continue).await {
-            Watched::Done(Ok(true)) => {
-                span.record("outcome", "done");
-                report("done_fallback");
-                // The effect is applied: record it, never give the claim back.
-                owner.settle(None).await;
-                return Err(Error::Duplicate {
-                    key: claim.key.clone(),
-                }
-                .into());
-            }
-            Watched::Done(Ok(false)) => {}
-            Watched::Done(Err(err)) => {
-                span.record("outcome", "done_check_failed");
-                report("failed");
-                owner.release().await;
-                return Err(err.into());
-            }
-            Watched::Cancelled => {}
-        }
-    }
-
-    let current = Current::new(claim.clone());
-    let started = metrics::Started::now();
-    // One expression without an await, so that nothing holds the body (or the future it
-    // makes) but the pinned future polled below.
-    let body = std::pin::pin!(match body.take() {
-        Some(start) => current.clone().scope(start(current)),
-        // Never: every caller hands its body over once. The owner, dropped, gives the claim
-        // back.
-        None => return Err(Error::Store(body_taken()).into()),
-    });
-    let watched = watch(body, &claim, on_lost).await;
-    metrics::handler_duration(&claim.key, name, started);
-    let out = match watched {
-        Watched::Done(out) => out.into_result(),
-        Watched::Cancelled => {
-            span.record("outcome", "lost_ownership");
-            report("lost_ownership");
-            owner.release().await;
-            return Err(Error::LostOwnership {
-                key: claim.key.clone(),
-                fence: claim.fence,
-            }
-            .into());
-        }
-    };
-    match out {
-        Ok(value) => {
-            let result = outcomes.replay.as_ref().and_then(|codec| {
-                (codec.encode)(&value)
-                    .map_err(|err| tracing::error!(error = %err, "result could not be stored for replay"))
-                    .ok()
-            });
-            match owner.settle(result).await {
-                Settled::Recorded => {
-                    span.record("outcome", "executed");
-                    report("executed");
-                    Ok(value)
-                }
-                Settled::Lost | Settled::Unconfirmed => {
-                    span.record("outcome", "lost_ownership");
-                    report("lost_ownership");
-                    tracing::warn!("lost ownership before completing");
-                    Err(Error::LostOwnership {
-                        key: claim.key.clone(),
-                        fence: claim.fence,
-                    }
-                    .into())
-                }
-                Settled::Deferred => {
-                    // The effect is applied: reporting failure would make the broker redeliver
-                    // and run it again. The completion is retried in the background.
-                    span.record("outcome", "executed_unrecorded");
-                    report("executed");
-                    Ok(value)
-                }
-            }
-        }
-        Err(err) => {
-            let policy = outcomes.on_error.map_or(OnError::Release, |f| f(&err));
-            let stored = match (policy, &outcomes.errors) {
-                (OnError::Release, _) => None,
-                (OnError::Store, Some(codec)) => Some((codec.encode)(&err).unwrap_or_else(|e| {
-                    tracing::error!(error = %e, "handler error could not be stored; holding the key");
-                    vec![codec::HELD]
-                })),
-                (OnError::Hold, _) | (OnError::Store, None) => Some(vec![codec::HELD]),
             };
-            match stored {
-                None => {
-                    span.record("outcome", "released");
-                    report("failed");
-                    owner.release().await;
-                }
-                Some(result) => {
-                    span.record("outcome", "failed_stored");
-                    report("failed");
-                    if owner.settle(Some(result)).await == Settled::Lost {
-                        tracing::warn!("lost ownership before the failure could be stored");
-                    }
-                }
-            }
-            Err(err)
+            return report.refuse(unwrap_req(req).key, refusal, &results);
         }
     }
 }
 
-/// The answer for a key whose record is completed.
-/// The metrics outcome of a claim that met a completed record with `result`: what
-/// [`completed`] makes of it.
-pub(crate) fn completed_label<R: HandlerResult>(
-    result: &Option<Vec<u8>>,
-    outcomes: &Outcomes<R>,
-) -> &'static str {
-    match result.as_deref().and_then(<[u8]>::split_first) {
-        Some((&codec::OK, _)) if outcomes.replay.is_some() => "replayed",
-        Some((&codec::ERR, _)) if outcomes.errors.is_some() => "replayed",
-        Some((&codec::HELD, _)) => "held",
-        _ => "duplicate",
+impl Idempotency {
+    /// One call on `key`, to refine and [`run`](Operation::run).
+    pub fn operation<R: HandlerResult>(&self, key: Key) -> Operation<R> {
+        Operation::new(self.clone(), Ok(key))
     }
-}
 
-pub(crate) fn completed<R: HandlerResult>(
-    key: Key,
-    result: Option<Vec<u8>>,
-    outcomes: &Outcomes<R>,
-) -> Result<R::Ok, R::Err> {
-    let replayed = |key: &Key| {
-        if let Some(hook) = outcomes.on_replay {
-            hook(key);
-        }
-    };
-    match result.as_deref().and_then(<[u8]>::split_first) {
-        Some((&codec::OK, body)) => match &outcomes.replay {
-            Some(codec) => {
-                let value = (codec.decode)(body)?;
-                replayed(&key);
-                Ok(value)
-            }
-            None => Err(Error::Duplicate { key }.into()),
-        },
-        Some((&codec::ERR, body)) => match &outcomes.errors {
-            Some(codec) => {
-                let err = (codec.decode)(body)?;
-                replayed(&key);
-                Err(err)
-            }
-            None => Err(Error::Duplicate { key }.into()),
-        },
-        Some((&codec::HELD, _)) => Err(Error::Held { key }.into()),
-        _ => Err(Error::Duplicate { key }.into()),
+    /// Runs `body` at most once for `key`, with these settings: a shorthand for
+    /// `self.operation(key).run(body)`.
+    pub fn run<R, F>(&self, key: Key, body: F) -> impl Future<Output = R>
+    where
+        R: HandlerResult,
+        F: Future<Output = R>,
+    {
+        self.operation(key).run(body)
     }
 }

@@ -18,7 +18,8 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::BodyExt;
 
 use crate::codec;
-use crate::engine::{run_bound, BoundCall, Outcomes};
+use crate::engine::state::Done;
+use crate::engine::{run_bound, BoundCall, Results};
 use crate::http::body::{Body, BoxError};
 use crate::http::request::{prepare, read_request, Guarded, Prepared};
 use crate::http::respond::{answer, reject};
@@ -156,15 +157,6 @@ impl<DB: Dialect> InTransaction<DB> {
             fingerprint,
             previous,
         } = prepared;
-        // Processed under the previous key layout, before an upgrade: not run again.
-        match Prepared::done_before(previous.as_ref(), config).await {
-            Ok(false) => {}
-            Ok(true) => {
-                let detail = "this key was processed without a response to replay";
-                return reject(config, Problem::AlreadyProcessed, detail);
-            }
-            Err(err) => return unavailable(&err),
-        }
         let mut tx = match self.store.pool().begin().await {
             Ok(tx) => tx,
             Err(err) => return unavailable(&err),
@@ -174,10 +166,10 @@ impl<DB: Dialect> InTransaction<DB> {
             key,
             ttl: config.idempotency.ttl(),
             fingerprint: Some(fingerprint),
-            outcomes: Outcomes::replaying(
-                |stored: &Stored| stored.encode(codec::OK),
-                Stored::decode,
-            ),
+            results: Results::default()
+                .with_replay_codec(|stored: &Stored| stored.encode(codec::OK), Stored::decode),
+            // Processed under the previous key layout, before an upgrade: not run again.
+            done: Done(|| Prepared::done_before(previous.as_ref(), config)),
         };
         let outcome: Result<Stored, Failure<Infallible>> = run_bound(
             &mut InTx {

@@ -8,9 +8,10 @@ use sqlx::Transaction;
 use crate::engine::{run_bound, Bound, BoundCall};
 use crate::error::{Error, StoreError};
 use crate::key::Key;
+use crate::store::Store;
 use crate::store::{Claim, ClaimRequest, Completion, Token};
 #[cfg(doc)]
-use crate::store::{Store, MAX_DURATION, MIN_DURATION};
+use crate::store::{MAX_DURATION, MIN_DURATION};
 
 use crate::store::sql::driver::Dialect;
 use crate::store::sql::exec::{claim_on, complete_on, refuse_oversized, release_on};
@@ -140,6 +141,10 @@ pub(crate) struct InTx<'s, 't, 'c, DB: Dialect> {
 
 impl<DB: Dialect> Bound for InTx<'_, '_, '_, DB> {
     type Conn = DB::Connection;
+
+    fn store_name(&self) -> &'static str {
+        Store::name(self.store)
+    }
 
     fn conn(&mut self) -> &mut DB::Connection {
         self.tx
