@@ -25,8 +25,12 @@
 //! `outcome` is one of `executed` (the handler ran and its outcome was recorded, or is being
 //! recorded in the background), `duplicate`, `replayed`, `held`, `in_progress`, `skipped`,
 //! `mismatch`, `lost_ownership`, `store_error`, `fail_open`, `done_fallback` (the business
-//! check said the effect was already applied) and `failed` (the handler returned an error:
-//! released for a retry, or stored).
+//! check said the effect was already applied), `failed` (the handler, or the business
+//! check, returned an error: released for a retry, or stored) and, for a
+//! [`Lock`](crate::Lock), `acquired`. Every door counts here: the attribute and
+//! [`Operation`](crate::Operation), each item of a [`Batch`](crate::Batch), a call in the
+//! caller's transaction, the HTTP layer, and locks. The call's `idempotency` tracing span
+//! carries the same name in its `outcome` field.
 //!
 //! `store` is the store's [`name`](crate::Store::name): `memory`, `redis`, `redis_cluster`,
 //! `postgresql`, `mysql`, `sqlite`, `tiered`, or what a third-party store reports.
