@@ -51,6 +51,9 @@ pub mod http;
 )]
 pub mod outbox;
 
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+mod in_tx;
+
 #[doc(hidden)]
 #[path = "private.rs"]
 pub mod __private;

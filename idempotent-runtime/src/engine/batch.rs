@@ -10,6 +10,7 @@ use serde::Serialize;
 use tracing::Instrument;
 
 use crate::default_store::default_store;
+use crate::engine::claimed::Claimed;
 use crate::engine::coalesce::{Coalescing, Forget};
 use crate::engine::conclude::{Refusal, Report};
 use crate::engine::current::Current;
@@ -17,7 +18,7 @@ use crate::engine::decide::{decide, Busy, Next, Waiting};
 use crate::engine::handler::{DoneCheck, HandlerResult, ItemCheck, ItemDone, NoDone};
 use crate::engine::idempotency::Idempotency;
 use crate::engine::operation::Operation;
-use crate::engine::owner::{Claimed, Owner};
+use crate::engine::owner::Owner;
 use crate::engine::pending::{self, PendingBatch};
 use crate::engine::results::Results;
 use crate::engine::run::{own, run_unguarded};
@@ -238,7 +239,7 @@ impl Idempotency {
     /// a shorthand for `self.batch().run(items, handler)`. Results come back in input order,
     /// each what [`Operation::run`] would have returned for that item alone. Acquired items
     /// run concurrently, each under its own lease renewal; items held by a live owner follow
-    /// the in-progress policy (with [`InProgress::Wait`] they are claimed again one by one).
+    /// the in-progress policy (with [`InProgress::Wait`](crate::InProgress::Wait) they are claimed again one by one).
     /// For a fingerprint, replay or business check per item, use [`batch`](Self::batch).
     ///
     /// ```

@@ -9,6 +9,7 @@
 
 use tracing::Span;
 
+use crate::codec;
 use crate::engine::handler::HandlerResult;
 use crate::engine::results::Results;
 use crate::error::{Error, StoreError};
@@ -138,7 +139,7 @@ impl Report {
     ) -> Result<R::Ok, R::Err> {
         match refusal {
             Refusal::Completed(result) => {
-                self.conclude(&key, results.outcome_of(result.as_deref()));
+                self.conclude(&key, completed_outcome(results, result.as_deref()));
                 results.answer_completed(key, result)
             }
             Refusal::Mismatch => {
@@ -163,5 +164,15 @@ impl Report {
                 Err(Error::Store(err).into())
             }
         }
+    }
+}
+
+/// The outcome of a claim that met a completed record holding `result`: what
+/// [`Results::answer_completed`] answers.
+fn completed_outcome<R: HandlerResult>(results: &Results<R>, result: Option<&[u8]>) -> Outcome {
+    match result.and_then(<[u8]>::split_first) {
+        Some((&codec::HELD, _)) => Outcome::Held,
+        Some((&tag, _)) if results.replays(tag) => Outcome::Replayed,
+        _ => Outcome::Duplicate,
     }
 }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::engine::owner::Claimed;
+use crate::engine::claimed::Claimed;
 use crate::key::Key;
 
 tokio::task_local! {

@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use tracing::Instrument;
 
+use crate::engine::claimed::Claimed;
 use crate::engine::conclude::{Outcome, Report};
 use crate::engine::decide::{decide, Busy, Next, Waiting};
 use crate::engine::idempotency::Lifetime;
-use crate::engine::owner::{Claimed, Owner};
+use crate::engine::owner::Owner;
 use crate::engine::pending::PendingClaim;
 use crate::engine::run::unwrap_req;
 use crate::engine::watch::watch;

@@ -26,6 +26,7 @@
 mod batch;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod bound;
+mod claimed;
 mod coalesce;
 mod conclude;
 mod current;

@@ -9,12 +9,13 @@ use serde::Serialize;
 use tracing::Instrument;
 
 use crate::default_store::default_store;
+use crate::engine::claimed::Claimed;
 use crate::engine::conclude::{Refusal, Report};
 use crate::engine::current::Current;
 use crate::engine::decide::{decide, Busy, Next, Waiting};
 use crate::engine::handler::{Done, DoneCheck, HandlerResult, NoDone};
 use crate::engine::idempotency::Idempotency;
-use crate::engine::owner::{Claimed, Owner};
+use crate::engine::owner::Owner;
 use crate::engine::pending::PendingClaim;
 use crate::engine::results::Results;
 use crate::engine::run::{own, run_unguarded, unwrap_req};

@@ -15,113 +15,18 @@
 //! answers is a lost reply, resolved by reading the record back, and a completion in flight
 //! runs under the watchdog, so the lease is renewed (or its loss noticed) while it waits.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
-
 use crate::codec;
+use crate::engine::claimed::Claimed;
 use crate::engine::deadline::{bounded, call_bound};
 use crate::engine::loss::{self, CompletionLost, LossReason};
 use crate::engine::pending::{give_back, run_detached};
 use crate::engine::watch::{watch, Watched};
 use crate::error::{StoreError, StoreErrorKind};
-use crate::key::Key;
 use crate::policy::OnLostLease;
-use crate::store::{
-    AcquiredClaim, ClaimRequest, Completion, Fingerprint, RecordState, SharedStore, Token,
-};
-
-/// Everything that travels with an acquired claim.
-pub(crate) struct Claimed {
-    pub(crate) store: SharedStore,
-    pub(crate) key: Key,
-    pub(crate) token: Token,
-    pub(crate) fence: u64,
-    /// The fingerprint the claim was sent with.
-    pub(crate) fingerprint: Option<Fingerprint>,
-    pub(crate) lease: Duration,
-    pub(crate) ttl: Duration,
-    /// When the claim was sent: the lease is measured from here on the caller's clock, which
-    /// can only make the caller think it lost the lease early, never late.
-    pub(crate) sent_at: tokio::time::Instant,
-    /// When the last renewal that succeeded was sent (the claim's own send time at first).
-    renewed_at: Mutex<tokio::time::Instant>,
-    lost: AtomicBool,
-    lost_notify: Notify,
-}
-
-impl Claimed {
-    pub(crate) fn new(
-        store: SharedStore,
-        req: ClaimRequest,
-        fence: u64,
-        sent_at: tokio::time::Instant,
-    ) -> Claimed {
-        Claimed {
-            store,
-            key: req.key,
-            token: req.token,
-            fence,
-            fingerprint: req.fingerprint,
-            lease: req.lease,
-            ttl: req.ttl,
-            sent_at,
-            renewed_at: Mutex::new(sent_at),
-            lost: AtomicBool::new(false),
-            lost_notify: Notify::new(),
-        }
-    }
-
-    /// When the lease runs out, as far as the caller knows.
-    pub(crate) fn lease_until(&self) -> tokio::time::Instant {
-        *self
-            .renewed_at
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            + self.lease
-    }
-
-    /// Records a renewal that succeeded, sent at `sent_at`.
-    pub(crate) fn renewed(&self, sent_at: tokio::time::Instant) {
-        let mut at = self
-            .renewed_at
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *at = (*at).max(sent_at);
-    }
-
-    /// Marks the lease lost and wakes whoever waits for that.
-    pub(crate) fn set_lost(&self) {
-        if !self.lost.swap(true, Ordering::SeqCst) {
-            self.lost_notify.notify_waiters();
-        }
-    }
-
-    /// Whether the lease is lost: marked lost (the store said so, or the watchdog saw it run
-    /// out), or past its end on the caller's clock even if no watchdog has looked yet (one
-    /// starved of the CPU, a paused process), so the answer is never late.
-    pub(crate) fn is_lost(&self) -> bool {
-        self.is_marked_lost() || tokio::time::Instant::now() >= self.lease_until()
-    }
-
-    /// Whether the lease was marked lost ([`set_lost`](Claimed::set_lost)).
-    pub(crate) fn is_marked_lost(&self) -> bool {
-        self.lost.load(Ordering::SeqCst)
-    }
-
-    /// Resolves once the lease is lost.
-    pub(crate) async fn lost(&self) {
-        let notified = self.lost_notify.notified();
-        let mut notified = std::pin::pin!(notified);
-        notified.as_mut().enable();
-        if self.is_lost() {
-            return;
-        }
-        notified.await;
-    }
-}
+use crate::store::{AcquiredClaim, Completion, RecordState};
 
 /// What became of a completion.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

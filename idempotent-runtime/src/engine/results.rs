@@ -5,7 +5,6 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::codec;
-use crate::engine::conclude::Outcome;
 use crate::engine::handler::HandlerResult;
 use crate::error::Error;
 use crate::key::Key;
@@ -151,13 +150,13 @@ impl<R: HandlerResult> Results<R> {
         }
     }
 
-    /// The outcome of a claim that met a completed record holding `result`.
-    pub(crate) fn outcome_of(&self, result: Option<&[u8]>) -> Outcome {
-        match result.and_then(<[u8]>::split_first) {
-            Some((&codec::OK, _)) if self.replay.is_some() => Outcome::Replayed,
-            Some((&codec::ERR, _)) if self.errors.is_some() => Outcome::Replayed,
-            Some((&codec::HELD, _)) => Outcome::Held,
-            _ => Outcome::Duplicate,
+    /// Whether a stored result tagged `tag` ([`codec::OK`], [`codec::ERR`]) is answered
+    /// to a later call (replayed), rather than with [`Error::Duplicate`].
+    pub(crate) fn replays(&self, tag: u8) -> bool {
+        match tag {
+            codec::OK => self.replay.is_some(),
+            codec::ERR => self.errors.is_some(),
+            _ => false,
         }
     }
 

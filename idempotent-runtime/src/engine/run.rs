@@ -5,10 +5,11 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use crate::engine::claimed::Claimed;
 use crate::engine::conclude::{Outcome, Report};
 use crate::engine::current::Current;
 use crate::engine::handler::{DoneCheck, HandlerResult};
-use crate::engine::owner::{Claimed, Owner, Settled};
+use crate::engine::owner::{Owner, Settled};
 use crate::engine::results::{Kept, Results};
 use crate::engine::watch::{watch, Watched};
 use crate::error::{Error, StoreError, StoreErrorKind};

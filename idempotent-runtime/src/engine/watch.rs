@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::engine::claimed::Claimed;
 use crate::engine::deadline::{bounded, call_bound};
-use crate::engine::owner::Claimed;
 use crate::error::StoreError;
 use crate::policy::OnLostLease;
 use crate::store::BoxFuture;

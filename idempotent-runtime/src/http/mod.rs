@@ -133,6 +133,7 @@
 //! (a stored response it cannot read).
 
 mod body;
+mod failure;
 mod key;
 mod problem;
 mod request;

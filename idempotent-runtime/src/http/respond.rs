@@ -8,8 +8,9 @@ use http::{header, HeaderValue, Response, StatusCode};
 
 use crate::error::Error;
 use crate::http::body::Body;
-use crate::http::service::{Failure, Live};
+use crate::http::failure::Failure;
 use crate::http::stored::Stored;
+use crate::http::stream::Live;
 use crate::http::{Config, Problem, Replayed, REPLAYED};
 
 /// The response to send for a run's outcome.

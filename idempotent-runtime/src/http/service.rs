@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
@@ -16,12 +16,12 @@ use tracing::Instrument;
 
 use crate::codec;
 use crate::default_store::{carry, scoped};
-use crate::error::Error;
 use crate::http::body::{Body, BoxError};
+use crate::http::failure::Failure;
 use crate::http::request::{prepare, Guarded, Prepared};
 use crate::http::respond::{answer, reject};
 use crate::http::stored::Stored;
-use crate::http::stream::{self, Tail};
+use crate::http::stream::{self, Live};
 use crate::http::{Config, Problem};
 use crate::key::Key;
 use crate::store::Fingerprint;
@@ -97,43 +97,12 @@ where
     }
 }
 
-/// What the handler's run left for the request that ran it.
-#[derive(Default)]
-pub(crate) struct Live {
-    /// The handler started.
-    pub(crate) ran: AtomicBool,
-    /// The response for the request that ran the handler, when it is sent after the run.
-    pub(crate) response: Mutex<Option<Response<Body>>>,
-    /// The response's head was sent to the client while the run went on ([`stream`]).
-    pub(crate) streamed: AtomicBool,
-    /// What of a streamed response waits for the key's completion.
-    pub(crate) tail: Mutex<Option<Tail>>,
-}
-
-/// How a run ended, besides a stored response.
-pub(crate) enum Failure<E> {
-    /// The engine answered (duplicate, in flight, store down...).
-    Engine(Error),
-    /// The handler's response releases the key: sent as it is, not stored.
-    Released(Response<Body>),
-    /// The inner service failed.
-    Service(E),
-    /// The handler panicked (with this message): the key is released.
-    Panicked(String),
-}
-
 /// What a panic said, when it said it with a string.
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
         (Some(message), _) => (*message).to_owned(),
         (_, Some(message)) => message.clone(),
         _ => "a panic without a message".to_owned(),
-    }
-}
-
-impl<E> From<Error> for Failure<E> {
-    fn from(err: Error) -> Self {
-        Failure::Engine(err)
     }
 }
 

@@ -12,6 +12,7 @@
 
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Mutex, PoisonError};
 use std::task::{ready, Context, Poll};
 
@@ -24,9 +25,22 @@ use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 
 use crate::http::body::{Body, BoxError};
-use crate::http::service::Failure;
+use crate::http::failure::Failure;
 use crate::http::stored::{storable, Stored};
 use crate::http::{Config, Replayed, Storage};
+
+/// What the handler's run left for the request that ran it.
+#[derive(Default)]
+pub(crate) struct Live {
+    /// The handler started.
+    pub(crate) ran: AtomicBool,
+    /// The response for the request that ran the handler, when it is sent after the run.
+    pub(crate) response: Mutex<Option<Response<Body>>>,
+    /// The response's head was sent to the client while the run went on ([`capture`]).
+    pub(crate) streamed: AtomicBool,
+    /// What of a streamed response waits for the key's completion.
+    pub(crate) tail: Mutex<Option<Tail>>,
+}
 
 /// What travels from the layer's task to the client's body.
 enum Piece {

@@ -21,12 +21,13 @@ use crate::codec;
 use crate::engine::state::Done;
 use crate::engine::{run_bound, BoundCall, Results};
 use crate::http::body::{Body, BoxError};
+use crate::http::failure::Failure;
 use crate::http::request::{prepare, read_request, Guarded, Prepared};
 use crate::http::respond::{answer, reject};
-use crate::http::service::{Failure, Live};
 use crate::http::stored::{storable, Stored};
+use crate::http::stream::Live;
 use crate::http::{Config, IdempotencyLayer, Problem, Storage};
-use crate::store::sql::tx::InTx;
+use crate::in_tx::InTx;
 use crate::store::sql::{Dialect, SqlStore};
 
 /// Idempotent handlers whose idempotency record commits **in the same database transaction**

@@ -197,7 +197,7 @@ mod purge;
 mod record;
 mod store;
 pub(crate) mod table;
-pub(crate) mod tx;
+mod tx;
 
 #[cfg(feature = "mysql")]
 mod mysql;
