@@ -11,9 +11,9 @@
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Error> {
-//! let guard = Idempotency::new(Duration::from_secs(3600)).store(Arc::new(MemoryStore::new()));
+//! let orders = Idempotency::new(Duration::from_secs(3600)).store(Arc::new(MemoryStore::new()));
 //! let key = Key::new("order:consume", 1, &[&"A-1001", &"spring-sale"])?;
-//! let effect: Result<&str, Error> = guard.run(key, async { Ok("consumed") }).await;
+//! let effect: Result<&str, Error> = orders.run(key, async { Ok("consumed") }).await;
 //! assert_eq!(effect?, "consumed");
 //! # Ok(()) }
 //! ```

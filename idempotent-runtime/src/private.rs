@@ -31,16 +31,16 @@ pub fn operation<R: HandlerResult>(
     store: Option<SharedStore>,
     parts: &[&dyn KeyPart],
 ) -> Operation<R> {
-    let mut guard = Idempotency::new(Duration::from_secs(spec.ttl_secs))
+    let mut settings = Idempotency::new(Duration::from_secs(spec.ttl_secs))
         .on_in_progress(spec.in_progress)
         .on_store_error(spec.on_store_error);
     if spec.lease_secs > 0 {
-        guard = guard.lease(Duration::from_secs(spec.lease_secs));
+        settings = settings.lease(Duration::from_secs(spec.lease_secs));
     }
     if let Some(store) = store {
-        guard = guard.store(store);
+        settings = settings.store(store);
     }
-    Operation::new(guard, Key::new(spec.prefix, spec.version, parts))
+    Operation::new(settings, Key::new(spec.prefix, spec.version, parts))
 }
 
 /// A key part, type-checked where the user wrote it.

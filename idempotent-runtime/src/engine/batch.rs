@@ -1,5 +1,5 @@
 //! [`Batch`]: many idempotent calls at once, each as an [`Operation`] would run it, claimed
-//! together and settled together.
+//! together, and completed (or released) together.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use crate::engine::coalesce::{Coalescing, Forget};
 use crate::engine::conclude::{Refusal, Report};
 use crate::engine::current::Current;
 use crate::engine::decide::{decide, Busy, Next, Waiting};
-use crate::engine::handler::{DoneCheck, HandlerResult, ItemCheck, ItemDone, NoDone};
+use crate::engine::handler::{BusinessCheck, CheckEach, HandlerResult, ItemCheck, NoCheck};
 use crate::engine::idempotency::Idempotency;
 use crate::engine::operation::Operation;
 use crate::engine::owner::Owner;
@@ -29,7 +29,7 @@ use crate::policy::{OnError, OnStoreError};
 use crate::store::{Claim, ClaimRequest, Fingerprint, SharedStore};
 
 /// The longest a batch item's completion waits for its siblings' (see `engine/coalesce.rs`).
-const MAX_SETTLE_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
+const MAX_COMPLETION_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// Many idempotent calls at once, built by [`Idempotency::batch`] and refined like an
 /// [`Operation`]: a payload fingerprint per item, replay of stored results, an error policy,
@@ -48,7 +48,7 @@ const MAX_SETTLE_DELAY: std::time::Duration = std::time::Duration::from_millis(2
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
-/// let guard = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+/// let charges = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
 /// let orders = || {
 ///     [Order { id: 1, cents: 500 }, Order { id: 2, cents: 900 }]
 ///         .into_iter()
@@ -57,7 +57,7 @@ const MAX_SETTLE_DELAY: std::time::Duration = std::time::Duration::from_millis(2
 /// };
 /// let charge = |o: Order| async move { Ok::<_, Error>(format!("receipt-{}", o.id)) };
 /// let batch = || {
-///     guard
+///     charges
 ///         .batch()
 ///         .fingerprint(|o: &Order| Fingerprint::of(&[&o.cents]))
 ///         .replay()
@@ -70,7 +70,7 @@ const MAX_SETTLE_DELAY: std::time::Duration = std::time::Duration::from_millis(2
 /// # }
 /// ```
 #[must_use = "a batch does nothing until `.run(...).await`"]
-pub struct Batch<T, R: HandlerResult, D = NoDone> {
+pub struct Batch<T, R: HandlerResult, D = NoCheck> {
     settings: Idempotency,
     fingerprint: Option<fn(&T) -> Fingerprint>,
     results: Results<R>,
@@ -83,7 +83,7 @@ impl<T, R: HandlerResult> Batch<T, R> {
             settings,
             fingerprint: None,
             results: Results::default(),
-            done: NoDone,
+            done: NoCheck,
         }
     }
 }
@@ -132,7 +132,7 @@ impl<T, R: HandlerResult, D> Batch<T, R, D> {
     /// Installs a business-status check per item: `check(item)` returns a future that says
     /// whether the item's effect is already applied ([`Operation::done`]). The future must
     /// not borrow the item (copy what it needs: the handler takes the item).
-    pub fn done<F, Fut, X>(self, check: F) -> Batch<T, R, ItemDone<F>>
+    pub fn done<F, Fut, X>(self, check: F) -> Batch<T, R, CheckEach<F>>
     where
         F: Fn(&T) -> Fut,
         Fut: Future<Output = Result<bool, X>>,
@@ -142,7 +142,7 @@ impl<T, R: HandlerResult, D> Batch<T, R, D> {
             settings: self.settings,
             fingerprint: self.fingerprint,
             results: self.results,
-            done: ItemDone(check),
+            done: CheckEach(check),
         }
     }
 }
@@ -200,7 +200,7 @@ where
         let batch = Coalescing::new(
             store,
             reqs.iter().map(|req| req.token),
-            (lease / 10).min(MAX_SETTLE_DELAY),
+            (lease / 10).min(MAX_COMPLETION_DELAY),
         );
         let (settings, results, handler) = (&settings, &results, &handler);
         let runs = items.into_iter().zip(reqs.iter().cloned()).zip(claims).map(
@@ -228,7 +228,7 @@ where
 
 impl Idempotency {
     /// Many calls at once, to refine and [`run`](Batch::run): claimed in one store call and
-    /// settled in one (see [`Batch`]).
+    /// completed in one (see [`Batch`]).
     pub fn batch<T, R: HandlerResult>(&self) -> Batch<T, R> {
         Batch::new(self.clone())
     }
@@ -248,16 +248,16 @@ impl Idempotency {
     ///
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() {
-    /// let guard = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    /// let orders = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
     /// let batch = |ids: &[u32]| {
     ///     ids.iter().map(|id| (Key::new("order", 1, &[id]).unwrap(), *id)).collect::<Vec<_>>()
     /// };
     /// let first: Vec<Result<u32, Error>> =
-    ///     guard.run_batch(batch(&[1, 2]), |id| async move { Ok(id) }).await;
+    ///     orders.run_batch(batch(&[1, 2]), |id| async move { Ok(id) }).await;
     /// assert_eq!(first.into_iter().collect::<Result<Vec<_>, _>>().unwrap(), [1, 2]);
     ///
     /// let second: Vec<Result<u32, Error>> =
-    ///     guard.run_batch(batch(&[2, 3]), |id| async move { Ok(id) }).await;
+    ///     orders.run_batch(batch(&[2, 3]), |id| async move { Ok(id) }).await;
     /// assert!(matches!(second[0], Err(Error::Duplicate { .. })));
     /// assert_eq!(second[1].as_ref().unwrap(), &3);
     /// # }
@@ -287,7 +287,7 @@ async fn run_item<T, R, C, F, Fut>(
 ) -> Result<R::Ok, R::Err>
 where
     R: HandlerResult,
-    C: DoneCheck,
+    C: BusinessCheck,
     R::Err: From<C::Error>,
     F: Fn(T) -> Fut,
     Fut: Future<Output = R>,

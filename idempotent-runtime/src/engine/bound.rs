@@ -8,7 +8,7 @@ use tracing::Instrument;
 
 use crate::engine::conclude::{Outcome, Refusal, Report};
 use crate::engine::decide::{decide, Next, Waiting};
-use crate::engine::handler::{DoneCheck, NoDone};
+use crate::engine::handler::{BusinessCheck, NoCheck};
 use crate::engine::idempotency::Idempotency;
 use crate::engine::results::Results;
 use crate::error::{Error, StoreError};
@@ -43,7 +43,7 @@ pub(crate) trait Bound {
 }
 
 /// One call in a bound resource: what [`run_bound`] claims and how it stores the value.
-pub(crate) struct BoundCall<T, E: From<Error>, D = NoDone> {
+pub(crate) struct BoundCall<T, E: From<Error>, D = NoCheck> {
     pub(crate) key: Key,
     pub(crate) ttl: Duration,
     pub(crate) fingerprint: Option<Fingerprint>,
@@ -60,7 +60,7 @@ impl<T, E: From<Error>> BoundCall<T, E> {
             ttl,
             fingerprint: None,
             results: Results::default(),
-            done: NoDone,
+            done: NoCheck,
         }
     }
 }
@@ -77,7 +77,7 @@ pub(crate) async fn run_bound<B, T, E, D>(
 where
     B: Bound,
     E: From<Error> + From<D::Error>,
-    D: DoneCheck,
+    D: BusinessCheck,
 {
     let span = Report::span(&call.key);
     run_in(bound, call, body).instrument(span).await
@@ -91,7 +91,7 @@ async fn run_in<B, T, E, D>(
 where
     B: Bound,
     E: From<Error> + From<D::Error>,
-    D: DoneCheck,
+    D: BusinessCheck,
 {
     let BoundCall {
         key,

@@ -26,9 +26,9 @@ tokio::task_local! {
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
-/// let guard = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+/// let deductions = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
 /// let key = Key::new("stock:deduct", 1, &[&"sku-9"]).unwrap();
-/// let fence: Result<u64, Error> = guard
+/// let fence: Result<u64, Error> = deductions
 ///     .run(key, async {
 ///         let claim = current().expect("inside an idempotent body");
 ///         // UPDATE stock SET qty = qty - 1, fence = $1 WHERE sku = $2 AND fence < $1

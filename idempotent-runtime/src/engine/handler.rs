@@ -33,9 +33,9 @@ impl<T, E: From<Error>> HandlerResult for Result<T, E> {
 }
 
 /// A business-status check for [`Operation::done`](crate::Operation::done): the type state
-/// of an [`Operation`](crate::Operation) with ([`Done`]) or without ([`NoDone`]) a check.
+/// of an [`Operation`](crate::Operation) with ([`Check`]) or without ([`NoCheck`]) a check.
 /// Sealed: only those two implement it.
-pub trait DoneCheck: sealed::Sealed {
+pub trait BusinessCheck: sealed::Sealed {
     /// The check's error type.
     type Error;
     /// The check's future.
@@ -46,9 +46,9 @@ pub trait DoneCheck: sealed::Sealed {
 
 /// No business-status check.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct NoDone;
+pub struct NoCheck;
 
-impl DoneCheck for NoDone {
+impl BusinessCheck for NoCheck {
     type Error = Error;
     type Future = std::future::Ready<Result<bool, Error>>;
     fn start(&mut self) -> Option<Self::Future> {
@@ -58,9 +58,9 @@ impl DoneCheck for NoDone {
 
 /// A business-status check installed by [`Operation::done`](crate::Operation::done).
 #[derive(Debug, Clone, Copy)]
-pub struct Done<F>(pub(crate) F);
+pub struct Check<F>(pub(crate) F);
 
-impl<F, Fut, X> DoneCheck for Done<F>
+impl<F, Fut, X> BusinessCheck for Check<F>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<bool, X>>,
@@ -75,9 +75,9 @@ where
 /// One batch item's check, started once (the batch made its future from the item before
 /// the handler took the item); later starts have no check to make.
 #[derive(Debug)]
-pub struct OnceDone<Fut>(pub(crate) Option<Fut>);
+pub struct OnceCheck<Fut>(pub(crate) Option<Fut>);
 
-impl<Fut, X> DoneCheck for OnceDone<Fut>
+impl<Fut, X> BusinessCheck for OnceCheck<Fut>
 where
     Fut: Future<Output = Result<bool, X>>,
 {
@@ -89,49 +89,49 @@ where
 }
 
 /// The business-status check of a [`Batch`](crate::Batch)'s items: the type state of a
-/// batch with ([`ItemDone`]) or without ([`NoDone`]) a check. Sealed.
+/// batch with ([`CheckEach`]) or without ([`NoCheck`]) a check. Sealed.
 pub trait ItemCheck<T>: sealed::Sealed {
     /// The check's error type.
     type Error;
     /// One item's check.
     #[doc(hidden)]
-    type Check: DoneCheck<Error = Self::Error>;
+    type Check: BusinessCheck<Error = Self::Error>;
     /// The check of `item`.
     #[doc(hidden)]
     fn of(&self, item: &T) -> Self::Check;
 }
 
-impl<T> ItemCheck<T> for NoDone {
+impl<T> ItemCheck<T> for NoCheck {
     type Error = Error;
-    type Check = NoDone;
-    fn of(&self, _: &T) -> NoDone {
-        NoDone
+    type Check = NoCheck;
+    fn of(&self, _: &T) -> NoCheck {
+        NoCheck
     }
 }
 
 /// A per-item business-status check installed by [`Batch::done`](crate::Batch::done).
 #[derive(Debug, Clone, Copy)]
-pub struct ItemDone<F>(pub(crate) F);
+pub struct CheckEach<F>(pub(crate) F);
 
-impl<T, F, Fut, X> ItemCheck<T> for ItemDone<F>
+impl<T, F, Fut, X> ItemCheck<T> for CheckEach<F>
 where
     F: Fn(&T) -> Fut,
     Fut: Future<Output = Result<bool, X>>,
 {
     type Error = X;
-    type Check = OnceDone<Fut>;
-    fn of(&self, item: &T) -> OnceDone<Fut> {
-        OnceDone(Some((self.0)(item)))
+    type Check = OnceCheck<Fut>;
+    fn of(&self, item: &T) -> OnceCheck<Fut> {
+        OnceCheck(Some((self.0)(item)))
     }
 }
 
 mod sealed {
-    /// Keeps [`DoneCheck`](super::DoneCheck) and [`ItemCheck`](super::ItemCheck) to the
+    /// Keeps [`BusinessCheck`](super::BusinessCheck) and [`ItemCheck`](super::ItemCheck) to the
     /// engine's own type states.
     pub trait Sealed {}
 
-    impl Sealed for super::NoDone {}
-    impl<F> Sealed for super::Done<F> {}
-    impl<F> Sealed for super::OnceDone<F> {}
-    impl<F> Sealed for super::ItemDone<F> {}
+    impl Sealed for super::NoCheck {}
+    impl<F> Sealed for super::Check<F> {}
+    impl<F> Sealed for super::OnceCheck<F> {}
+    impl<F> Sealed for super::CheckEach<F> {}
 }

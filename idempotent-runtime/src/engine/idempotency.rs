@@ -23,13 +23,13 @@ use crate::store::{
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
-/// let guard = Idempotency::new(Duration::from_secs(3600)).store(Arc::new(MemoryStore::new()));
+/// let coupons = Idempotency::new(Duration::from_secs(3600)).store(Arc::new(MemoryStore::new()));
 /// let key = Key::new("coupon:grant", 1, &[&"user-7", &"spring-sale"]).unwrap();
 ///
-/// let first: Result<u32, Error> = guard.run(key.clone(), async { Ok(42) }).await;
+/// let first: Result<u32, Error> = coupons.run(key.clone(), async { Ok(42) }).await;
 /// assert_eq!(first.unwrap(), 42);
 ///
-/// let again: Result<u32, Error> = guard.run(key, async { Ok(43) }).await;
+/// let again: Result<u32, Error> = coupons.run(key, async { Ok(43) }).await;
 /// assert!(matches!(again, Err(Error::Duplicate { .. })));
 /// # }
 /// ```

@@ -52,10 +52,10 @@ use crate::store::{MAX_DURATION, MIN_DURATION};
 ///     .wait(Duration::from_secs(5));
 /// let key = Key::new("balance:deduct", 1, &[&"user-7"])?;
 ///
-/// let guard = locks.lock(key.clone()).await?;
+/// let held = locks.lock(key.clone()).await?;
 /// assert!(locks.try_lock(key.clone()).await?.is_none()); // held
-/// let fence = guard.fence(); // pass it to the writes the lock protects
-/// assert!(guard.unlock().await?);
+/// let fence = held.fence(); // pass it to the writes the lock protects
+/// assert!(held.unlock().await?);
 ///
 /// let next = locks.try_lock(key).await?.expect("free again");
 /// assert!(next.fence() > fence);
@@ -119,7 +119,7 @@ impl Lock {
     /// As [`lock`](Lock::lock), but never [`Error::InProgress`].
     pub async fn try_lock(&self, key: Key) -> Result<Option<LockGuard>, Error> {
         match self.acquire(key, InProgress::Reject).await {
-            Ok(guard) => Ok(Some(guard)),
+            Ok(held) => Ok(Some(held)),
             Err(Error::InProgress { .. }) => Ok(None),
             Err(err) => Err(err),
         }

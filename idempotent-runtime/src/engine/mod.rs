@@ -63,6 +63,6 @@ pub(crate) use results::Results;
 /// ([`Operation::done`]). They appear in signatures only; nothing here is built by hand.
 pub mod state {
     #[doc(hidden)]
-    pub use super::handler::OnceDone;
-    pub use super::handler::{Done, DoneCheck, ItemCheck, ItemDone, NoDone};
+    pub use super::handler::OnceCheck;
+    pub use super::handler::{BusinessCheck, Check, CheckEach, ItemCheck, NoCheck};
 }

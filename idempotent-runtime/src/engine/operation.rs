@@ -13,7 +13,7 @@ use crate::engine::claimed::Claimed;
 use crate::engine::conclude::{Refusal, Report};
 use crate::engine::current::Current;
 use crate::engine::decide::{decide, Busy, Next, Waiting};
-use crate::engine::handler::{Done, DoneCheck, HandlerResult, NoDone};
+use crate::engine::handler::{BusinessCheck, Check, HandlerResult, NoCheck};
 use crate::engine::idempotency::Idempotency;
 use crate::engine::owner::Owner;
 use crate::engine::pending::PendingClaim;
@@ -34,16 +34,16 @@ use crate::store::Fingerprint;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
-/// let guard = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+/// let payments = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
 /// let key = Key::new("payment:capture", 1, &[&"pay-1"]).unwrap();
 ///
-/// let first: Result<String, Error> = guard
+/// let first: Result<String, Error> = payments
 ///     .operation(key.clone())
 ///     .fingerprint(&[&"EUR", &1250u64])
 ///     .replay()
 ///     .run(async { Ok("receipt-1".to_string()) })
 ///     .await;
-/// let replayed: Result<String, Error> = guard
+/// let replayed: Result<String, Error> = payments
 ///     .operation(key)
 ///     .fingerprint(&[&"EUR", &1250u64])
 ///     .replay()
@@ -53,7 +53,7 @@ use crate::store::Fingerprint;
 /// # }
 /// ```
 #[must_use = "an operation does nothing until `.run(...).await`"]
-pub struct Operation<R: HandlerResult, D = NoDone> {
+pub struct Operation<R: HandlerResult, D = NoCheck> {
     settings: Idempotency,
     key: Result<Key, KeyError>,
     fingerprint: Option<Fingerprint>,
@@ -87,7 +87,7 @@ impl<R: HandlerResult> Operation<R> {
             key,
             fingerprint: None,
             results: Results::default(),
-            done: NoDone,
+            done: NoCheck,
         }
     }
 }
@@ -191,7 +191,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     /// and when a completion retried in the background after the caller got `Ok` was lost
     /// (reported to [`on_completion_lost`](crate::on_completion_lost)).
     /// A check that fails gives the claim back and returns its error: nothing runs.
-    pub fn done<F, Fut, X>(self, check: F) -> Operation<R, Done<F>>
+    pub fn done<F, Fut, X>(self, check: F) -> Operation<R, Check<F>>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<bool, X>>,
@@ -202,7 +202,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
             key: self.key,
             fingerprint: self.fingerprint,
             results: self.results,
-            done: Done(check),
+            done: Check(check),
         }
     }
 }
@@ -210,7 +210,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
 impl<R, D> Operation<R, D>
 where
     R: HandlerResult,
-    D: DoneCheck,
+    D: BusinessCheck,
     R::Err: From<D::Error>,
 {
     /// Runs `body` at most once for the key and returns its output, or the outcome of the
@@ -241,9 +241,9 @@ where
     ///
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() {
-    /// let guard = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    /// let payments = Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
     /// let key = Key::new("balance:deduct", 1, &[&"user-7", &"tx-1"]).unwrap();
-    /// let out: Result<String, Error> = guard
+    /// let out: Result<String, Error> = payments
     ///     .operation(key)
     ///     .run_with(|claim| async move {
     ///         // UPDATE balance SET amount = amount - 10, fence = $1

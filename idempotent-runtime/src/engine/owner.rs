@@ -6,7 +6,7 @@
 //! (The claim round trip before it, and giving a claim back, are in `pending.rs`.)
 //!
 //! - [`Owner`] holds an acquired claim. Dropped while the body runs (cancellation, panic), it
-//!   releases, token-checked. After the body returned it is *settling*: dropped then, or when
+//!   releases, token-checked. After the body returned it is *completing*: dropped then, or when
 //!   the completion fails, it hands the completion to a background task that retries with
 //!   backoff while renewing the lease, until the store records it or tells that someone else
 //!   owns the key.
@@ -30,7 +30,7 @@ use crate::store::{AcquiredClaim, Completion, RecordState};
 
 /// What became of a completion.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Settled {
+pub(crate) enum Recording {
     /// The store recorded the outcome.
     Recorded,
     /// Someone else owns the key now: the completion was refused.
@@ -49,7 +49,7 @@ enum Phase {
     /// The body has not finished: dropping gives the claim back.
     Running,
     /// The body returned: dropping completes in the background.
-    Settling(Completion),
+    Completing(Completion),
     /// Nothing left to do.
     Done,
 }
@@ -115,40 +115,40 @@ impl Owner {
     /// Records the body's outcome. From here on the claim is never given back: if the store
     /// does not record it now, a background task keeps trying (also when this future is
     /// dropped).
-    pub(crate) async fn settle(mut self, result: Option<Vec<u8>>) -> Settled {
+    pub(crate) async fn record(mut self, result: Option<Vec<u8>>) -> Recording {
         let result = fit(result, self.claim.store.max_result_size());
-        self.phase = Phase::Settling(
+        self.phase = Phase::Completing(
             Completion::new(result, self.claim.ttl).for_claim(
                 AcquiredClaim::new(self.claim.fence, self.claim.fingerprint)
                     .with_lease(self.claim.lease),
             ),
         );
-        let Phase::Settling(completion) = &self.phase else {
-            return Settled::Deferred;
+        let Phase::Completing(completion) = &self.phase else {
+            return Recording::Deferred;
         };
-        let settled = match complete_watched(&self.claim, completion).await {
-            Ok(true) => Settled::Recorded,
+        let recording = match complete_watched(&self.claim, completion).await {
+            Ok(true) => Recording::Recorded,
             Ok(false) => {
                 self.claim.set_lost();
-                Settled::Lost
+                Recording::Lost
             }
             Err(err) if err.kind() == StoreErrorKind::Corrupt => {
                 tracing::error!(error = %err, "effect applied but its record is unreadable; an operator must look at the key");
-                Settled::Recorded
+                Recording::Recorded
             }
             Err(err) if self.claim.is_lost() => {
                 tracing::error!(error = %err, "effect applied, its completion unanswered and the lease run out; retrying in the background");
-                // Dropping `self` while settling hands the completion to the background.
-                return Settled::Unconfirmed;
+                // Dropping `self` while completing hands the completion to the background.
+                return Recording::Unconfirmed;
             }
             Err(err) => {
                 tracing::error!(error = %err, "effect applied but its completion could not be recorded yet; retrying in the background");
                 self.told_done = true;
-                return Settled::Deferred;
+                return Recording::Deferred;
             }
         };
         self.phase = Phase::Done;
-        settled
+        recording
     }
 }
 
@@ -167,7 +167,7 @@ impl Drop for Owner {
                     self.expires_at(),
                 ));
             }
-            Phase::Settling(completion) => {
+            Phase::Completing(completion) => {
                 run_detached(complete_in_background(
                     self.claim.clone(),
                     completion,

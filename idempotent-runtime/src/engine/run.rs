@@ -8,8 +8,8 @@ use std::sync::Arc;
 use crate::engine::claimed::Claimed;
 use crate::engine::conclude::{Outcome, Report};
 use crate::engine::current::Current;
-use crate::engine::handler::{DoneCheck, HandlerResult};
-use crate::engine::owner::{Owner, Settled};
+use crate::engine::handler::{BusinessCheck, HandlerResult};
+use crate::engine::owner::{Owner, Recording};
 use crate::engine::results::{Kept, Results};
 use crate::engine::watch::{watch, Watched};
 use crate::error::{Error, StoreError, StoreErrorKind};
@@ -69,7 +69,7 @@ pub(crate) async fn own<R, D, B, F>(
 ) -> Result<R::Ok, R::Err>
 where
     R: HandlerResult,
-    D: DoneCheck,
+    D: BusinessCheck,
     R::Err: From<D::Error>,
     B: FnOnce(Current) -> F,
     F: Future<Output = R>,
@@ -90,7 +90,7 @@ where
             Watched::Done(Ok(true)) => {
                 report.conclude(key, Outcome::DoneFallback);
                 // The effect is applied: record it, never give the claim back.
-                owner.settle(None).await;
+                owner.record(None).await;
                 return Err(Error::Duplicate { key: key.clone() }.into());
             }
             Watched::Done(Ok(false)) => {}
@@ -126,16 +126,16 @@ where
         }
     };
     match out {
-        Ok(value) => match owner.settle(results.keep_ok(&value)).await {
-            Settled::Recorded => {
+        Ok(value) => match owner.record(results.keep_ok(&value)).await {
+            Recording::Recorded => {
                 report.conclude(key, Outcome::Executed);
                 Ok(value)
             }
-            Settled::Lost | Settled::Unconfirmed => {
+            Recording::Lost | Recording::Unconfirmed => {
                 tracing::warn!("lost ownership before completing");
                 Err(lost().into())
             }
-            Settled::Deferred => {
+            Recording::Deferred => {
                 // The effect is applied: reporting failure would make the broker redeliver
                 // and run it again. The completion is retried in the background.
                 tracing::debug!("the outcome is being recorded in the background");
@@ -148,7 +148,7 @@ where
             match results.keep_err(&err) {
                 Kept::Release => owner.release().await,
                 Kept::Record(result) => {
-                    if owner.settle(Some(result)).await == Settled::Lost {
+                    if owner.record(Some(result)).await == Recording::Lost {
                         tracing::warn!("lost ownership before the failure could be stored");
                     }
                 }

@@ -351,8 +351,8 @@ impl IdempotencyLayer {
     /// use idempotent_runtime::http::IdempotencyLayer;
     /// use idempotent_runtime::{Idempotency, MemoryStore};
     ///
-    /// let guard = Idempotency::new(Duration::from_secs(86_400)).store(Arc::new(MemoryStore::new()));
-    /// let layer = IdempotencyLayer::new(guard, |_| Some(String::new())).previous_layout(false);
+    /// let settings = Idempotency::new(Duration::from_secs(86_400)).store(Arc::new(MemoryStore::new()));
+    /// let layer = IdempotencyLayer::new(settings, |_| Some(String::new())).previous_layout(false);
     /// # let _ = layer;
     /// ```
     pub fn previous_layout(mut self, check: bool) -> Self {

@@ -18,7 +18,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::BodyExt;
 
 use crate::codec;
-use crate::engine::state::Done;
+use crate::engine::state::Check;
 use crate::engine::{run_bound, BoundCall, Results};
 use crate::http::body::{Body, BoxError};
 use crate::http::failure::Failure;
@@ -170,7 +170,7 @@ impl<DB: Dialect> InTransaction<DB> {
             results: Results::default()
                 .with_replay_codec(|stored: &Stored| stored.encode(codec::OK), Stored::decode),
             // Processed under the previous key layout, before an upgrade: not run again.
-            done: Done(|| Prepared::done_before(previous.as_ref(), config)),
+            done: Check(|| Prepared::done_before(previous.as_ref(), config)),
         };
         let outcome: Result<Stored, Failure<Infallible>> = run_bound(
             &mut InTx {
