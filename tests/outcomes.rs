@@ -1,13 +1,13 @@
 //! Every door concludes in one place: each outcome a door can reach is driven through it (the
-//! attribute, `Operation`, `Batch`, `run_in_tx`, the HTTP layer, HTTP `InTransaction` and
-//! `Lock`) with a metrics recorder and a span recorder installed for this binary, and the
+//! attribute, `Operation`, `Batch`, `run_in_tx`, the HTTP layer, HTTP `InTransaction`,
+//! `Lock`, and a handler under the RabbitMQ consumer loop) with a metrics recorder and a span recorder installed for this binary, and the
 //! test asserts that the call's `idempotency` span carries the outcome under the same name
 //! as the `idempotency.operations` counter, exactly once per call. A door that answered
 //! without going through the shared conclusion leaves its span or its counter short.
 //!
 //! The stores are real: the in-memory store; the Redis at `IDEMPOTENT_REDIS_URL` behind a
 //! proxy that is taken down for store errors and lost leases; PostgreSQL for the doors that
-//! claim in the caller's transaction.
+//! claim in the caller's transaction; RabbitMQ for the broker's consumer loop.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -200,6 +200,7 @@ fn unique(prefix: &str) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Door {
     Attribute,
+    Broker,
     Operation,
     Batch,
     RunInTx,
@@ -962,6 +963,99 @@ async fn lock(env: &Env, case: Case) -> Option<(String, Vec<(&'static str, u64)>
 }
 
 // ---------------------------------------------------------------------------------------
+// A handler under the RabbitMQ consumer loop.
+
+#[idempotent(prefix = "outcomes-broker", keys = [order], ttl = 60, store = attribute_store())]
+async fn on_order(order: String) -> Result<(), Error> {
+    Ok(())
+}
+
+/// The same order delivered twice through `broker::rabbitmq::consume`: the handler runs
+/// once, the duplicate is filtered and acknowledged.
+async fn broker(case: Case) -> Option<Vec<(&'static str, u64)>> {
+    use idempotency::broker::rabbitmq::{self, Queue};
+    use idempotency::broker::Redelivery;
+    use lapin::options::{
+        BasicConsumeOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use lapin::types::FieldTable;
+    use lapin::{BasicProperties, Connection, ConnectionProperties};
+
+    if case != Case::Duplicate {
+        return None;
+    }
+    *ATTRIBUTE_STORE.lock().unwrap() = Some(memory());
+    let url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let conn = Connection::connect(&url, ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ at AMQP_URL (start it: see scripts/check-services)");
+    let channel = conn.create_channel().await.unwrap();
+    let queue = unique("outcomes");
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let order = unique("order");
+    for _ in 0..2 {
+        channel
+            .basic_publish(
+                "".into(),
+                queue.as_str().into(),
+                BasicPublishOptions::default(),
+                order.as_bytes(),
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "outcomes".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let handled = Arc::new(Semaphore::new(0));
+    let counted = handled.clone();
+    let stop = async move {
+        counted.acquire_many(2).await.unwrap().forget();
+    };
+    let summary = rabbitmq::consume(
+        consumer,
+        Queue::classic(queue.as_str()),
+        1,
+        Redelivery::default(),
+        stop,
+        move |message: rabbitmq::Message| {
+            let handled = handled.clone();
+            async move {
+                let order = String::from_utf8_lossy(&message.delivery().data).into_owned();
+                let out = on_order(order).await;
+                handled.add_permits(1);
+                out
+            }
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(summary.acked, 2, "{summary:?}");
+    channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    Some(vec![("executed", 1), ("duplicate", 1)])
+}
+
+// ---------------------------------------------------------------------------------------
 
 /// Every door, every outcome it can reach: the same name on the span and on the counter,
 /// once per call.
@@ -971,6 +1065,7 @@ async fn every_door_concludes_every_outcome_in_one_place() {
     let env = Env::new().await;
     let doors = [
         Door::Attribute,
+        Door::Broker,
         Door::Operation,
         Door::Batch,
         Door::RunInTx,
@@ -982,15 +1077,25 @@ async fn every_door_concludes_every_outcome_in_one_place() {
     for door in doors {
         for case in CASES {
             let ran = match door {
-                Door::Attribute => {
-                    let before = seen("outcomes-attribute");
-                    let Some(expected) = attribute(&env, case).await else {
+                Door::Attribute | Door::Broker => {
+                    let prefix = if door == Door::Broker {
+                        "outcomes-broker"
+                    } else {
+                        "outcomes-attribute"
+                    };
+                    let before = seen(prefix);
+                    let expected = if door == Door::Broker {
+                        broker(case).await
+                    } else {
+                        attribute(&env, case).await
+                    };
+                    let Some(expected) = expected else {
                         continue;
                     };
                     // Compared as the difference the case made.
                     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
                     loop {
-                        let after = seen("outcomes-attribute");
+                        let after = seen(prefix);
                         let diff = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>| {
                             a.iter()
                                 .map(|(o, n)| (o.clone(), n - b.get(o).copied().unwrap_or(0)))
@@ -1022,7 +1127,7 @@ async fn every_door_concludes_every_outcome_in_one_place() {
                         Door::Http => http(&env, case, false).await,
                         Door::HttpInTx => http(&env, case, true).await,
                         Door::Lock => lock(&env, case).await,
-                        Door::Attribute => unreachable!(),
+                        Door::Attribute | Door::Broker => unreachable!(),
                     };
                     let Some((prefix, expected)) = out else {
                         continue;
@@ -1043,6 +1148,7 @@ async fn every_door_concludes_every_outcome_in_one_place() {
         [
             ("Attribute", 10),
             ("Batch", 12),
+            ("Broker", 1),
             ("Http", 7),
             ("HttpInTx", 4),
             ("Lock", 4),
