@@ -204,3 +204,40 @@ pub use idempotent_runtime::{
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
+
+// The guide's chapters (`docs/guide/`), compiled as doctests as the README is.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/handlers.md")]
+struct GuideHandlers;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/contract.md")]
+struct GuideContract;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/stores.md")]
+struct GuideStores;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/consumers.md")]
+struct GuideConsumers;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/http.md")]
+struct GuideHttp;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/locks-and-outbox.md")]
+struct GuideLocksAndOutbox;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/operating.md")]
+struct GuideOperating;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/performance.md")]
+struct GuidePerformance;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/repository.md")]
+struct GuideRepository;
