@@ -54,7 +54,7 @@
 //!
 //! | module | feature | what |
 //! |---|---|---|
-//! | [`store`] | | the [`Store`](store::Store) trait and its records, for backends and tests; [`TieredStore`](store::TieredStore), [`CombiningStore`](store::CombiningStore) |
+//! | [`store`] | | the [`store::Store`] trait and its records, for backends and tests; [`TieredStore`](store::TieredStore), [`CombiningStore`](store::CombiningStore) |
 //! | [`memory`] | `memory` (default) | the in-memory store's builder and clocks ([`ManualClock`](memory::ManualClock) for tests) |
 //! | `redis` | `redis` | `RedisStore`, standalone or Cluster |
 //! | `sql` | `postgres`, `mysql`, `sqlite` | `PostgresStore`, `MySqlStore`, `SqliteStore`; claims in the business transaction (`run_in_tx`) |
