@@ -54,9 +54,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use idempotency::sql::sqlx;
-use idempotency::sql::{Dialect, SqlStore};
-use idempotency::{Error, Idempotency, Key, RedisStore, SharedStore, Token};
+use idempotency::redis::RedisStore;
+use idempotency::sql::{sqlx, Dialect, SqlStore};
+use idempotency::store::Token;
+use idempotency::{Error, Idempotency, Key, SharedStore};
 use sql_tables::{Scratch, Server};
 use stats::{figure, median, per_s};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

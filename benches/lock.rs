@@ -35,7 +35,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idempotency::{Key, Lock, RedisStore};
+use idempotency::lock::Lock;
+use idempotency::redis::RedisStore;
+use idempotency::Key;
 use redis::aio::ConnectionManager;
 use redis::Script;
 use redis_info::server_cpu;

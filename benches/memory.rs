@@ -56,9 +56,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idempotency::{
-    idempotent, Claim, ClaimRequest, Completion, Error, Idempotency, Key, MemoryStore, Store, Token,
-};
+use idempotency::store::{Claim, ClaimRequest, Completion, Store, Token};
+use idempotency::{idempotent, Error, Idempotency, Key, MemoryStore};
 use stats::{figure, median, per_s};
 use stats_alloc::StatsAlloc;
 

@@ -93,7 +93,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
-use idempotency::{idempotent, Idempotency, Key, RedisStore};
+use idempotency::redis::RedisStore;
+use idempotency::{idempotent, Idempotency, Key};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Script, Value};
 use redis_info::{client_cpu, info_field, server_cpu};

@@ -94,8 +94,8 @@ use std::time::{Duration, Instant};
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe, Row};
 use idempotency::sql::{Dialect, SqlStore};
-use idempotency::store::CombiningStore;
-use idempotency::{Error, Idempotency, Key, Token};
+use idempotency::store::{CombiningStore, Token};
+use idempotency::{Error, Idempotency, Key};
 use sql_tables::{Scratch, Server};
 use stats::{figure, median, per_s, process_cpu};
 

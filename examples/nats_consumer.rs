@@ -76,7 +76,7 @@ async fn on_order(msg: &OrderMessage, kitchen: &Kitchen) -> Result<u32, AppError
 }
 
 /// The key the attribute builds for a message, for the batch path.
-fn order_key(msg: &OrderMessage) -> Result<Key, idempotency::KeyError> {
+fn order_key(msg: &OrderMessage) -> Result<Key, idempotency::key::KeyError> {
     Key::new("order:consume", 1, &[&msg.order_id, &msg.activity_id])
 }
 
@@ -196,7 +196,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let items = decoded
             .iter()
             .map(|msg| Ok((order_key(msg)?, msg)))
-            .collect::<Result<Vec<_>, idempotency::KeyError>>()?;
+            .collect::<Result<Vec<_>, idempotency::key::KeyError>>()?;
         let results: Vec<Result<u32, AppError>> =
             guard.run_batch(items, |msg| kitchen.cook(msg)).await;
         println!("   batch of {}:", batch.len());

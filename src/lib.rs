@@ -40,18 +40,42 @@
 //! - [`#[idempotent]`](macro@idempotent): the attribute, with every argument documented
 //!   (`ttl`, `lease`, `on_in_progress`, `on_error`, `fingerprint`, `done`, `replay`, ...).
 //! - [`Idempotency`] and [`Operation`]: the same machinery without the attribute, for closures and
-//!   keys computed at run time; [`Idempotency::run_batch`] claims many keys in one round trip.
+//!   keys computed at run time; [`Idempotency::run_batch`] claims many keys in one round trip
+//!   ([`Batch`]).
 //! - [`current()`]: inside a handler, the claim's key and **fence**, to make the resource
 //!   refuse a stale owner (`... WHERE fence < $fence`), and a lost-lease signal.
-//! - [`Error`] and [`Error::action`]: every outcome as ack, redeliver or dead-letter;
-//!   [`broker`] settles RabbitMQ and NATS messages from it (features `rabbitmq`, `nats`).
+//! - [`Error`] and [`Error::action`]: every outcome as an [`Action`]: ack, redeliver or
+//!   dead-letter.
+//! - The policies: [`InProgress`], [`OnError`], [`OnStoreError`], [`OnLostLease`].
+//! - The stores: [`connect`] and [`set_default_store`] (or [`with_default_store`] in tests),
+//!   [`MemoryStore`]; a [`Key`] is built from [`KeyPart`]s.
+//!
+//! Everything else lives in a module of its own:
+//!
+//! | module | feature | what |
+//! |---|---|---|
+//! | [`store`] | | the [`store::Store`] trait and its records, for backends and tests; [`TieredStore`](store::TieredStore), [`CombiningStore`](store::CombiningStore) |
+//! | [`memory`] | `memory` (default) | the in-memory store's builder and clocks ([`ManualClock`](memory::ManualClock) for tests) |
+//! | `redis` | `redis` | `RedisStore`, standalone or Cluster |
+//! | `sql` | `postgres`, `mysql`, `sqlite` | `PostgresStore`, `MySqlStore`, `SqliteStore`; claims in the business transaction (`run_in_tx`) |
+//! | `outbox` | `postgres`, `mysql`, `sqlite` | the transactional outbox and its relay |
+//! | `broker` | `rabbitmq`, `nats` | consume loops that settle each message by its outcome |
+//! | `http` | `http` | `IdempotencyLayer`: HTTP `Idempotency-Key` for tower and axum |
+//! | [`lock`] | | [`Lock`](lock::Lock), a fenced lease lock on any store |
+//! | [`admin`] | | the operator's side: inspect, list, release, delete, purge |
+//! | [`key`] | | key errors and limits |
+//! | [`state`] | | the types in [`Operation`]'s and [`Batch`]'s signatures |
+//!
+//! With the feature `metrics`, the engine and the stores count and time every call through
+//! the [`metrics`](https://docs.rs/metrics) facade; the series are listed in the repository's
+//! `docs/guide/operating.md`.
 //!
 //! # Choosing a store
 //!
 //! | store | feature | for |
 //! |---|---|---|
 //! | [`MemoryStore`] | `memory` (default) | tests, demos, one process |
-//! | `RedisStore` | `redis` | a shared, fast window (standalone or Cluster) |
+//! | `redis::RedisStore` | `redis` | a shared, fast window (standalone or Cluster) |
 //! | `sql::PostgresStore`, `MySqlStore`, `SqliteStore` | `postgres`, `mysql`, `sqlite` | durable records, claims inside the business transaction (`run_in_tx`) |
 //! | [`store::TieredStore`] | any two | Redis in front of SQL |
 //! | [`store::CombiningStore`] | any | concurrent single calls sent as batches (one commit for many on PostgreSQL) |
@@ -73,10 +97,147 @@
 //! `crate = path`.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+// The everyday names: the attribute, its errors and policies, the builder API, the default
+// store.
 pub use idempotent_macros::idempotent;
-pub use idempotent_runtime::*;
+pub use idempotent_runtime::{
+    connect, current, default_store, on_completion_lost, set_default_store, with_default_store,
+    Action, Batch, CompletionLost, Current, Error, Idempotency, InProgress, Key, KeyPart,
+    LossReason, OnError, OnLostLease, OnStoreError, Operation, SharedStore,
+};
+
+#[cfg(feature = "memory")]
+#[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
+pub use idempotent_runtime::MemoryStore;
+
+pub mod key {
+    //! What a [`Key`](crate::Key) may hold: the error of a key that breaks a limit, and the
+    //! limits.
+
+    pub use idempotent_runtime::key::{
+        KeyError, MAX_INLINE_PARTS, MAX_KEY_LEN, MAX_PARTS, MAX_PART_LEN, MAX_PREFIX_LEN,
+    };
+}
+
+pub mod state {
+    //! The types in the signatures of an [`Operation`](crate::Operation) and a
+    //! [`Batch`](crate::Batch): what a handler returns, and whether a business-status check
+    //! ([`Operation::done`](crate::Operation::done)) was given. Nothing here is built by hand.
+
+    pub use idempotent_runtime::state::*;
+    pub use idempotent_runtime::HandlerResult;
+}
+
+pub mod store {
+    //! The [`Store`] trait and what its methods take and return: for writing a backend, for
+    //! tests that drive a store directly, and for the stores that wrap others
+    //! ([`TieredStore`], [`CombiningStore`]).
+    //!
+    //! [`connect`](crate::connect), [`SharedStore`](crate::SharedStore) and
+    //! [`MemoryStore`](crate::MemoryStore) are at the crate root; each backend has its module
+    //! (`memory`, `redis`, `sql`).
+
+    // Every public item of `idempotent_runtime::store` but `connect`, `SharedStore` and the
+    // backends' modules (which are at the crate root) is listed here: a trait or type added
+    // to the runtime's `store` belongs in this list.
+    pub use idempotent_runtime::store::{
+        clamped_millis, next_fence, AcquiredClaim, BoxFuture, Claim, ClaimRequest, CombiningStore,
+        Completion, ConnectError, Expect, Fingerprint, IntoStore, Record, RecordState, ScanCursor,
+        ScanPage, Settle, Settlement, Store, TieredStore, Token, DEFAULT_MAX_RESULT_SIZE,
+        MAX_DURATION, MIN_DURATION,
+    };
+    pub use idempotent_runtime::{AlreadySet, StoreError, StoreErrorKind};
+}
+
+#[cfg(feature = "memory")]
+#[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
+pub mod memory {
+    //! The in-memory store's builder and clocks; the store itself is
+    //! [`MemoryStore`](crate::MemoryStore). A [`ManualClock`] makes lease and expiry tests
+    //! instant and exact.
+
+    pub use idempotent_runtime::memory::{Clock, ManualClock, MemoryStoreBuilder, SystemClock};
+}
+
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use idempotent_runtime::redis;
+
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite")))
+)]
+pub use idempotent_runtime::{outbox, sql};
+
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "rabbitmq", feature = "nats"))))]
+pub use idempotent_runtime::broker;
+
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub use idempotent_runtime::http;
+
+pub mod lock {
+    //! [`Lock`]: a fenced lease lock on any store, for update-type operations that must not
+    //! run at the same time but may run again (deduct a balance, rebuild a cache entry).
+
+    pub use idempotent_runtime::{Lock, LockGuard};
+}
+
+pub use idempotent_runtime::admin;
+
+// What the attribute's expansion calls (`::idempotency::__private::...`); not a public API.
+#[doc(hidden)]
+pub use idempotent_runtime::__private;
+
+// The root paths `store`'s items had before `store` gathered them. Hidden from the
+// documentation, and kept only for the conformance suite's imports: once it names them as
+// `store::...`, this goes.
+#[doc(hidden)]
+pub use idempotent_runtime::{
+    AcquiredClaim, BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, Record, RecordState,
+    Store, StoreError, StoreErrorKind, Token,
+};
 
 // The repository's README, compiled as a doctest so its examples never rot.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
+
+// The guide's chapters (`docs/guide/`), compiled as doctests as the README is.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/handlers.md")]
+struct GuideHandlers;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/contract.md")]
+struct GuideContract;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/stores.md")]
+struct GuideStores;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/consumers.md")]
+struct GuideConsumers;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/http.md")]
+struct GuideHttp;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/locks-and-outbox.md")]
+struct GuideLocksAndOutbox;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/operating.md")]
+struct GuideOperating;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/performance.md")]
+struct GuidePerformance;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/repository.md")]
+struct GuideRepository;

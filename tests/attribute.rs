@@ -6,7 +6,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use idempotency::{idempotent, Error, Key, MemoryStore, OnError, RecordState, Store};
+use idempotency::store::{RecordState, Store};
+use idempotency::{idempotent, Error, Key, MemoryStore, OnError};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
@@ -220,9 +221,9 @@ impl AppError {
 async fn on_in_progress_skip() {
     let c = Consumer::new();
     let key = Key::new("skip", 1, &[&"S-1"]).unwrap();
-    let live = idempotency::ClaimRequest::new(
+    let live = idempotency::store::ClaimRequest::new(
         key,
-        idempotency::Token::generate(),
+        idempotency::store::Token::generate(),
         std::time::Duration::from_secs(30),
         std::time::Duration::from_secs(60),
     );

@@ -13,11 +13,11 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use idempotency::store::{CombiningStore, Settle, Settlement};
-use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Key, MemoryStore, Record, RecordState, Store,
-    StoreError, StoreErrorKind, Token,
+use idempotency::store::{
+    BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, Record, RecordState, Settle,
+    Settlement, Store, StoreError, StoreErrorKind, Token,
 };
+use idempotency::{Key, MemoryStore};
 use tokio::sync::Semaphore;
 
 /// A batch call as the wrapped store saw it: claims or settlements, by key.
@@ -422,7 +422,7 @@ async fn a_batch_that_never_answers_does_not_hold_the_other_keys() {
     ));
 
     let completion = Completion::new(None, lease * 100)
-        .for_claim(idempotency::AcquiredClaim::new(1, None).with_lease(lease));
+        .for_claim(idempotency::store::AcquiredClaim::new(1, None).with_lease(lease));
     inner.stall_next.store(true, Ordering::SeqCst);
     let unknown = within(store.complete(&other.key, &other.token, &completion))
         .await

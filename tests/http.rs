@@ -27,10 +27,8 @@ use axum::Router;
 use idempotency::http::{IdempotencyLayer, Replayed};
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
-use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Idempotency, InProgress, Key, MemoryStore, Record,
-    SharedStore, StoreError, Token,
-};
+use idempotency::store::{BoxFuture, Claim, ClaimRequest, Completion, Record, StoreError, Token};
+use idempotency::{Idempotency, InProgress, Key, MemoryStore, SharedStore};
 use proxy::Proxy;
 use redis_server::{connect, delete_matching, redis_url};
 use sql_tables::{Scratch, Server};
@@ -702,7 +700,7 @@ struct Watched {
     busy: Arc<Notify>,
 }
 
-impl idempotency::Store for Watched {
+impl idempotency::store::Store for Watched {
     fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
             let claim = self.inner.claim(req).await;

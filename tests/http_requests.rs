@@ -213,18 +213,18 @@ async fn a_request_processed_before_an_upgrade_is_not_run_again() {
             let parts: [&dyn idempotency::KeyPart; 4] = [&scope, &"POST", &"/pay/abc", &"old-1"];
             let previous = idempotency::Key::new(&server.store.prefix, 1, &parts).unwrap();
             let hour = std::time::Duration::from_secs(3600);
-            let owner = idempotency::ClaimRequest::new(
+            let owner = idempotency::store::ClaimRequest::new(
                 previous.clone(),
-                idempotency::Token::generate(),
+                idempotency::store::Token::generate(),
                 hour,
                 hour,
             );
             let store = &server.store.store;
             assert!(matches!(
                 store.claim(&owner).await.unwrap(),
-                idempotency::Claim::Acquired { .. }
+                idempotency::store::Claim::Acquired { .. }
             ));
-            let done = idempotency::Completion::new(None, hour);
+            let done = idempotency::store::Completion::new(None, hour);
             assert!(store
                 .complete(&previous, &owner.token, &done)
                 .await

@@ -17,10 +17,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idempotency::lock::Lock;
 use idempotency::sql::{MySqlStore, PostgresStore, SqliteStore};
-use idempotency::{
-    Claim, ClaimRequest, Error, Key, Lock, MemoryStore, SharedStore, Store as _, Token,
-};
+use idempotency::store::{Claim, ClaimRequest, Store as _, Token};
+use idempotency::{Error, Key, MemoryStore, SharedStore};
 use proxy::Proxy;
 use redis_server::{connect, delete_matching, redis_url, RedisCluster};
 use sql_tables::{Scratch, Server};

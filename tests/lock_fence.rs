@@ -1,4 +1,4 @@
-//! The fenced lease lock (`idempotency::Lock`) across real processes. A holder is this test
+//! The fenced lease lock (`idempotency::lock::Lock`) across real processes. A holder is this test
 //! binary re-run as a child process that takes the lock on the Redis at
 //! `IDEMPOTENT_REDIS_URL` (default `redis://127.0.0.1:6379`); the test then SIGSTOPs it past
 //! its lease, or SIGKILLs it, and takes the lock over. The resource the lock protects is a row
@@ -22,8 +22,10 @@ use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+use idempotency::lock::Lock;
 use idempotency::sql::sqlx::{self, AssertSqlSafe, Connection, PgConnection};
-use idempotency::{Key, Lock, Token};
+use idempotency::store::Token;
+use idempotency::Key;
 use redis_server::{connect, delete_matching, redis_url};
 use sql_tables::{Scratch, Server};
 use tokio::sync::mpsc;

@@ -9,11 +9,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idempotency::memory::{Clock, ManualClock, MemoryStore};
-use idempotency::store::{next_fence, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
-use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Key, RecordState, SharedStore, Store, Token,
+use idempotency::memory::{Clock, ManualClock};
+use idempotency::store::{
+    next_fence, BoxFuture, Claim, ClaimRequest, Completion, RecordState, Store, Token,
+    DEFAULT_MAX_RESULT_SIZE, MAX_DURATION,
 };
+use idempotency::{Key, MemoryStore, SharedStore};
 
 struct Memory(Arc<MemoryStore>);
 
@@ -388,7 +389,8 @@ async fn fresh_key_traffic_keeps_the_store_bounded_by_its_live_records() {
 
 #[tokio::test]
 async fn boxed_and_static_stores_are_stores() {
-    use idempotency::{Idempotency, Key, Store};
+    use idempotency::store::Store;
+    use idempotency::{Idempotency, Key};
     async fn run_on(store: impl Store) -> Result<u32, idempotency::Error> {
         let key = Key::new("pointer", 1, &[&1u8])?;
         Idempotency::new(Duration::from_secs(60))

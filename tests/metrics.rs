@@ -1,6 +1,6 @@
 //! The `metrics` feature: a recorder installed once for this test binary
 //! (`metrics-util`'s debugging recorder, which keeps every value), and each counter and
-//! histogram checked to move as `idempotency::metrics` documents. Every case uses a key
+//! histogram checked to move as `idempotent_runtime::metrics` documents. Every case uses a key
 //! prefix of its own and reads only its own series, so the cases run in parallel.
 //!
 //! The stores are real: the in-memory store, the Redis at `IDEMPOTENT_REDIS_URL` behind a
@@ -18,8 +18,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use idempotency::sql::SqliteStore;
+use idempotency::store::Token;
 use idempotency::{
-    Error, Idempotency, InProgress, Key, MemoryStore, OnError, OnStoreError, SharedStore, Token,
+    Error, Idempotency, InProgress, Key, MemoryStore, OnError, OnStoreError, SharedStore,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::CompositeKey;
@@ -132,14 +133,14 @@ async fn outcomes_and_durations_are_counted() {
 
     let failed: Result<(), Error> = guard
         .run(key("c"), async {
-            Err(Error::InvalidKey(idempotency::KeyError::EmptyPrefix))
+            Err(Error::InvalidKey(idempotency::key::KeyError::EmptyPrefix))
         })
         .await;
     assert!(failed.is_err());
     let held: Result<(), Error> = guard
         .operation(key("d"))
         .on_error(|_| OnError::Hold)
-        .run(async { Err(Error::InvalidKey(idempotency::KeyError::EmptyPrefix)) })
+        .run(async { Err(Error::InvalidKey(idempotency::key::KeyError::EmptyPrefix)) })
         .await;
     assert!(held.is_err());
     let blocked: Result<(), Error> = guard.run(key("d"), async { Ok(()) }).await;
@@ -390,11 +391,12 @@ async fn completions_lost_after_the_caller_got_ok_are_counted() {
     out.expect("the caller is told the effect is applied");
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let next = idempotency::ClaimRequest::new(key.clone(), Token::generate(), lease, lease * 10);
+    let next =
+        idempotency::store::ClaimRequest::new(key.clone(), Token::generate(), lease, lease * 10);
     loop {
         match direct.claim(&next).await.unwrap() {
-            idempotency::Claim::Acquired { .. } => break,
-            idempotency::Claim::InProgress { .. } => {}
+            idempotency::store::Claim::Acquired { .. } => break,
+            idempotency::store::Claim::InProgress { .. } => {}
             other => panic!("the lost owner's record: {other:?}"),
         }
         assert!(tokio::time::Instant::now() < deadline, "never taken over");

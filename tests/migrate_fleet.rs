@@ -21,7 +21,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use idempotency::sql::{MySqlStore, PostgresStore, SqliteStore};
-use idempotency::{Claim, ClaimRequest, Key, Store, StoreError, Token};
+use idempotency::store::{Claim, ClaimRequest, Store, StoreError, Token};
+use idempotency::Key;
 
 use sql_tables::{Scratch, Server};
 
@@ -65,7 +66,7 @@ fn fleet_member() {
         match claim? {
             Claim::Acquired { .. } => Ok(()),
             other => Err(StoreError::new(
-                idempotency::StoreErrorKind::Protocol,
+                idempotency::store::StoreErrorKind::Protocol,
                 format!("a fresh key was not acquired: {other:?}"),
             )),
         }

@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::MySqlStore;
-use idempotency::store::Settlement;
-use idempotency::{BoxFuture, Claim, Completion, Key, SharedStore, Store, StoreErrorKind};
+use idempotency::store::{BoxFuture, Claim, Completion, Settlement, Store, StoreErrorKind};
+use idempotency::{Key, SharedStore};
 
 use sql_cases::{acquired, req, Harness};
 use sql_tables::{Scratch, Server};
@@ -373,7 +373,7 @@ async fn a_settlement_batch_of_one_is_a_single_update() {
     for claim in store.claim_many(&claims).await {
         acquired(claim);
     }
-    let done = |r: &idempotency::ClaimRequest| {
+    let done = |r: &idempotency::store::ClaimRequest| {
         Settlement::complete(r.key.clone(), r.token, Completion::new(None, ttl))
     };
     let kinds = ["COM_UPDATE", "COM_UPDATE_MULTI"];

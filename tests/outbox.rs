@@ -18,7 +18,8 @@ use async_nats::jetstream::{self, stream};
 use idempotency::outbox::{self, MessageId, Outbox, OutboxDialect, Relay};
 use idempotency::sql::sqlx::{self, PgPool};
 use idempotency::sql::SqlStore;
-use idempotency::{Error, Key, Token};
+use idempotency::store::Token;
+use idempotency::{Error, Key};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use outbox_fixtures::{
@@ -282,7 +283,7 @@ impl outbox::Publisher for Stalled {
     fn publish<'a>(
         &'a self,
         _message: &'a outbox::OutboxMessage,
-    ) -> idempotency::BoxFuture<'a, Result<(), outbox::PublishError>> {
+    ) -> idempotency::store::BoxFuture<'a, Result<(), outbox::PublishError>> {
         Box::pin(std::future::pending())
     }
 }
@@ -343,7 +344,7 @@ enum AppError {
     Idempotency(Error),
     // Read through `Debug`, in a failing assertion's message.
     #[allow(dead_code)]
-    Outbox(idempotency::StoreError),
+    Outbox(idempotency::store::StoreError),
 }
 
 impl From<Error> for AppError {

@@ -16,7 +16,7 @@ use idempotency::outbox::{
     self, Discarded, InvalidMessage, Message, MessageId, MessageState, Outbox, OutboxDialect, Relay,
 };
 use idempotency::sql::sqlx;
-use idempotency::StoreErrorKind;
+use idempotency::store::StoreErrorKind;
 use outbox_fixtures::{
     enqueue, mariadb, order, postgres, publisher, rabbitmq, sqlite, Fixture, Queue,
 };
@@ -124,7 +124,7 @@ impl outbox::Publisher for Stalled {
     fn publish<'a>(
         &'a self,
         _message: &'a outbox::OutboxMessage,
-    ) -> idempotency::BoxFuture<'a, Result<(), outbox::PublishError>> {
+    ) -> idempotency::store::BoxFuture<'a, Result<(), outbox::PublishError>> {
         Box::pin(std::future::pending())
     }
 }

@@ -24,9 +24,8 @@ use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
-use idempotency::{
-    Action, BoxFuture, Error, Idempotency, Key, RecordState, SharedStore, Store, StoreErrorKind,
-};
+use idempotency::store::{BoxFuture, RecordState, Store, StoreErrorKind};
+use idempotency::{Action, Error, Idempotency, Key, SharedStore};
 
 use pg_cluster::PgCluster;
 use sql_cases::{acquired, req, Harness};
@@ -767,7 +766,7 @@ mod asynchronous_claims {
         acquired(store.claim(&owner).await);
         // One connection: the claim ran on the connection `show` reads now.
         assert_eq!(show().await, server);
-        let done = idempotency::Completion::new(None, Duration::from_secs(60));
+        let done = idempotency::store::Completion::new(None, Duration::from_secs(60));
         assert!(store.complete(&key, &owner.token, &done).await.unwrap());
 
         let other = Key::new(&format!("{}:async", table.name()), 1, &[&2u8]).unwrap();
@@ -778,7 +777,7 @@ mod asynchronous_claims {
                     .fetch_one(&mut *conn)
                     .await
                     .map_err(|e| {
-                        Error::Store(idempotency::StoreError::new(
+                        Error::Store(idempotency::store::StoreError::new(
                             StoreErrorKind::Unavailable,
                             e.to_string(),
                         ))

@@ -24,7 +24,8 @@ use std::time::Duration;
 use idempotency::redis::RedisStore;
 use idempotency::sql::sqlx::{self, AssertSqlSafe, PgPool};
 use idempotency::sql::{MySqlStore, PostgresStore};
-use idempotency::{Action, Error, Idempotency, Key, RecordState, SharedStore};
+use idempotency::store::RecordState;
+use idempotency::{Action, Error, Idempotency, Key, SharedStore};
 use proxy::Proxy;
 use sql_tables::{Scratch, Server};
 
@@ -368,13 +369,13 @@ async fn a_lost_reply_to_mariadbs_second_claim_statement_is_read_back() {
 
     // A released record: the takeover is the second statement.
     let key = Key::new("lost-second", 1, &[&name, &"takeover"]).unwrap();
-    let earlier = idempotency::ClaimRequest::new(
+    let earlier = idempotency::store::ClaimRequest::new(
         key.clone(),
-        idempotency::Token::generate(),
+        idempotency::store::Token::generate(),
         Duration::from_secs(30),
         Duration::from_secs(60),
     );
-    let Ok(idempotency::Claim::Acquired { fence }) = direct.claim(&earlier).await else {
+    let Ok(idempotency::store::Claim::Acquired { fence }) = direct.claim(&earlier).await else {
         panic!("the earlier claim was not acquired");
     };
     assert!(direct.release(&key, &earlier.token).await.unwrap());
@@ -398,15 +399,15 @@ async fn a_lost_reply_to_mariadbs_second_claim_statement_is_read_back() {
 
     // A live claim of another owner: the duplicate's second statement loses its reply.
     let key = Key::new("lost-second", 1, &[&name, &"duplicate"]).unwrap();
-    let other = idempotency::ClaimRequest::new(
+    let other = idempotency::store::ClaimRequest::new(
         key.clone(),
-        idempotency::Token::generate(),
+        idempotency::store::Token::generate(),
         Duration::from_secs(30),
         Duration::from_secs(60),
     );
     assert!(matches!(
         direct.claim(&other).await,
-        Ok(idempotency::Claim::Acquired { .. })
+        Ok(idempotency::store::Claim::Acquired { .. })
     ));
     proxy.lose_reply_to_nth(key.as_bytes(), 2);
     let lost = proxy.lost();

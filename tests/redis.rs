@@ -19,11 +19,11 @@ use std::time::Duration;
 use conformance::{unique_namespace, Backend};
 use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::redis::{RedisStore, UnsafeConfig};
-use idempotency::store::{Expect, Settlement, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
-use idempotency::{
-    Action, BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, RecordState,
-    SharedStore, Store, StoreErrorKind, Token,
+use idempotency::store::{
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, RecordState, Settlement, Store,
+    StoreErrorKind, Token, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION,
 };
+use idempotency::{Action, Error, Idempotency, Key, SharedStore};
 use redis_server::{connect, delete_matching, redis_url, RedisCluster, RedisServer};
 
 struct Standalone {
@@ -1023,7 +1023,7 @@ async fn the_fast_claim_is_one_set_and_leaves_the_rest_to_the_script() {
     let before = command_calls(&url, &["set", "evalsha"]);
     let t0 = server_micros(&url);
     let first = claim_request(&key("a"), hour, hour)
-        .with_fingerprint(idempotency::Fingerprint::of(&[&"payload-1"]));
+        .with_fingerprint(idempotency::store::Fingerprint::of(&[&"payload-1"]));
     let fence = acquired(store.claim(&first).await.unwrap());
     assert!(
         (t0..=server_micros(&url) + 1_000).contains(&fence),
@@ -1044,7 +1044,7 @@ async fn the_fast_claim_is_one_set_and_leaves_the_rest_to_the_script() {
         "a retry of the owner's own claim"
     );
     let mismatched = claim_request(&key("a"), hour, hour)
-        .with_fingerprint(idempotency::Fingerprint::of(&[&"payload-2"]));
+        .with_fingerprint(idempotency::store::Fingerprint::of(&[&"payload-2"]));
     assert_eq!(
         store.claim(&mismatched).await.unwrap(),
         Claim::Mismatch { fence }
@@ -1242,7 +1242,7 @@ async fn a_completion_naming_its_claim_writes_the_record_a_token_completion_writ
     let scripted = redis_server::connect_with(&url, false).await;
     let hour = Duration::from_secs(3600);
     let mut conn = raw(&url);
-    let fp = idempotency::Fingerprint::of(&[&"EUR", &1250u64]);
+    let fp = idempotency::store::Fingerprint::of(&[&"EUR", &1250u64]);
     for (case, fingerprint, by_script) in [
         ("plain", None, false),
         ("fingerprinted", Some(fp), false),
@@ -1270,7 +1270,7 @@ async fn a_completion_naming_its_claim_writes_the_record_a_token_completion_writ
         }
         let done = Completion::new(Some(b"receipt-7".to_vec()), hour);
         assert!(store.complete(&keys[0], &token, &done).await.unwrap());
-        let claim = |i: usize| idempotency::AcquiredClaim::new(fences[i], fingerprint);
+        let claim = |i: usize| idempotency::store::AcquiredClaim::new(fences[i], fingerprint);
         let named = done.clone().for_claim(claim(1));
         assert!(store.complete(&keys[1], &token, &named).await.unwrap());
         for i in [2, 3] {
@@ -1452,9 +1452,9 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
     mine.token = *token;
     let done = Completion::new(None, long);
     // As the engine completes: naming a claim (a fence no unreadable value holds) and lease.
-    let named = done
-        .clone()
-        .for_claim(idempotency::AcquiredClaim::new(1_796_130_461_329_139, None).with_lease(long));
+    let named = done.clone().for_claim(
+        idempotency::store::AcquiredClaim::new(1_796_130_461_329_139, None).with_lease(long),
+    );
     let outcomes = [
         (
             "claim",

@@ -49,12 +49,13 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use idempotency::admin::Admin;
-use idempotency::memory::{Clock, MemoryStore};
-use idempotency::store::{CombiningStore, Expect, ScanCursor, ScanPage, Settle, Settlement};
-use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, Lock, OnError, Record,
-    RecordState, SharedStore, Store, StoreError, StoreErrorKind, Token,
+use idempotency::lock::Lock;
+use idempotency::memory::Clock;
+use idempotency::store::{
+    BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, Expect, Record, RecordState,
+    ScanCursor, ScanPage, Settle, Settlement, Store, StoreError, StoreErrorKind, Token,
 };
+use idempotency::{Error, Idempotency, Key, MemoryStore, OnError, SharedStore};
 
 const LEASE: Duration = Duration::from_millis(300);
 const TTL: Duration = Duration::from_secs(5);

@@ -19,7 +19,8 @@ use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::SqliteStore;
-use idempotency::{BoxFuture, Claim, Key, SharedStore, Store, StoreErrorKind};
+use idempotency::store::{BoxFuture, Claim, Store, StoreErrorKind};
+use idempotency::{Key, SharedStore};
 
 use sql_cases::{acquired, req, Harness};
 
@@ -29,7 +30,7 @@ struct TempFile(PathBuf);
 impl TempFile {
     fn new() -> TempFile {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let token = format!("{:?}", idempotency::Token::generate());
+        let token = format!("{:?}", idempotency::store::Token::generate());
         let name = format!(
             "idempotent-{}-{}-{}.db",
             std::process::id(),
@@ -363,6 +364,10 @@ async fn asynchronous_claims_are_refused() {
     let Err(err) = refused else {
         panic!("a SQLite store with asynchronous claims was built");
     };
-    assert_eq!(err.kind(), idempotency::StoreErrorKind::Unsafe, "{err}");
+    assert_eq!(
+        err.kind(),
+        idempotency::store::StoreErrorKind::Unsafe,
+        "{err}"
+    );
     assert!(err.to_string().contains("PostgreSQL"), "{err}");
 }

@@ -17,12 +17,11 @@ use std::time::Duration;
 use conformance::{unique_namespace, Backend, Down};
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
-use idempotency::store::Settlement;
-use idempotency::store::TieredStore;
-use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, MemoryStore, Record,
-    RecordState, SharedStore, Store, StoreError, Token,
+use idempotency::store::{
+    BoxFuture, Claim, ClaimRequest, Completion, Record, RecordState, Settlement, Store, StoreError,
+    TieredStore, Token,
 };
+use idempotency::{Error, Idempotency, Key, MemoryStore, SharedStore};
 use redis_server::{delete_matching, redis_url};
 
 struct Tiered {

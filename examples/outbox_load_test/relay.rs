@@ -20,7 +20,7 @@ use futures_util::StreamExt;
 use idempotency::outbox::{
     self, Outbox, OutboxMessage, PostgresOutbox, PublishError, Publisher, Relay,
 };
-use idempotency::BoxFuture;
+use idempotency::store::BoxFuture;
 use lapin::{Connection, ConnectionProperties};
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::watch;

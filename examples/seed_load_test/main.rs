@@ -55,10 +55,10 @@ use std::time::{Duration, Instant};
 
 use business::{Business, Effect};
 use idempotency::broker::{rabbitmq, Redelivery, Settle, Summary};
-use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Idempotency, Key, Record, SharedStore, Store,
-    StoreError, Token,
+use idempotency::store::{
+    BoxFuture, Claim, ClaimRequest, Completion, Record, Store, StoreError, Token,
 };
+use idempotency::{Idempotency, Key, SharedStore};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
-use idempotency::store::ScanCursor;
-use idempotency::{Key, RecordState, StoreError, StoreErrorKind};
+use idempotency::store::{RecordState, ScanCursor, StoreError, StoreErrorKind};
+use idempotency::Key;
 use serde_json::json;
 
 use crate::args::{Cli, Command};
@@ -25,7 +25,7 @@ enum Plan {
 
 impl Plan {
     fn of(command: &Command) -> Result<Plan, Failure> {
-        let bad_prefix = |e: idempotency::KeyError| Failure::Input(format!("bad prefix: {e}"));
+        let bad_prefix = |e: idempotency::key::KeyError| Failure::Input(format!("bad prefix: {e}"));
         Ok(match command {
             Command::Inspect(key) => Plan::Inspect(key.key()?),
             Command::Release { key, fence, yes } => Plan::Release(key.key()?, *fence, *yes),

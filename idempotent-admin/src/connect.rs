@@ -7,10 +7,9 @@
 use std::error::Error;
 use std::sync::Arc;
 
-use idempotency::sql::sqlx;
-use idempotency::sql::{MySqlStore, PostgresStore, SqliteStore};
-use idempotency::store::ConnectError;
-use idempotency::{SharedStore, StoreError, StoreErrorKind};
+use idempotency::sql::{sqlx, MySqlStore, PostgresStore, SqliteStore};
+use idempotency::store::{ConnectError, StoreError, StoreErrorKind};
+use idempotency::SharedStore;
 
 use crate::Failure;
 

@@ -8,7 +8,7 @@ use idempotency::outbox::{
     DeadMessage, Discarded, MessageId, Outbox, OutboxCounts, OutboxDialect, StoredMessage,
 };
 use idempotency::sql::sqlx::{self, Pool};
-use idempotency::StoreError;
+use idempotency::store::StoreError;
 use serde_json::json;
 
 use crate::{confirm, parse_duration, Failure};

@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use idempotency::admin::Inspection;
-use idempotency::{Key, RecordState};
+use idempotency::store::RecordState;
+use idempotency::Key;
 use serde_json::json;
 
 pub(crate) fn seconds(d: Option<Duration>) -> String {

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, Connection, Executor};
-use idempotency::{Claim, ClaimRequest, Error, Idempotency, Key, OnError, Store, Token};
+use idempotency::store::{Claim, ClaimRequest, Store, Token};
+use idempotency::{Error, Idempotency, Key, OnError};
 
 mod common;
 
@@ -70,7 +71,7 @@ async fn a_stuck_key_on_redis_is_inspected_and_released() {
     assert!(text(&refused).contains("not confirmed"));
     assert!(matches!(
         store.read(&key).await.unwrap().unwrap().state,
-        idempotency::RecordState::InProgress { .. }
+        idempotency::store::RecordState::InProgress { .. }
     ));
 
     let released = admin(
@@ -94,7 +95,7 @@ async fn a_stuck_key_on_redis_is_inspected_and_released() {
         .complete(
             &key,
             &stuck.token,
-            &idempotency::Completion::new(None, hour)
+            &idempotency::store::Completion::new(None, hour)
         )
         .await
         .unwrap());
@@ -244,7 +245,7 @@ async fn stuck_keys_on_redis_are_listed_deleted_and_purged() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let (fresh, _, _) = claim("fresh").await;
     let (done, owner, _) = claim("done").await;
-    let completion = idempotency::Completion::new(Some(b"receipt".to_vec()), hour);
+    let completion = idempotency::store::Completion::new(Some(b"receipt".to_vec()), hour);
     assert!(store
         .complete(&done, &owner.token, &completion)
         .await

@@ -180,8 +180,8 @@ use proc_macro::TokenStream;
 /// ## `store = <expression>`
 ///
 /// The store to use, evaluated on every call and borrowed (it must implement
-/// `idempotency::IntoStore + Clone`; an `Arc` of a store is cheap to clone). Without it the
-/// process default is used.
+/// `idempotency::store::IntoStore + Clone`; an `Arc` of a store is cheap to clone). Without it
+/// the process default is used.
 ///
 /// ```
 /// # use idempotency::{idempotent, MemoryStore};

@@ -22,9 +22,17 @@
 //!
 //! - `memory` (default): [`MemoryStore`], the embedded store.
 //! - `redis`: `RedisStore`, on a standalone Redis or a Redis Cluster.
-//! - `postgres`, `mysql`, `sqlite`: SQL stores through sqlx.
+//! - `postgres`, `mysql`, `sqlite`: SQL stores through sqlx (`sql`), and the transactional
+//!   outbox (`outbox`).
+//! - `rabbitmq`: RabbitMQ consumers through lapin (`broker::rabbitmq`), and the outbox's
+//!   RabbitMQ publisher.
+//! - `nats`: NATS JetStream consumers through async-nats (`broker::nats`), and the outbox's
+//!   JetStream publisher.
+//! - `http`: HTTP `Idempotency-Key`, a tower layer for axum and other tower stacks (`http`).
+//! - `metrics`: counters and histograms through the `metrics` facade (the series are listed
+//!   in [`metrics`]); the application installs the recorder.
 //!
-//! [`connect`] builds any of them from a URL.
+//! [`connect`] builds any of the stores from a URL.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod admin;

@@ -19,7 +19,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::Router;
 use idempotency::http::IdempotencyLayer;
 use idempotency::sql::PostgresStore;
-use idempotency::{Idempotency, MemoryStore, SharedStore, Token};
+use idempotency::store::Token;
+use idempotency::{Idempotency, MemoryStore, SharedStore};
 
 use crate::redis_server::{connect, delete_matching, redis_url};
 use crate::sql_tables::{Scratch, Server};

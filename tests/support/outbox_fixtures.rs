@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idempotency::outbox::{self, Message, MessageId, Outbox, OutboxDialect};
 use idempotency::sql::sqlx::{self, MySqlPool, PgPool, SqlitePool};
-use idempotency::Token;
+use idempotency::store::Token;
 use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 

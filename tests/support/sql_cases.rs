@@ -19,11 +19,11 @@ use std::time::Duration;
 use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::sql::sqlx::{self, Database};
 use idempotency::sql::{Dialect, SqlStore};
-use idempotency::store::{Expect, Settlement, MAX_DURATION};
-use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Error, Fingerprint, Idempotency, Key, OnError,
-    RecordState, Store, StoreError, StoreErrorKind, Token,
+use idempotency::store::{
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, Fingerprint, RecordState, Settlement,
+    Store, StoreError, StoreErrorKind, Token, MAX_DURATION,
 };
+use idempotency::{Error, Idempotency, Key, OnError};
 
 /// A fence taken from the database's clock (microseconds since the Unix epoch) is above this:
 /// September 2020.
@@ -772,7 +772,7 @@ pub async fn longest_durations_work<H: Harness>(store: &SqlStore<H::Db>) {
             .claim(&req(&century, MAX_DURATION, MAX_DURATION))
             .await,
     );
-    let lease_left = |record: Option<idempotency::Record>| match record.map(|r| r.state) {
+    let lease_left = |record: Option<idempotency::store::Record>| match record.map(|r| r.state) {
         Some(RecordState::InProgress { lease_left }) => lease_left,
         other => panic!("expected a live claim, got {other:?}"),
     };

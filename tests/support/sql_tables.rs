@@ -103,7 +103,7 @@ pub fn unique_name() -> String {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_secs();
-    let token = format!("{:?}", idempotency::Token::generate());
+    let token = format!("{:?}", idempotency::store::Token::generate());
     // `Token(<32 hex digits>)`: the first 16 are per process, the rest a counter.
     let salt = &token[6..14];
     let n = NEXT.fetch_add(1, Ordering::Relaxed);

@@ -12,7 +12,7 @@
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
-use idempotency::Token;
+use idempotency::store::Token;
 
 pub fn redis_url() -> String {
     std::env::var("IDEMPOTENT_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
