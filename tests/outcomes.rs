@@ -26,11 +26,13 @@ use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
 use idempotency::http::{IdempotencyLayer, InTransaction};
+use idempotency::lock::Lock;
 use idempotency::sql::sqlx::{self, Postgres};
 use idempotency::sql::PostgresStore;
+use idempotency::store::{Fingerprint, Token};
 use idempotency::{
-    idempotent, Error, Idempotency, InProgress, Key, Lock, MemoryStore, OnError, OnLostLease,
-    OnStoreError, SharedStore, Token,
+    idempotent, Error, Idempotency, InProgress, Key, MemoryStore, OnError, OnLostLease,
+    OnStoreError, SharedStore,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tokio::sync::{oneshot, Semaphore};
@@ -537,7 +539,7 @@ impl Call {
             let mut batch = self
                 .settings
                 .batch::<u32, Result<u32, Error>>()
-                .fingerprint(|fingerprint: &u32| idempotency::Fingerprint::of(&[fingerprint]));
+                .fingerprint(|fingerprint: &u32| Fingerprint::of(&[fingerprint]));
             if self.replay {
                 batch = batch.replay();
             }
