@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotency::memory::{Clock, ManualClock, MemoryStore};
-use idempotency::store::{next_fence, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
+use idempotency::store::{next_fence, SharedOperatorStore, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
 use idempotency::{
     BoxFuture, Claim, ClaimRequest, Completion, Key, RecordState, SharedStore, Store, Token,
 };
@@ -27,6 +27,12 @@ impl conformance::Backend for Memory {
     fn lose_data<'a>(&'a self, _prefix: &'a str) -> BoxFuture<'a, ()> {
         self.0.clear();
         Box::pin(async {})
+    }
+}
+
+impl conformance::OperatorBackend for Memory {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.0.clone()
     }
 }
 

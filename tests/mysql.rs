@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::MySqlStore;
-use idempotency::store::Settlement;
+use idempotency::store::{Settlement, SharedOperatorStore};
 use idempotency::{BoxFuture, Claim, Completion, Key, SharedStore, Store, StoreErrorKind};
 
 use sql_cases::{acquired, req, Harness};
@@ -52,6 +52,12 @@ impl conformance::Backend for MySql {
                 .await
                 .unwrap();
         })
+    }
+}
+
+impl conformance::OperatorBackend for MySql {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.store.clone()
     }
 }
 

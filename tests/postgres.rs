@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
+use idempotency::store::SharedOperatorStore;
 use idempotency::{
     Action, BoxFuture, Error, Idempotency, Key, RecordState, SharedStore, Store, StoreErrorKind,
 };
@@ -58,6 +59,12 @@ impl conformance::Backend for Postgres {
                 .await
                 .unwrap();
         })
+    }
+}
+
+impl conformance::OperatorBackend for Postgres {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.store.clone()
     }
 }
 

@@ -19,7 +19,9 @@ use std::time::Duration;
 use conformance::{unique_namespace, Backend};
 use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::redis::{RedisStore, UnsafeConfig};
-use idempotency::store::{Expect, Settlement, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION};
+use idempotency::store::{
+    Expect, OperatorStore, Settlement, SharedOperatorStore, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION,
+};
 use idempotency::{
     Action, BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, RecordState,
     SharedStore, Store, StoreErrorKind, Token,
@@ -46,6 +48,12 @@ impl Backend for Standalone {
                 .await
                 .unwrap();
         })
+    }
+}
+
+impl conformance::OperatorBackend for Standalone {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.store.clone()
     }
 }
 
@@ -109,6 +117,12 @@ impl Backend for Cluster {
             .await
             .unwrap();
         })
+    }
+}
+
+impl conformance::OperatorBackend for Cluster {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.store.clone()
     }
 }
 

@@ -50,7 +50,9 @@ use std::time::Duration;
 
 use idempotency::admin::Admin;
 use idempotency::memory::{Clock, MemoryStore};
-use idempotency::store::{CombiningStore, Expect, ScanCursor, ScanPage, Settle, Settlement};
+use idempotency::store::{
+    CombiningStore, Expect, OperatorStore, ScanCursor, ScanPage, Settle, Settlement,
+};
 use idempotency::{
     BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, Lock, OnError, Record,
     RecordState, SharedStore, Store, StoreError, StoreErrorKind, Token,
@@ -537,13 +539,6 @@ impl Store for SimStore {
             _ => None,
         })
     }
-    fn reopen<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        sent(self.send(Command::Reopen(key.clone(), *token)), bool_reply)
-    }
     fn claim_many<'a>(
         &'a self,
         reqs: &'a [ClaimRequest],
@@ -564,6 +559,16 @@ impl Store for SimStore {
                 _ => None,
             },
         )
+    }
+}
+
+impl OperatorStore for SimStore {
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        sent(self.send(Command::Reopen(key.clone(), *token)), bool_reply)
     }
     fn scan<'a>(
         &'a self,
@@ -628,6 +633,9 @@ impl Store for OperatorView {
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         self.0.read(key)
     }
+}
+
+impl OperatorStore for OperatorView {
     fn reopen<'a>(
         &'a self,
         key: &'a Key,
@@ -851,7 +859,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
     let engine_store: SharedStore = if combined {
         // Batches without a lease to go by (releases) wait at most a lease, so that quiescing
         // (twice a lease of quiet) sees them through.
-        let combining = CombiningStore::new(shared.clone(), 1 + choices.pick(2) as usize);
+        let combining = CombiningStore::new(store.clone(), 1 + choices.pick(2) as usize);
         Arc::new(combining.batch_timeout(LEASE))
     } else {
         shared.clone()

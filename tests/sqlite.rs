@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::SqliteStore;
+use idempotency::store::SharedOperatorStore;
 use idempotency::{BoxFuture, Claim, Key, SharedStore, Store, StoreErrorKind};
 
 use sql_cases::{acquired, req, Harness};
@@ -81,6 +82,12 @@ impl conformance::Backend for Sqlite {
                 .await
                 .unwrap();
         })
+    }
+}
+
+impl conformance::OperatorBackend for Sqlite {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.store.clone()
     }
 }
 

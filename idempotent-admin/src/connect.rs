@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use idempotency::sql::sqlx;
 use idempotency::sql::{MySqlStore, PostgresStore, SqliteStore};
-use idempotency::store::ConnectError;
-use idempotency::{SharedStore, StoreError, StoreErrorKind};
+use idempotency::store::{ConnectError, SharedOperatorStore};
+use idempotency::{StoreError, StoreErrorKind};
 
 use crate::Failure;
 
@@ -63,12 +63,13 @@ macro_rules! sql_builder {
     }};
 }
 
-/// Opens the store at `url`, on `table` for an SQL store, migrating only when `migrate`.
+/// Opens the store at `url`, on `table` for an SQL store, migrating only when `migrate`:
+/// a store with the operator's methods, as every command needs.
 pub(crate) async fn open(
     url: &str,
     table: Option<&str>,
     migrate: bool,
-) -> Result<SharedStore, Failure> {
+) -> Result<SharedOperatorStore, Failure> {
     let scheme = url.split(':').next().unwrap_or_default();
     match scheme {
         "postgres" | "postgresql" => {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, Connection, Executor};
+use idempotency::store::OperatorStore;
 use idempotency::{Claim, ClaimRequest, Error, Idempotency, Key, OnError, Store, Token};
 
 mod common;

@@ -19,7 +19,7 @@ use std::time::Duration;
 use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::sql::sqlx::{self, Database};
 use idempotency::sql::{Dialect, SqlStore};
-use idempotency::store::{Expect, Settlement, MAX_DURATION};
+use idempotency::store::{Expect, OperatorStore, Settlement, MAX_DURATION};
 use idempotency::{
     BoxFuture, Claim, ClaimRequest, Completion, Error, Fingerprint, Idempotency, Key, OnError,
     RecordState, Store, StoreError, StoreErrorKind, Token,

@@ -28,7 +28,8 @@ use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::{
     clamped_millis, next_fence, BoxFuture, Claim, ClaimRequest, Completion, Expect, Fingerprint,
-    Record, RecordState, ScanCursor, ScanPage, Store, Token, DEFAULT_MAX_RESULT_SIZE,
+    OperatorStore, Record, RecordState, ScanCursor, ScanPage, Store, Token,
+    DEFAULT_MAX_RESULT_SIZE,
 };
 
 /// A monotonic clock for the [`MemoryStore`].
@@ -703,7 +704,9 @@ impl Store for MemoryStore {
     fn name(&self) -> &'static str {
         "memory"
     }
+}
 
+impl OperatorStore for MemoryStore {
     fn reopen<'a>(
         &'a self,
         key: &'a Key,

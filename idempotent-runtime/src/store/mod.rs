@@ -10,6 +10,93 @@
 //! Every record expires `ttl` after it was written. Times are the store's own clock, never
 //! the caller's. There is no public get-then-set pair: a claim is one atomic operation and
 //! every later write checks the caller's token.
+//!
+//! # Writing a store
+//!
+//! A backend implements two traits:
+//!
+//! - [`Store`], what the engine calls on every handler run: `claim`, `complete`, `release`,
+//!   `renew` and `read` (the batch methods, the result limit and the name have defaults);
+//! - [`OperatorStore`], what an operator's tools call: `reopen`, `scan` and `delete`.
+//!   [`Admin`](crate::admin::Admin) and the `idempotent-admin` command line take only a store
+//!   that implements it, and so do the stores that wrap others ([`TieredStore`],
+//!   [`CombiningStore`]); [`connect`] returns one ([`SharedOperatorStore`]).
+//!
+//! Neither trait has a method that fails for want of an implementation: a store that lacks
+//! the operator's methods is refused by the compiler where an operator would use it, not at
+//! run time. The helpers [`next_fence`] and [`clamped_millis`] give the numbers every
+//! backend must agree on. The conformance suite in the repository's `tests/` checks every
+//! rule of both traits; run it against a new backend before trusting it.
+//!
+//! A store that counts the claims of another, with both traits passed on to it:
+//!
+//! ```
+//! use std::sync::atomic::{AtomicU64, Ordering};
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use idempotent_runtime::admin::Admin;
+//! use idempotent_runtime::store::{Expect, OperatorStore, ScanCursor, ScanPage};
+//! use idempotent_runtime::{
+//!     BoxFuture, Claim, ClaimRequest, Completion, Key, MemoryStore, Record, Store, StoreError,
+//!     Token,
+//! };
+//!
+//! struct Counted<S> {
+//!     inner: S,
+//!     claims: AtomicU64,
+//! }
+//!
+//! impl<S: Store> Store for Counted<S> {
+//!     fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+//!         self.claims.fetch_add(1, Ordering::Relaxed);
+//!         self.inner.claim(req)
+//!     }
+//!     fn complete<'a>(
+//!         &'a self,
+//!         key: &'a Key,
+//!         token: &'a Token,
+//!         completion: &'a Completion,
+//!     ) -> BoxFuture<'a, Result<bool, StoreError>> {
+//!         self.inner.complete(key, token, completion)
+//!     }
+//!     fn release<'a>(&'a self, key: &'a Key, token: &'a Token) -> BoxFuture<'a, Result<bool, StoreError>> {
+//!         self.inner.release(key, token)
+//!     }
+//!     fn renew<'a>(
+//!         &'a self,
+//!         key: &'a Key,
+//!         token: &'a Token,
+//!         lease: Duration,
+//!     ) -> BoxFuture<'a, Result<bool, StoreError>> {
+//!         self.inner.renew(key, token, lease)
+//!     }
+//!     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+//!         self.inner.read(key)
+//!     }
+//! }
+//!
+//! impl<S: OperatorStore> OperatorStore for Counted<S> {
+//!     fn reopen<'a>(&'a self, key: &'a Key, token: &'a Token) -> BoxFuture<'a, Result<bool, StoreError>> {
+//!         self.inner.reopen(key, token)
+//!     }
+//!     fn scan<'a>(
+//!         &'a self,
+//!         prefix: &'a str,
+//!         cursor: &'a ScanCursor,
+//!         limit: usize,
+//!     ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+//!         self.inner.scan(prefix, cursor, limit)
+//!     }
+//!     fn delete<'a>(&'a self, key: &'a Key, expect: Expect<'a>) -> BoxFuture<'a, Result<bool, StoreError>> {
+//!         self.inner.delete(key, expect)
+//!     }
+//! }
+//!
+//! let store = Arc::new(Counted { inner: MemoryStore::new(), claims: AtomicU64::new(0) });
+//! // Without the `OperatorStore` impl, this line would not compile.
+//! let admin = Admin::new(store.clone());
+//! # let _ = admin;
+//! ```
 
 use std::fmt;
 use std::future::Future;
@@ -20,13 +107,14 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
-use crate::error::{StoreError, StoreErrorKind};
+use crate::error::StoreError;
 use crate::key::{Key, KeyPart};
 
 mod combining;
 pub(crate) mod deadline;
 #[cfg(feature = "memory")]
 pub mod memory;
+mod operator;
 mod redact;
 #[cfg(feature = "redis")]
 pub mod redis;
@@ -36,6 +124,9 @@ mod tiered;
 mod url;
 
 pub use combining::CombiningStore;
+pub use operator::{
+    Expect, IntoOperatorStore, OperatorStore, ScanCursor, ScanPage, SharedOperatorStore,
+};
 pub use tiered::TieredStore;
 pub use url::{connect, ConnectError};
 
@@ -96,12 +187,13 @@ pub fn next_fence(previous: Option<u64>, now_micros: u64) -> u64 {
     }
 }
 
-/// The atomic primitives an idempotency backend provides.
+/// The atomic primitives an idempotency backend provides to the engine.
 ///
 /// Implementations must make each method one atomic operation on the store (a Redis script,
 /// one SQL statement, one critical section) and use the store's own clock for leases and
 /// expiry. The conformance suite in the repository's `tests/` checks every rule; run it
-/// against a new backend before trusting it.
+/// against a new backend before trusting it. An operator's tools need the store's
+/// [`OperatorStore`] methods too (see [Writing a store](self#writing-a-store)).
 ///
 /// ```
 /// use std::sync::Arc;
@@ -217,62 +309,6 @@ pub trait Store: Send + Sync + 'static {
     /// it to decide whether to write: claims are atomic on their own.
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
 
-    /// For an operator ([`Admin`](crate::admin::Admin)): makes the record `Released` (keeping
-    /// its fence, dropping a stored result) if `token` is still the record's, whatever its
-    /// state, so the next claim acquires the key with the next fence. Returns `false`,
-    /// changing nothing, when the record is gone or has another token. The engine never calls
-    /// it.
-    ///
-    /// The default refuses with [`StoreErrorKind::Protocol`]: a third-party store supports
-    /// the operator's `unhold` only once it implements this.
-    fn reopen<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        let _ = (key, token);
-        Box::pin(async { Err(unsupported("reopen records")) })
-    }
-
-    /// For an operator ([`Admin::list`](crate::admin::Admin::list)): one page of the live
-    /// records whose key has `prefix`, starting at `cursor` ([`ScanCursor::start`] for the
-    /// first page), examining about `limit` keys. Pages may be short or empty while the scan
-    /// goes on; the scan is over when [`ScanPage::next`] is `None`. Every record live for the
-    /// whole scan is returned at least once (Redis may return one twice); records written or
-    /// removed during it may or may not be. A value under a matching key that is not a record
-    /// is returned with its [`StoreErrorKind::Corrupt`] error. The engine never calls it.
-    ///
-    /// The default refuses with [`StoreErrorKind::Protocol`].
-    fn scan<'a>(
-        &'a self,
-        prefix: &'a str,
-        cursor: &'a ScanCursor,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
-        let _ = (prefix, cursor, limit);
-        Box::pin(async { Err(unsupported("list records")) })
-    }
-
-    /// For an operator ([`Admin::delete`](crate::admin::Admin::delete)): removes the value
-    /// under `key` if it still is what `expect` says (a record with that token, or a value
-    /// that is not a record at all), so the key is as if it was never claimed. Returns
-    /// `false`, changing nothing, otherwise. The engine never calls it.
-    ///
-    /// An in-progress record whose lease has not run out is never deleted, whatever its
-    /// token: the store checks the lease at the moment of the delete, in the same atomic
-    /// step, so an owner that renewed after the operator read its record (a stalled process
-    /// that resumed) keeps its claim and no second owner can acquire the key while it runs.
-    ///
-    /// The default refuses with [`StoreErrorKind::Protocol`].
-    fn delete<'a>(
-        &'a self,
-        key: &'a Key,
-        expect: Expect<'a>,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        let _ = (key, expect);
-        Box::pin(async { Err(unsupported("delete records")) })
-    }
-
     /// The largest stored result, in bytes, this store takes. The engine completes a record
     /// whose result is larger without the result (duplicates then get
     /// [`Error::Duplicate`](crate::Error::Duplicate), never a re-run). Backends never report
@@ -286,14 +322,6 @@ pub trait Store: Send + Sync + 'static {
     fn name(&self) -> &'static str {
         "custom"
     }
-}
-
-/// The error of an operator's method that a store does not implement.
-fn unsupported(what: &str) -> StoreError {
-    StoreError::new(
-        StoreErrorKind::Protocol,
-        format!("this store cannot {what}"),
-    )
 }
 
 /// One write of [`Store::complete_many`]: `action` on `key`, if `token` still owns it.
@@ -359,95 +387,6 @@ pub enum Settle {
     Release,
 }
 
-/// What [`Store::delete`] expects under the key before it removes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Expect<'a> {
-    /// A record whose token is this one: completed, released, or in progress with a lease
-    /// that has run out (a live claim is never deleted).
-    Token(&'a Token),
-    /// A value that is not a record ([`StoreErrorKind::Corrupt`] when read).
-    Corrupt,
-}
-
-/// Where a [`Store::scan`] goes on: opaque text, printable and parsable so that a tool can
-/// hand it back later (`idempotent-admin list --cursor`).
-///
-/// ```
-/// use idempotent_runtime::store::ScanCursor;
-///
-/// let start = ScanCursor::start();
-/// assert!(start.is_start());
-/// let again: ScanCursor = start.to_string().parse().unwrap();
-/// assert_eq!(again, start);
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
-pub struct ScanCursor(String);
-
-impl ScanCursor {
-    /// The beginning of a scan.
-    pub fn start() -> ScanCursor {
-        ScanCursor(String::new())
-    }
-
-    /// A position a store wrote itself: for third-party stores implementing [`Store::scan`].
-    pub fn new(position: impl Into<String>) -> ScanCursor {
-        ScanCursor(position.into())
-    }
-
-    /// Whether this is the beginning of a scan.
-    pub fn is_start(&self) -> bool {
-        self.0.is_empty() || self.0 == "0"
-    }
-
-    /// The position, as the store wrote it.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for ScanCursor {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0.is_empty() {
-            f.write_str("0")
-        } else {
-            f.write_str(&self.0)
-        }
-    }
-}
-
-impl std::str::FromStr for ScanCursor {
-    type Err = std::convert::Infallible;
-
-    fn from_str(s: &str) -> Result<ScanCursor, Self::Err> {
-        Ok(if s == "0" {
-            ScanCursor::start()
-        } else {
-            ScanCursor(s.to_owned())
-        })
-    }
-}
-
-/// One page of [`Store::scan`].
-#[derive(Debug)]
-#[non_exhaustive]
-pub struct ScanPage {
-    /// The keys found, each with its record or why it could not be read.
-    pub records: Vec<(Key, Result<Record, StoreError>)>,
-    /// Where the scan goes on; `None` when it is over.
-    pub next: Option<ScanCursor>,
-}
-
-impl ScanPage {
-    /// A page: for third-party stores implementing [`Store::scan`].
-    pub fn new(
-        records: Vec<(Key, Result<Record, StoreError>)>,
-        next: Option<ScanCursor>,
-    ) -> ScanPage {
-        ScanPage { records, next }
-    }
-}
-
 /// Forwards every method of [`Store`] through a pointer to a store.
 macro_rules! forward_store {
     ($(#[$doc:meta])* impl<S> Store for $ty:ty) => {
@@ -493,28 +432,6 @@ macro_rules! forward_store {
             }
             fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
                 (**self).read(key)
-            }
-            fn reopen<'a>(
-                &'a self,
-                key: &'a Key,
-                token: &'a Token,
-            ) -> BoxFuture<'a, Result<bool, StoreError>> {
-                (**self).reopen(key, token)
-            }
-            fn scan<'a>(
-                &'a self,
-                prefix: &'a str,
-                cursor: &'a ScanCursor,
-                limit: usize,
-            ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
-                (**self).scan(prefix, cursor, limit)
-            }
-            fn delete<'a>(
-                &'a self,
-                key: &'a Key,
-                expect: Expect<'a>,
-            ) -> BoxFuture<'a, Result<bool, StoreError>> {
-                (**self).delete(key, expect)
             }
             fn max_result_size(&self) -> usize {
                 (**self).max_result_size()

@@ -16,8 +16,8 @@ use crate::store::redis::wire::{
     int, parse_record, text,
 };
 use crate::store::{
-    clamped_millis, BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, RecordState,
-    ScanCursor, ScanPage, Settle, Settlement, Store, Token,
+    clamped_millis, BoxFuture, Claim, ClaimRequest, Completion, Expect, OperatorStore, Record,
+    RecordState, ScanCursor, ScanPage, Settle, Settlement, Store, Token,
 };
 
 pub(super) const SCRIPT: &str = include_str!("record.lua");
@@ -726,19 +726,21 @@ impl Store for RedisStore {
         self.inner.max_result_size
     }
 
+    fn name(&self) -> &'static str {
+        match self.inner.conn {
+            Conn::Single(_) => "redis",
+            Conn::Cluster(_) => "redis_cluster",
+        }
+    }
+}
+
+impl OperatorStore for RedisStore {
     fn reopen<'a>(
         &'a self,
         key: &'a Key,
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(self.settle_by_token("reopen", key, token))
-    }
-
-    fn name(&self) -> &'static str {
-        match self.inner.conn {
-            Conn::Single(_) => "redis",
-            Conn::Cluster(_) => "redis_cluster",
-        }
     }
 
     /// `SCAN ... MATCH <prefix>:v*` on the server, or on each primary of a cluster in turn
