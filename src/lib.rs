@@ -142,9 +142,9 @@ pub mod store {
     // to the runtime's `store` belongs in this list.
     pub use idempotent_runtime::store::{
         clamped_millis, next_fence, AcquiredClaim, BoxFuture, Claim, ClaimRequest, CombiningStore,
-        Completion, ConnectError, Expect, Fingerprint, IntoStore, Record, RecordState, ScanCursor,
-        ScanPage, Settle, Settlement, Store, TieredStore, Token, DEFAULT_MAX_RESULT_SIZE,
-        MAX_DURATION, MIN_DURATION,
+        Completion, ConnectError, Expect, Fingerprint, IntoOperatorStore, IntoStore, OperatorStore,
+        Record, RecordState, ScanCursor, ScanPage, Settle, Settlement, SharedOperatorStore, Store,
+        TieredStore, Token, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION, MIN_DURATION,
     };
     pub use idempotent_runtime::{AlreadySet, StoreError, StoreErrorKind};
 }
@@ -191,14 +191,6 @@ pub use idempotent_runtime::admin;
 #[doc(hidden)]
 pub use idempotent_runtime::__private;
 
-// The root paths `store`'s items had before `store` gathered them. Hidden from the
-// documentation, and kept only for the conformance suite's imports: once it names them as
-// `store::...`, this goes.
-#[doc(hidden)]
-pub use idempotent_runtime::{
-    AcquiredClaim, BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, Record, RecordState,
-    Store, StoreError, StoreErrorKind, Token,
-};
 
 // The repository's README, compiled as a doctest so its examples never rot.
 #[cfg(doctest)]

@@ -14,8 +14,9 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, Record, RecordState, Settle,
-    Settlement, Store, StoreError, StoreErrorKind, Token,
+    BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, Expect, OperatorStore, Record,
+    RecordState, ScanCursor, ScanPage, Settle, Settlement, Store, StoreError, StoreErrorKind,
+    Token,
 };
 use idempotency::{Key, MemoryStore};
 use tokio::sync::Semaphore;
@@ -159,6 +160,32 @@ impl Store for Gated {
     }
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         self.inner.read(key)
+    }
+}
+
+/// The operator's calls are not gated: a `CombiningStore` sends them straight through.
+impl OperatorStore for Gated {
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.reopen(key, token)
+    }
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        cursor: &'a ScanCursor,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+        self.inner.scan(prefix, cursor, limit)
+    }
+    fn delete<'a>(
+        &'a self,
+        key: &'a Key,
+        expect: Expect<'a>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.delete(key, expect)
     }
 }
 

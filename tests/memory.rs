@@ -11,8 +11,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotency::memory::{Clock, ManualClock};
 use idempotency::store::{
-    next_fence, BoxFuture, Claim, ClaimRequest, Completion, RecordState, Store, Token,
-    DEFAULT_MAX_RESULT_SIZE, MAX_DURATION,
+    next_fence, BoxFuture, Claim, ClaimRequest, Completion, RecordState, SharedOperatorStore,
+    Store, Token, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION,
 };
 use idempotency::{Key, MemoryStore, SharedStore};
 
@@ -28,6 +28,12 @@ impl conformance::Backend for Memory {
     fn lose_data<'a>(&'a self, _prefix: &'a str) -> BoxFuture<'a, ()> {
         self.0.clear();
         Box::pin(async {})
+    }
+}
+
+impl conformance::OperatorBackend for Memory {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.0.clone()
     }
 }
 

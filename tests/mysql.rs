@@ -20,7 +20,9 @@ use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::MySqlStore;
-use idempotency::store::{BoxFuture, Claim, Completion, Settlement, Store, StoreErrorKind};
+use idempotency::store::{
+    BoxFuture, Claim, Completion, Settlement, SharedOperatorStore, Store, StoreErrorKind,
+};
 use idempotency::{Key, SharedStore};
 
 use sql_cases::{acquired, req, Harness};
@@ -52,6 +54,12 @@ impl conformance::Backend for MySql {
                 .await
                 .unwrap();
         })
+    }
+}
+
+impl conformance::OperatorBackend for MySql {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.store.clone()
     }
 }
 

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
-use idempotency::store::{BoxFuture, RecordState, Store, StoreErrorKind};
+use idempotency::store::{BoxFuture, RecordState, SharedOperatorStore, Store, StoreErrorKind};
 use idempotency::{Action, Error, Idempotency, Key, SharedStore};
 
 use pg_cluster::PgCluster;
@@ -57,6 +57,12 @@ impl conformance::Backend for Postgres {
                 .await
                 .unwrap();
         })
+    }
+}
+
+impl conformance::OperatorBackend for Postgres {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.store.clone()
     }
 }
 

@@ -20,8 +20,8 @@ use conformance::{unique_namespace, Backend};
 use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::redis::{RedisStore, UnsafeConfig};
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, RecordState, Settlement, Store,
-    StoreErrorKind, Token, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION,
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, OperatorStore, RecordState, Settlement,
+    SharedOperatorStore, Store, StoreErrorKind, Token, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION,
 };
 use idempotency::{Action, Error, Idempotency, Key, SharedStore};
 use redis_server::{connect, delete_matching, redis_url, RedisCluster, RedisServer};
@@ -46,6 +46,12 @@ impl Backend for Standalone {
                 .await
                 .unwrap();
         })
+    }
+}
+
+impl conformance::OperatorBackend for Standalone {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.store.clone()
     }
 }
 
@@ -109,6 +115,12 @@ impl Backend for Cluster {
             .await
             .unwrap();
         })
+    }
+}
+
+impl conformance::OperatorBackend for Cluster {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.store.clone()
     }
 }
 
@@ -1452,9 +1464,9 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
     mine.token = *token;
     let done = Completion::new(None, long);
     // As the engine completes: naming a claim (a fence no unreadable value holds) and lease.
-    let named = done.clone().for_claim(
-        idempotency::store::AcquiredClaim::new(1_796_130_461_329_139, None).with_lease(long),
-    );
+    let named = done
+        .clone()
+        .for_claim(idempotency::store::AcquiredClaim::new(1_796_130_461_329_139, None).with_lease(long));
     let outcomes = [
         (
             "claim",

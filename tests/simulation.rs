@@ -52,8 +52,9 @@ use idempotency::admin::Admin;
 use idempotency::lock::Lock;
 use idempotency::memory::Clock;
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, Expect, Record, RecordState,
-    ScanCursor, ScanPage, Settle, Settlement, Store, StoreError, StoreErrorKind, Token,
+    BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, Expect, OperatorStore, Record,
+    RecordState, ScanCursor, ScanPage, Settle, Settlement, Store, StoreError, StoreErrorKind,
+    Token,
 };
 use idempotency::{Error, Idempotency, Key, MemoryStore, OnError, SharedStore};
 
@@ -538,13 +539,6 @@ impl Store for SimStore {
             _ => None,
         })
     }
-    fn reopen<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        sent(self.send(Command::Reopen(key.clone(), *token)), bool_reply)
-    }
     fn claim_many<'a>(
         &'a self,
         reqs: &'a [ClaimRequest],
@@ -565,6 +559,16 @@ impl Store for SimStore {
                 _ => None,
             },
         )
+    }
+}
+
+impl OperatorStore for SimStore {
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        sent(self.send(Command::Reopen(key.clone(), *token)), bool_reply)
     }
     fn scan<'a>(
         &'a self,
@@ -629,6 +633,9 @@ impl Store for OperatorView {
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         self.0.read(key)
     }
+}
+
+impl OperatorStore for OperatorView {
     fn reopen<'a>(
         &'a self,
         key: &'a Key,
@@ -852,7 +859,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
     let engine_store: SharedStore = if combined {
         // Batches without a lease to go by (releases) wait at most a lease, so that quiescing
         // (twice a lease of quiet) sees them through.
-        let combining = CombiningStore::new(shared.clone(), 1 + choices.pick(2) as usize);
+        let combining = CombiningStore::new(store.clone(), 1 + choices.pick(2) as usize);
         Arc::new(combining.batch_timeout(LEASE))
     } else {
         shared.clone()

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::SqliteStore;
-use idempotency::store::{BoxFuture, Claim, Store, StoreErrorKind};
+use idempotency::store::{BoxFuture, Claim, SharedOperatorStore, Store, StoreErrorKind};
 use idempotency::{Key, SharedStore};
 
 use sql_cases::{acquired, req, Harness};
@@ -82,6 +82,12 @@ impl conformance::Backend for Sqlite {
                 .await
                 .unwrap();
         })
+    }
+}
+
+impl conformance::OperatorBackend for Sqlite {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.store.clone()
     }
 }
 
@@ -364,10 +370,6 @@ async fn asynchronous_claims_are_refused() {
     let Err(err) = refused else {
         panic!("a SQLite store with asynchronous claims was built");
     };
-    assert_eq!(
-        err.kind(),
-        idempotency::store::StoreErrorKind::Unsafe,
-        "{err}"
-    );
+    assert_eq!(err.kind(), idempotency::store::StoreErrorKind::Unsafe, "{err}");
     assert!(err.to_string().contains("PostgreSQL"), "{err}");
 }

@@ -18,8 +18,8 @@ use conformance::{unique_namespace, Backend, Down};
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Record, RecordState, Settlement, Store, StoreError,
-    TieredStore, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, OperatorStore, Record, RecordState,
+    ScanCursor, ScanPage, Settlement, SharedOperatorStore, Store, StoreError, TieredStore, Token,
 };
 use idempotency::{Error, Idempotency, Key, MemoryStore, SharedStore};
 use redis_server::{delete_matching, redis_url};
@@ -56,6 +56,12 @@ impl Backend for Tiered {
                 .await
                 .unwrap();
         })
+    }
+}
+
+impl conformance::OperatorBackend for Tiered {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.store.clone()
     }
 }
 
@@ -150,6 +156,31 @@ impl Store for HeldReleases {
     }
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         self.inner.read(key)
+    }
+}
+
+impl OperatorStore for HeldReleases {
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.reopen(key, token)
+    }
+    fn scan<'a>(
+        &'a self,
+        prefix: &'a str,
+        cursor: &'a ScanCursor,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+        self.inner.scan(prefix, cursor, limit)
+    }
+    fn delete<'a>(
+        &'a self,
+        key: &'a Key,
+        expect: Expect<'a>,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.delete(key, expect)
     }
 }
 
@@ -316,7 +347,7 @@ async fn front_losing_its_data_runs_nothing_twice() {
 #[tokio::test]
 async fn front_down_falls_back_to_the_back() {
     let back = Arc::new(MemoryStore::new());
-    let front: SharedStore = Arc::new(Down::new(Arc::new(MemoryStore::new())));
+    let front = Arc::new(Down::new(Arc::new(MemoryStore::new())));
     let store: SharedStore = Arc::new(TieredStore::new(front, back.clone()));
     let executions = AtomicUsize::new(0);
     let run = || {
@@ -344,7 +375,7 @@ async fn front_down_falls_back_to_the_back() {
 #[tokio::test]
 async fn back_down_fails_closed_and_gives_the_front_claim_back() {
     let front = Arc::new(MemoryStore::new());
-    let back: SharedStore = Arc::new(Down::new(Arc::new(MemoryStore::new())));
+    let back = Arc::new(Down::new(Arc::new(MemoryStore::new())));
     let store: SharedStore = Arc::new(TieredStore::new(front.clone(), back));
     let key = Key::new("tiered-back-down", 1, &[&1u8]).unwrap();
     let out: Result<(), Error> = guard(store)
@@ -417,7 +448,7 @@ async fn batches_take_the_single_call_paths_through_the_layers() {
 
     // The front is down: the back alone.
     let back = Arc::new(MemoryStore::new());
-    let down: SharedStore = Arc::new(Down::new(Arc::new(MemoryStore::new())));
+    let down = Arc::new(Down::new(Arc::new(MemoryStore::new())));
     let g = guard(Arc::new(TieredStore::new(down, back.clone())));
     assert_eq!(
         values(g.run_batch(items("tiered-batch-down"), handler).await),
@@ -440,7 +471,7 @@ async fn batches_take_the_single_call_paths_through_the_layers() {
 
     // The back is down: nothing runs, and the front's claims are given back.
     let front = Arc::new(MemoryStore::new());
-    let down: SharedStore = Arc::new(Down::new(Arc::new(MemoryStore::new())));
+    let down = Arc::new(Down::new(Arc::new(MemoryStore::new())));
     let g = guard(Arc::new(TieredStore::new(front.clone(), down)));
     let closed: Vec<Result<u32, Error>> = g.run_batch(items("tiered-batch-back"), handler).await;
     assert!(

@@ -7,9 +7,9 @@
 use std::error::Error;
 use std::sync::Arc;
 
-use idempotency::sql::{sqlx, MySqlStore, PostgresStore, SqliteStore};
-use idempotency::store::{ConnectError, StoreError, StoreErrorKind};
-use idempotency::SharedStore;
+use idempotency::sql::sqlx;
+use idempotency::sql::{MySqlStore, PostgresStore, SqliteStore};
+use idempotency::store::{ConnectError, SharedOperatorStore, StoreError, StoreErrorKind};
 
 use crate::Failure;
 
@@ -62,12 +62,13 @@ macro_rules! sql_builder {
     }};
 }
 
-/// Opens the store at `url`, on `table` for an SQL store, migrating only when `migrate`.
+/// Opens the store at `url`, on `table` for an SQL store, migrating only when `migrate`:
+/// a store with the operator's methods, as every command needs.
 pub(crate) async fn open(
     url: &str,
     table: Option<&str>,
     migrate: bool,
-) -> Result<SharedStore, Failure> {
+) -> Result<SharedOperatorStore, Failure> {
     let scheme = url.split(':').next().unwrap_or_default();
     match scheme {
         "postgres" | "postgresql" => {

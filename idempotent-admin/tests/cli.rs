@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, Connection, Executor};
-use idempotency::store::{Claim, ClaimRequest, Store, Token};
+use idempotency::store::{Claim, ClaimRequest, OperatorStore, Store, Token};
 use idempotency::{Error, Idempotency, Key, OnError};
 
 mod common;

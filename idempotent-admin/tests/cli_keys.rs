@@ -12,7 +12,8 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use idempotency::sql::sqlx::{self, Connection, Executor};
-use idempotency::{Idempotency, Key, SharedStore};
+use idempotency::store::SharedOperatorStore;
+use idempotency::{Idempotency, Key};
 
 use common::{admin, code, json, postgres_url, redis_url, text, unique};
 
@@ -33,7 +34,7 @@ fn parts() -> Vec<Vec<u8>> {
 /// Completes one record per part under `prefix`, then: `list` prints every key (JSON and
 /// table alike); each printed key is inspected by `--key`; the first three are deleted by
 /// `--key`, the rest purged; nothing is left. `extra` goes before the command (`--table`).
-async fn round_trip(url: &str, store: SharedStore, prefix: &str, extra: &[&str]) {
+async fn round_trip(url: &str, store: SharedOperatorStore, prefix: &str, extra: &[&str]) {
     let guard = Idempotency::new(Duration::from_secs(3600)).store(store.clone());
     let keys: Vec<Key> = parts()
         .iter()

@@ -7,20 +7,20 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idempotency::admin::{Admin, AdminOutcome, Inspection, ListQuery, StateFilter};
-use idempotency::store::{Expect, ScanCursor, ScanPage};
-use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Error, Key, OnError, Record, RecordState,
-    SharedStore, Store, StoreError, Token,
+use idempotency::store::{
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, OperatorStore, Record, RecordState,
+    ScanCursor, ScanPage, SharedOperatorStore, Store, StoreError, Token,
 };
+use idempotency::{Error, Key, OnError};
 
-use super::{eventually, guard, key, req, unique_prefix, Backend, TestError};
+use super::{eventually, guard, key, req, unique_prefix, OperatorBackend, TestError};
 
 /// A stuck owner (a crashed process with a long lease) is seen in progress; `force_release`
 /// with another fence changes nothing; with its fence the key is free at once: the next
 /// claim acquires with a higher fence and the stuck owner's completion is refused. Missing
 /// keys and completed records are reported as such.
-pub async fn an_operator_frees_a_stuck_key_with_its_fence(b: impl Backend) {
-    let store = b.store();
+pub async fn an_operator_frees_a_stuck_key_with_its_fence(b: impl OperatorBackend) {
+    let store = b.operator_store();
     let admin = Admin::new(store.clone());
     let k = key(&unique_prefix(&b, "admin-stuck"), &[&"pay-1"]);
     assert_eq!(admin.inspect(&k).await.unwrap(), None);
@@ -30,7 +30,7 @@ pub async fn an_operator_frees_a_stuck_key_with_its_fence(b: impl Backend) {
     );
 
     let stuck = req(&k, Duration::from_secs(60))
-        .with_fingerprint(idempotency::Fingerprint::of(&[&"payload"]));
+        .with_fingerprint(idempotency::store::Fingerprint::of(&[&"payload"]));
     let Claim::Acquired { fence } = store.claim(&stuck).await.unwrap() else {
         panic!("not acquired");
     };
@@ -81,8 +81,8 @@ pub async fn an_operator_frees_a_stuck_key_with_its_fence(b: impl Backend) {
 /// A key held after a failure (`on_error = hold`) is seen as held; `unhold` lets the next
 /// delivery run the handler, once. A completed record that is not held, a missing key, and a
 /// stale token are left alone.
-pub async fn an_operator_unholds_a_held_key(b: impl Backend) {
-    let store = b.store();
+pub async fn an_operator_unholds_a_held_key(b: impl OperatorBackend) {
+    let store = b.operator_store();
     let admin = Admin::new(store.clone());
     let k = key(&unique_prefix(&b, "admin-held"), &[&"pay-2"]);
     assert_eq!(admin.unhold(&k).await.unwrap(), AdminOutcome::Missing);
@@ -138,7 +138,7 @@ pub async fn an_operator_unholds_a_held_key(b: impl Backend) {
 async fn list_all(
     admin: &Admin,
     query: ListQuery,
-) -> std::collections::BTreeMap<Key, Result<Inspection, idempotency::StoreError>> {
+) -> std::collections::BTreeMap<Key, Result<Inspection, idempotency::store::StoreError>> {
     let mut found = std::collections::BTreeMap::new();
     let mut query = query.limit(2);
     for page_number in 0..100_000 {
@@ -158,8 +158,8 @@ async fn list_all(
 /// A listing pages through exactly the records of its prefix (not those of a longer prefix
 /// that starts the same, nor of another), whatever the page size, and filters them by state
 /// and by how long they have been in it; an inspection shows the time to expiry.
-pub async fn an_operator_lists_the_records_of_a_prefix(b: impl Backend) {
-    let store = b.store();
+pub async fn an_operator_lists_the_records_of_a_prefix(b: impl OperatorBackend) {
+    let store = b.operator_store();
     let admin = Admin::new(store.clone());
     let prefix = unique_prefix(&b, "admin-list");
     let hour = Duration::from_secs(3600);
@@ -290,8 +290,8 @@ pub async fn an_operator_lists_the_records_of_a_prefix(b: impl Backend) {
 /// `delete` removes a record so the key runs again, once; it refuses a live claim (whose
 /// owner may still be running) and leaves a record whose token changed. `purge` deletes a
 /// prefix's records but its live claims, and nothing of another prefix.
-pub async fn an_operator_deletes_records_and_purges_a_prefix(b: impl Backend) {
-    let store = b.store();
+pub async fn an_operator_deletes_records_and_purges_a_prefix(b: impl OperatorBackend) {
+    let store = b.operator_store();
     let admin = Admin::new(store.clone());
     let prefix = unique_prefix(&b, "admin-delete");
     let hour = Duration::from_secs(3600);
@@ -401,7 +401,7 @@ pub async fn an_operator_deletes_records_and_purges_a_prefix(b: impl Backend) {
 /// `read` or `scan`: the owner that stalled past its lease resumes exactly between the
 /// operator's look and its write. No real store can be made to interleave there on demand.
 struct RenewsAfterLook {
-    inner: SharedStore,
+    inner: SharedOperatorStore,
     owner: std::sync::Mutex<Option<(Key, Token)>>,
 }
 
@@ -453,6 +453,16 @@ impl Store for RenewsAfterLook {
             seen
         })
     }
+}
+
+impl OperatorStore for RenewsAfterLook {
+    fn reopen<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.reopen(key, token)
+    }
     fn scan<'a>(
         &'a self,
         prefix: &'a str,
@@ -478,8 +488,8 @@ impl Store for RenewsAfterLook {
 /// after the operator read its record, the delete (and the purge) must still leave its claim
 /// alone, because the store checks the lease at the moment of the write. Otherwise a second
 /// owner acquires the key while the first one runs, and the effect happens twice.
-pub async fn an_operator_never_deletes_a_claim_renewed_after_the_read(b: impl Backend) {
-    let store = b.store();
+pub async fn an_operator_never_deletes_a_claim_renewed_after_the_read(b: impl OperatorBackend) {
+    let store = b.operator_store();
     let prefix = unique_prefix(&b, "admin-renewed");
     let hour = Duration::from_secs(3600);
     let brief = Duration::from_millis(50);

@@ -5,11 +5,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::store::Settlement;
-use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Error, Key, Record, RecordState, SharedStore,
-    Store, StoreError, Token,
+use idempotency::store::{
+    BoxFuture, Claim, ClaimRequest, Completion, Record, RecordState, Settlement, Store, StoreError,
+    Token,
 };
+use idempotency::{Error, Key, SharedStore};
 use tokio::sync::Barrier;
 
 use super::{
@@ -199,7 +199,7 @@ impl Store for Instrumented {
                     .iter()
                     .map(|_| {
                         Err(StoreError::new(
-                            idempotency::StoreErrorKind::Unavailable,
+                            idempotency::store::StoreErrorKind::Unavailable,
                             "the batch settlement failed",
                         ))
                     })
@@ -489,7 +489,7 @@ pub async fn a_batch_checks_payloads_replays_and_asks_done_per_item(b: impl Back
     };
     let batch = || {
         g.batch()
-            .fingerprint(|&(_, cents): &(u32, u64)| idempotency::Fingerprint::of(&[&cents]))
+            .fingerprint(|&(_, cents): &(u32, u64)| idempotency::store::Fingerprint::of(&[&cents]))
             .replay()
             .store_errors()
             .on_replay(|key| REPLAYS.lock().unwrap().push(key.prefix().to_string()))
@@ -569,7 +569,7 @@ pub async fn a_batch_claim_that_answers_fewer_items_fails_the_rest(b: impl Backe
         assert_eq!(answer.as_ref().unwrap(), &id);
     }
     assert!(
-        matches!(&out[3], Err(TestError::Idem(Error::Store(e))) if e.kind() == idempotency::StoreErrorKind::Protocol),
+        matches!(&out[3], Err(TestError::Idem(Error::Store(e))) if e.kind() == idempotency::store::StoreErrorKind::Protocol),
         "{out:?}"
     );
 }

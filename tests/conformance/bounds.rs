@@ -12,10 +12,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
-use idempotency::{
-    on_completion_lost, Claim, ClaimRequest, CompletionLost, Idempotency, LossReason, Record,
-    RecordState, SharedStore, Token,
-};
+use idempotency::store::{Claim, ClaimRequest, Record, RecordState, Token};
+use idempotency::{on_completion_lost, CompletionLost, Idempotency, LossReason, SharedStore};
 
 use super::{eventually, key, unique_prefix, Backend, Faulty, TestError};
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use idempotency::RecordState;
+use idempotency::store::RecordState;
 use tokio::sync::Notify;
 
 use super::{eventually, guard, key, unique_prefix, Backend, TestError};

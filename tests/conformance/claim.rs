@@ -4,7 +4,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::{Claim, Completion, Error, RecordState};
+use idempotency::store::{Claim, Completion, RecordState};
+use idempotency::Error;
 use tokio::sync::{Barrier, Notify};
 
 use super::{assert_answer, guard, key, req, same_fence, unique_prefix, Backend, TestError};

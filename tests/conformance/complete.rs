@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idempotency::{AcquiredClaim, Claim, Completion, Fingerprint, RecordState, Token};
+use idempotency::store::{AcquiredClaim, Claim, Completion, Fingerprint, RecordState, Token};
 
 use super::{key, req, unique_prefix, Backend};
 

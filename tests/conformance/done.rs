@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idempotency::{Claim, Error, RecordState};
+use idempotency::store::{Claim, RecordState};
+use idempotency::Error;
 
 use super::{guard, key, req, same_fence, unique_prefix, Backend, TestError};
 

@@ -6,10 +6,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Completion, Key, Record, SharedStore, Store, StoreError,
-    StoreErrorKind, Token,
+use idempotency::store::{
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, OperatorStore, Record, ScanCursor,
+    ScanPage, Store, StoreError, StoreErrorKind, Token,
 };
+use idempotency::{Key, SharedStore};
 use tokio::sync::Notify;
 
 /// A store that is down: every command fails before reaching the inner store.
@@ -56,6 +57,24 @@ impl Store for Down {
         self.refuse()
     }
     fn read<'a>(&'a self, _: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.refuse()
+    }
+}
+
+/// The operator's calls fail too.
+impl OperatorStore for Down {
+    fn reopen<'a>(&'a self, _: &'a Key, _: &'a Token) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.refuse()
+    }
+    fn scan<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a ScanCursor,
+        _: usize,
+    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
+        self.refuse()
+    }
+    fn delete<'a>(&'a self, _: &'a Key, _: Expect<'a>) -> BoxFuture<'a, Result<bool, StoreError>> {
         self.refuse()
     }
 }

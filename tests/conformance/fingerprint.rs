@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use idempotency::{Claim, Error};
+use idempotency::store::Claim;
+use idempotency::Error;
 
 use super::{assert_answer, guard, key, req, unique_prefix, Backend, TestError};
 
@@ -33,7 +34,7 @@ pub async fn payload_mismatch_is_refused_while_in_progress(b: impl Backend) {
     let store = b.store();
     let k = key(&unique_prefix(&b, "fingerprint-live"), &[&"pay-4"]);
     let mut first = req(&k, Duration::from_secs(30));
-    first.fingerprint = Some(idempotency::Fingerprint::of(&[&1u8]));
+    first.fingerprint = Some(idempotency::store::Fingerprint::of(&[&1u8]));
     let Claim::Acquired { fence: f } = store.claim(&first).await.unwrap() else {
         panic!("a new key was not acquired")
     };
@@ -45,7 +46,7 @@ pub async fn payload_mismatch_is_refused_while_in_progress(b: impl Backend) {
         Claim::InProgress { fence: f },
     );
     let mut other = req(&k, Duration::from_secs(30));
-    other.fingerprint = Some(idempotency::Fingerprint::of(&[&2u8]));
+    other.fingerprint = Some(idempotency::store::Fingerprint::of(&[&2u8]));
     assert_answer(
         &b,
         store.claim(&other).await.unwrap(),

@@ -4,7 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::{Claim, Error, InProgress, RecordState};
+use idempotency::store::{Claim, RecordState};
+use idempotency::{Error, InProgress};
 use tokio::sync::Notify;
 
 use super::{guard, key, req, same_fence, unique_prefix, Backend, TestError};

@@ -1,7 +1,11 @@
-//! The conformance suite: every rule of the semantics (design.md section 2), written once,
+//! The conformance suite: every rule of the semantics (`docs/semantics.md`), written once,
 //! generic over the store. Each backend's test file instantiates it with
-//! `conformance_suite!(make_backend)`, where `make_backend` is an async fn returning a
-//! [`Backend`].
+//! `conformance_suite!(make_backend)`, where `make_backend` is an async fn returning an
+//! [`OperatorBackend`]: a [`Backend`] whose store also has the operator's methods
+//! ([`OperatorStore`](idempotency::store::OperatorStore)), as every store of this crate does.
+//! A store that implements [`Store`](idempotency::store::Store) alone runs the engine's cases with
+//! `store_conformance_suite!(make_backend)`; the operator's cases (`admin`, and `model`, whose
+//! sequences include an operator's reopening and deletion) need an [`OperatorBackend`].
 //!
 //! Every case uses its own key prefix, so backends that share a server (Redis, SQL) can run
 //! cases in parallel; the backend cleans its prefix up when dropped.
@@ -15,8 +19,8 @@
 //! `store_errors`, `done`, `fingerprint`, `cancellation`, `unknown_outcomes`), plus
 //! `policies`, `batch`, `settle`, `admin` (the operator's API), `model` (the in-memory store
 //! as a model of every other) and the fault wrappers in `faults`; this file holds the
-//! [`Backend`] trait, the helpers they share and the one list of cases
-//! ([`conformance_cases!`]).
+//! [`Backend`] and [`OperatorBackend`] traits, the helpers they share and the lists of cases
+//! ([`conformance_cases!`] for the engine's, [`operator_cases!`] for the operator's).
 
 #![allow(
     dead_code,
@@ -29,9 +33,11 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idempotency::{
-    BoxFuture, Claim, ClaimRequest, Error, Idempotency, Key, Record, SharedStore, Token,
+use idempotency::store::{
+    BoxFuture, Claim, ClaimRequest, CombiningStore, IntoStore, Record, SharedOperatorStore, Store,
+    Token,
 };
+use idempotency::{Error, Idempotency, Key, SharedStore};
 use serde::{Deserialize, Serialize};
 
 mod admin;
@@ -86,29 +92,40 @@ pub trait Backend: Send + Sync + 'static {
     }
 }
 
-/// `backend` behind a [`CombiningStore`](idempotency::store::CombiningStore): the suite on
-/// concurrent single calls sent as batches.
-pub struct Combined<B> {
-    backend: B,
-    store: SharedStore,
+/// A backend whose store has the operator's methods too: the operator's cases run on it.
+pub trait OperatorBackend: Backend {
+    /// The store under test, with the operator's methods: the same store as
+    /// [`Backend::store`].
+    fn operator_store(&self) -> SharedOperatorStore;
 }
 
-impl<B: Backend> Combined<B> {
+/// `backend` behind a [`CombiningStore`]: the suite on concurrent single calls sent as
+/// batches.
+pub struct Combined<B> {
+    backend: B,
+    store: SharedOperatorStore,
+}
+
+impl<B: OperatorBackend> Combined<B> {
     pub fn new(backend: B, max_in_flight: usize) -> Combined<B> {
-        let store = std::sync::Arc::new(idempotency::store::CombiningStore::new(
-            backend.store(),
-            max_in_flight,
-        ));
+        let store =
+            std::sync::Arc::new(CombiningStore::new(backend.operator_store(), max_in_flight));
         Combined { backend, store }
     }
 }
 
-impl<B: Backend> Backend for Combined<B> {
+impl<B: OperatorBackend> OperatorBackend for Combined<B> {
+    fn operator_store(&self) -> SharedOperatorStore {
+        self.store.clone()
+    }
+}
+
+impl<B: OperatorBackend> Backend for Combined<B> {
     fn namespace(&self) -> &str {
         self.backend.namespace()
     }
     fn store(&self) -> SharedStore {
-        self.store.clone()
+        self.store.clone().into_store()
     }
     fn lose_data<'a>(&'a self, prefix: &'a str) -> BoxFuture<'a, ()> {
         self.backend.lose_data(prefix)
@@ -180,8 +197,8 @@ pub fn key(prefix: &str, parts: &[&dyn idempotency::KeyPart]) -> Key {
     Key::new(prefix, 1, parts).unwrap()
 }
 
-pub fn guard(store: &SharedStore) -> Idempotency {
-    Idempotency::new(Duration::from_secs(60)).store(store.clone())
+pub fn guard(store: impl IntoStore) -> Idempotency {
+    Idempotency::new(Duration::from_secs(60)).store(store)
 }
 
 pub fn req(key: &Key, lease: Duration) -> ClaimRequest {
@@ -195,7 +212,11 @@ pub fn req(key: &Key, lease: Duration) -> ClaimRequest {
 
 /// Reads until `pred` holds, for effects that a store applies on a background task (a
 /// release after cancellation). Fails after five seconds.
-async fn eventually(store: &SharedStore, key: &Key, pred: impl Fn(&Option<Record>) -> bool) {
+async fn eventually<S: Store + ?Sized>(
+    store: &S,
+    key: &Key,
+    pred: impl Fn(&Option<Record>) -> bool,
+) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
         let record = store.read(key).await.unwrap();
@@ -211,7 +232,8 @@ async fn eventually(store: &SharedStore, key: &Key, pred: impl Fn(&Option<Record
     }
 }
 
-/// Calls `$callback!($($args)*; <every case name>)`: the one list of the suite's cases.
+/// Calls `$callback!($($args)*; <every case name>)`: the list of the cases of the engine's
+/// [`Store`], for every [`Backend`].
 #[macro_export]
 macro_rules! conformance_cases {
     ($callback:ident!($($args:tt)*)) => {
@@ -257,9 +279,6 @@ macro_rules! conformance_cases {
             out_of_range_durations_are_refused_before_the_store,
             body_reads_its_key_and_fence,
             lost_lease_is_signalled_to_the_body,
-            an_operator_frees_a_stuck_key_with_its_fence,
-            an_operator_unholds_a_held_key,
-            an_operator_lists_the_records_of_a_prefix,
             a_batch_is_settled_in_one_call,
             a_slow_batch_item_does_not_hold_the_others,
             a_batch_dropped_while_settling_still_records_every_outcome,
@@ -267,20 +286,45 @@ macro_rules! conformance_cases {
             a_batch_checks_payloads_replays_and_asks_done_per_item,
             a_batch_claim_that_answers_fewer_items_fails_the_rest,
             a_failed_batch_settlement_is_recorded_item_by_item,
-            an_operator_deletes_records_and_purges_a_prefix,
-            an_operator_never_deletes_a_claim_renewed_after_the_read,
             a_completion_that_never_answers_is_bounded_and_read_back,
             a_completion_lost_after_the_caller_got_ok_is_reported,
-            a_batch_claim_that_never_answers_fails_closed_and_gives_back,
+            a_batch_claim_that_never_answers_fails_closed_and_gives_back
+        );
+    };
+}
+
+/// Calls `$callback!($($args)*; <every case name>)`: the list of the cases of the operator's
+/// [`OperatorStore`](idempotency::store::OperatorStore), for every [`OperatorBackend`].
+#[macro_export]
+macro_rules! operator_cases {
+    ($callback:ident!($($args:tt)*)) => {
+        $crate::$callback!($($args)*;
+            an_operator_frees_a_stuck_key_with_its_fence,
+            an_operator_unholds_a_held_key,
+            an_operator_lists_the_records_of_a_prefix,
+            an_operator_deletes_records_and_purges_a_prefix,
+            an_operator_never_deletes_a_claim_renewed_after_the_read,
             every_sequence_is_answered_as_the_in_memory_store_answers_it
         );
     };
 }
 
-/// One `#[tokio::test]` per conformance case: `conformance_suite!(make)` where `make` is an
-/// async fn returning an `impl Backend`.
+/// One `#[tokio::test]` per conformance case, the engine's and the operator's:
+/// `conformance_suite!(make)` where `make` is an async fn returning an
+/// `impl OperatorBackend`.
 #[macro_export]
 macro_rules! conformance_suite {
+    ($make:path) => {
+        $crate::conformance_cases!(conformance_tests!($make));
+        $crate::operator_cases!(conformance_tests!($make));
+    };
+}
+
+/// One `#[tokio::test]` per case of the engine's [`Store`] only:
+/// `store_conformance_suite!(make)` where `make` is an async fn returning an `impl Backend`
+/// whose store has no operator's methods.
+#[macro_export]
+macro_rules! store_conformance_suite {
     ($make:path) => {
         $crate::conformance_cases!(conformance_tests!($make));
     };
@@ -299,12 +343,14 @@ macro_rules! conformance_tests {
     };
 }
 
-/// Every conformance case, one after another, inside one async context: for backends whose
-/// server is expensive to start (a cluster), started once for the whole sequence.
+/// Every conformance case, the engine's and the operator's, one after another, inside one
+/// async context: for backends whose server is expensive to start (a cluster), started once
+/// for the whole sequence.
 #[macro_export]
 macro_rules! conformance_sequence {
     ($make:expr) => {
         $crate::conformance_cases!(conformance_sequence_of!($make));
+        $crate::operator_cases!(conformance_sequence_of!($make));
     };
 }
 

@@ -4,13 +4,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::store::{Expect, Settlement};
-use idempotency::{
-    AcquiredClaim, Claim, ClaimRequest, Completion, Fingerprint, Key, MemoryStore, RecordState,
-    SharedStore, Store, StoreErrorKind, Token,
+use idempotency::store::{
+    AcquiredClaim, Claim, ClaimRequest, Completion, Expect, Fingerprint, OperatorStore,
+    RecordState, Settlement, SharedOperatorStore, StoreErrorKind, Token,
 };
+use idempotency::{Key, MemoryStore};
 
-use super::{unique_prefix, Backend};
+use super::{unique_prefix, OperatorBackend};
 
 /// What a store answered, with fences counted from the key's first acquisition on that store
 /// (each store takes a new key's fence from its own clock; every later acquisition is + 1).
@@ -64,8 +64,8 @@ struct Owner {
 /// so no answer depends on time; a store whose fast paths (a compare-and-set completion, a
 /// completion by head, a native claim) answered otherwise than its general path would show
 /// here as a different answer or record.
-pub async fn every_sequence_is_answered_as_the_in_memory_store_answers_it(b: impl Backend) {
-    let store = b.store();
+pub async fn every_sequence_is_answered_as_the_in_memory_store_answers_it(b: impl OperatorBackend) {
+    let store = b.operator_store();
     let prefix = unique_prefix(&b, "model");
     // Fences of in-progress, completed and mismatch answers are compared where the store
     // reports the owner's (a tiered store answers those from its front).
@@ -77,8 +77,8 @@ pub async fn every_sequence_is_answered_as_the_in_memory_store_answers_it(b: imp
         other => other,
     };
     for seed in 1..=120u64 {
-        let memory: SharedStore = Arc::new(MemoryStore::new());
-        let stores: [&dyn Store; 2] = [store.as_ref(), memory.as_ref()];
+        let memory: SharedOperatorStore = Arc::new(MemoryStore::new());
+        let stores: [&dyn OperatorStore; 2] = [store.as_ref(), memory.as_ref()];
         let mut dice = Dice(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
         let mut keys: [KeyState; 2] = [0u8, 1].map(|k| KeyState {
             key: Key::new(&prefix, 1, &[&seed, &k]).unwrap(),
@@ -156,7 +156,7 @@ struct KeyState {
 
 /// Claims both keys in one batch, for the owners just added.
 async fn claim_both(
-    store: &dyn Store,
+    store: &dyn OperatorStore,
     side: usize,
     keys: &mut [KeyState; 2],
     steps: &[Step; 2],
@@ -181,7 +181,7 @@ async fn claim_both(
 /// Settles both keys in one batch: each a completion (named as its step says) or a release by
 /// one of its known owners.
 async fn settle_both(
-    store: &dyn Store,
+    store: &dyn OperatorStore,
     side: usize,
     keys: &[KeyState; 2],
     steps: &[Step; 2],
@@ -225,7 +225,7 @@ fn completion(step: &Step, owner: &Owner, side: usize) -> Completion {
 /// A claim's answer, fences relative to the key's first acquisition on this side; an
 /// acquisition is the last owner's.
 fn seen_claim(
-    claim: Result<Claim, idempotency::StoreError>,
+    claim: Result<Claim, idempotency::store::StoreError>,
     side: usize,
     owners: &mut [Owner],
     base: &mut [Option<u64>; 2],
@@ -275,7 +275,7 @@ fn roll(dice: &mut Dice, owners: usize) -> Step {
 
 /// Sends `step` to `store` (side 0: the store under test, 1: the model).
 async fn apply(
-    store: &dyn Store,
+    store: &dyn OperatorStore,
     side: usize,
     key: &Key,
     step: &Step,
@@ -286,7 +286,7 @@ async fn apply(
     let rel = |fence: u64, base: &[Option<u64>; 2]| {
         i128::from(fence) - i128::from(base[side].unwrap_or(fence))
     };
-    let failed = |err: idempotency::StoreError| Seen::Failed(err.kind());
+    let failed = |err: idempotency::store::StoreError| Seen::Failed(err.kind());
     match step.op {
         0 | 7 => {
             let mut req = ClaimRequest::new(key.clone(), step.token, minute, minute);

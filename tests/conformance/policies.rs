@@ -4,7 +4,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::{Claim, Error, Idempotency, InProgress, SharedStore};
+use idempotency::store::Claim;
+use idempotency::{Error, Idempotency, InProgress, SharedStore};
 use tokio::sync::Notify;
 
 use super::{guard, key, req, same_fence, unique_prefix, Backend, Observed, TestError};

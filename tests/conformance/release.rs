@@ -4,7 +4,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idempotency::{Claim, Error, OnError, RecordState};
+use idempotency::store::{Claim, RecordState};
+use idempotency::{Error, OnError};
 
 use super::{assert_answer, guard, key, req, unique_prefix, AppError, Backend, TestError};
 

@@ -11,10 +11,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::{
-    current, BoxFuture, Claim, ClaimRequest, Completion, Error, Idempotency, Key, OnError,
-    OnLostLease, Record, RecordState, SharedStore, Store, StoreError, StoreErrorKind, Token,
+use idempotency::store::{
+    BoxFuture, Claim, ClaimRequest, Completion, Record, RecordState, Store, StoreError,
+    StoreErrorKind, Token,
 };
+use idempotency::{current, Error, Idempotency, Key, OnError, OnLostLease, SharedStore};
 use tokio::sync::Notify;
 
 use super::{key, unique_prefix, Backend, TestError};

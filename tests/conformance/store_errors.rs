@@ -4,7 +4,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::{Error, OnStoreError, RecordState, SharedStore};
+use idempotency::store::RecordState;
+use idempotency::{Error, OnStoreError, SharedStore};
 
 use super::{guard, key, req, unique_prefix, Backend, Down, TestError};
 

@@ -3,7 +3,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use idempotency::{Claim, RecordState, SharedStore};
+use idempotency::store::{Claim, RecordState};
+use idempotency::SharedStore;
 
 use super::{guard, key, unique_prefix, Backend, LostReplies, TestError};
 

@@ -20,8 +20,8 @@ use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::sql::sqlx::{self, Database};
 use idempotency::sql::{Dialect, SqlStore};
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, Fingerprint, RecordState, Settlement,
-    Store, StoreError, StoreErrorKind, Token, MAX_DURATION,
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, Fingerprint, OperatorStore, RecordState,
+    Settlement, Store, StoreError, StoreErrorKind, Token, MAX_DURATION,
 };
 use idempotency::{Error, Idempotency, Key, OnError};
 

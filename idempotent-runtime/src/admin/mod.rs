@@ -12,9 +12,14 @@
 //! (a tracing event at `info`, or `warn` when nothing was changed) and, with the feature
 //! `metrics`, counted as `idempotency.admin.actions` (labels `action`, `store`, `outcome`).
 //!
-//! Listing pages through the store ([`Store::scan`](crate::Store::scan): `SCAN` on each Redis
-//! node, a range of the primary key on SQL), a bounded page at a time, so it is safe on a
-//! store of any size.
+//! Listing pages through the store ([`OperatorStore::scan`]: `SCAN` on each Redis node, a
+//! range of the primary key on SQL), a bounded page at a time, so it is safe on a store of
+//! any size.
+//!
+//! An [`Admin`] takes a store that has the operator's methods, [`OperatorStore`], on top of
+//! the engine's [`Store`](crate::Store): every store of this crate, and what
+//! [`connect`](crate::connect) returns. A store without them is refused when it is handed to
+//! [`Admin::new`], at compile time.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -44,7 +49,9 @@ use std::time::Duration;
 use crate::codec;
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
-use crate::store::{Expect, IntoStore, Record, RecordState, ScanCursor, SharedStore};
+use crate::store::{
+    Expect, IntoOperatorStore, OperatorStore, Record, RecordState, ScanCursor, SharedOperatorStore,
+};
 
 /// What an operator sees of a record ([`Admin::inspect`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -165,9 +172,18 @@ impl AdminOutcome {
 }
 
 /// The operator's API on a store (see the [module docs](self)).
+///
+/// ```
+/// use std::sync::Arc;
+/// use idempotent_runtime::admin::Admin;
+/// use idempotent_runtime::MemoryStore;
+///
+/// let admin = Admin::new(Arc::new(MemoryStore::new()));
+/// # let _ = admin;
+/// ```
 #[derive(Clone)]
 pub struct Admin {
-    store: SharedStore,
+    store: SharedOperatorStore,
     timeout: Duration,
 }
 
@@ -181,10 +197,11 @@ impl std::fmt::Debug for Admin {
 }
 
 impl Admin {
-    /// The operator's API on `store`.
-    pub fn new(store: impl IntoStore) -> Admin {
+    /// The operator's API on `store`: an `Arc` of any [`OperatorStore`], or a
+    /// [`SharedOperatorStore`].
+    pub fn new(store: impl IntoOperatorStore) -> Admin {
         Admin {
-            store: store.into_store(),
+            store: store.into_operator_store(),
             timeout: Duration::from_secs(30),
         }
     }
@@ -277,9 +294,7 @@ impl Admin {
     ///
     /// # Errors
     ///
-    /// The store's error; nothing changed. A third-party store that does not implement
-    /// [`Store::reopen`](crate::Store::reopen) refuses with
-    /// [`StoreErrorKind::Protocol`].
+    /// The store's error; nothing changed.
     pub async fn unhold(&self, key: &Key) -> Result<AdminOutcome, StoreError> {
         let outcome = match self.call("read", self.store.read(key)).await? {
             None => AdminOutcome::Missing,
@@ -337,9 +352,7 @@ impl Admin {
     /// # Errors
     ///
     /// The store's error (a cursor of another store is
-    /// [`StoreErrorKind::Rejected`]); a third-party store that does not implement
-    /// [`Store::scan`](crate::Store::scan) refuses with
-    /// [`StoreErrorKind::Protocol`].
+    /// [`StoreErrorKind::Rejected`]).
     pub async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
         let scan = self.store.scan(&query.prefix, &query.cursor, query.limit);
         let page = self.call("scan", scan).await?;

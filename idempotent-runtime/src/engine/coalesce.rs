@@ -25,8 +25,7 @@ use tokio::sync::{oneshot, Notify};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, ScanCursor, ScanPage, Settlement,
-    SharedStore, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Record, Settlement, SharedStore, Store, Token,
 };
 
 type Answer = oneshot::Sender<Result<bool, StoreError>>;
@@ -228,31 +227,6 @@ impl Store for Coalescing {
 
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         self.inner.read(key)
-    }
-
-    fn reopen<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.reopen(key, token)
-    }
-
-    fn scan<'a>(
-        &'a self,
-        prefix: &'a str,
-        cursor: &'a ScanCursor,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
-        self.inner.scan(prefix, cursor, limit)
-    }
-
-    fn delete<'a>(
-        &'a self,
-        key: &'a Key,
-        expect: Expect<'a>,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.delete(key, expect)
     }
 
     fn max_result_size(&self) -> usize {

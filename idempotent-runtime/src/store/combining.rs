@@ -10,8 +10,8 @@ use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::deadline::call_bound;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, ScanCursor, ScanPage, Settle,
-    Settlement, SharedStore, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, IntoOperatorStore, OperatorStore, Record,
+    ScanCursor, ScanPage, Settle, Settlement, SharedOperatorStore, Store, Token,
 };
 
 /// The most items one combined batch carries.
@@ -75,7 +75,7 @@ pub struct CombiningStore {
 }
 
 struct Shared {
-    inner: SharedStore,
+    inner: SharedOperatorStore,
     max_in_flight: usize,
     batch_timeout: Duration,
     queues: Mutex<Queues>,
@@ -100,11 +100,12 @@ enum Work {
 
 impl CombiningStore {
     /// Wraps `inner`, with at most `max_in_flight` batches on their way at once (at least
-    /// one). For a SQL store, its pool's connection count.
-    pub fn new(inner: SharedStore, max_in_flight: usize) -> CombiningStore {
+    /// one). For a SQL store, its pool's connection count. The operator's calls
+    /// ([`OperatorStore`]) go to `inner` directly.
+    pub fn new(inner: impl IntoOperatorStore, max_in_flight: usize) -> CombiningStore {
         CombiningStore {
             shared: Arc::new(Shared {
-                inner,
+                inner: inner.into_operator_store(),
                 max_in_flight: max_in_flight.max(1),
                 batch_timeout: DEFAULT_BATCH_TIMEOUT,
                 queues: Mutex::new(Queues::default()),
@@ -137,7 +138,7 @@ impl CombiningStore {
         self
     }
 
-    fn inner(&self) -> &SharedStore {
+    fn inner(&self) -> &SharedOperatorStore {
         &self.shared.inner
     }
 }
@@ -339,7 +340,7 @@ fn may_hold(claim: &Result<Claim, StoreError>) -> bool {
 
 /// Releases `req`'s claim, token-checked, retrying with backoff (each attempt bounded) while
 /// the store fails, until the record would have expired anyway.
-async fn give_back(inner: &SharedStore, req: &ClaimRequest) {
+async fn give_back(inner: &SharedOperatorStore, req: &ClaimRequest) {
     let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
     let mut backoff = Duration::from_millis(10);
     loop {
@@ -484,6 +485,16 @@ impl Store for CombiningStore {
         self.inner().read(key)
     }
 
+    fn max_result_size(&self) -> usize {
+        self.inner().max_result_size()
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner().name()
+    }
+}
+
+impl OperatorStore for CombiningStore {
     fn reopen<'a>(
         &'a self,
         key: &'a Key,
@@ -507,14 +518,6 @@ impl Store for CombiningStore {
         expect: Expect<'a>,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         self.inner().delete(key, expect)
-    }
-
-    fn max_result_size(&self) -> usize {
-        self.inner().max_result_size()
-    }
-
-    fn name(&self) -> &'static str {
-        self.inner().name()
     }
 }
 

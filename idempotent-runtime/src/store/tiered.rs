@@ -31,11 +31,14 @@ use std::time::Duration;
 use crate::error::StoreError;
 use crate::key::Key;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, IntoStore, Record, ScanCursor, ScanPage,
-    Settle, Settlement, SharedStore, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, IntoOperatorStore, OperatorStore, Record,
+    ScanCursor, ScanPage, Settle, Settlement, SharedOperatorStore, Store, Token,
 };
 
 /// A [`Store`] of two layers: a fast `front` and a durable, authoritative `back`.
+///
+/// Both layers are [`OperatorStore`]s, so that an operator's calls reach both (every store of
+/// this crate is one).
 ///
 /// ```
 /// use std::sync::Arc;
@@ -46,8 +49,8 @@ use crate::store::{
 /// # let _ = store;
 /// ```
 pub struct TieredStore {
-    front: SharedStore,
-    back: SharedStore,
+    front: SharedOperatorStore,
+    back: SharedOperatorStore,
 }
 
 impl std::fmt::Debug for TieredStore {
@@ -58,10 +61,10 @@ impl std::fmt::Debug for TieredStore {
 
 impl TieredStore {
     /// Layers `front` over `back`.
-    pub fn new(front: impl IntoStore, back: impl IntoStore) -> TieredStore {
+    pub fn new(front: impl IntoOperatorStore, back: impl IntoOperatorStore) -> TieredStore {
         TieredStore {
-            front: front.into_store(),
-            back: back.into_store(),
+            front: front.into_operator_store(),
+            back: back.into_operator_store(),
         }
     }
 
@@ -268,7 +271,9 @@ impl Store for TieredStore {
     fn name(&self) -> &'static str {
         "tiered"
     }
+}
 
+impl OperatorStore for TieredStore {
     fn reopen<'a>(
         &'a self,
         key: &'a Key,

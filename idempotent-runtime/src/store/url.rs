@@ -2,7 +2,7 @@
 
 use crate::error::StoreError;
 use crate::store::redact::redact;
-use crate::store::SharedStore;
+use crate::store::SharedOperatorStore;
 
 /// Why [`connect`] could not build a store.
 #[derive(Debug, thiserror::Error)]
@@ -27,7 +27,10 @@ pub enum ConnectError {
     Store(#[from] StoreError),
 }
 
-/// Builds a store from a URL, choosing the backend by scheme:
+/// Builds a store from a URL, choosing the backend by scheme. The store has the operator's
+/// methods too ([`SharedOperatorStore`]): hand it to [`Admin`](crate::admin::Admin) as it is,
+/// and to handlers through [`IntoStore`](crate::IntoStore) (every method that takes a store
+/// does), or as a [`SharedStore`](crate::SharedStore) with `.into_store()`.
 ///
 /// | URL | backend | feature |
 /// |---|---|---|
@@ -44,14 +47,21 @@ pub enum ConnectError {
 /// reached or set up.
 ///
 /// ```
+/// use std::time::Duration;
+/// use idempotent_runtime::admin::Admin;
+/// use idempotent_runtime::{Idempotency, IntoStore, SharedStore};
+///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), idempotent_runtime::store::ConnectError> {
 /// let store = idempotent_runtime::store::connect("memory:").await?;
-/// # let _ = store;
+/// let guard = Idempotency::new(Duration::from_secs(3600)).store(store.clone());
+/// let admin = Admin::new(store.clone());
+/// let for_handlers: SharedStore = store.into_store();
+/// # let _ = (guard, admin, for_handlers);
 /// assert!(idempotent_runtime::store::connect("ftp://x").await.is_err());
 /// # Ok(()) }
 /// ```
-pub async fn connect(url: &str) -> Result<SharedStore, ConnectError> {
+pub async fn connect(url: &str) -> Result<SharedOperatorStore, ConnectError> {
     let scheme = url.split(':').next().unwrap_or_default();
     match scheme {
         "memory" => memory(),
@@ -64,12 +74,12 @@ pub async fn connect(url: &str) -> Result<SharedStore, ConnectError> {
 }
 
 #[cfg(feature = "memory")]
-fn memory() -> Result<SharedStore, ConnectError> {
+fn memory() -> Result<SharedOperatorStore, ConnectError> {
     Ok(std::sync::Arc::new(super::memory::MemoryStore::new()))
 }
 
 #[cfg(not(feature = "memory"))]
-fn memory() -> Result<SharedStore, ConnectError> {
+fn memory() -> Result<SharedOperatorStore, ConnectError> {
     Err(ConnectError::FeatureDisabled {
         scheme: "memory",
         feature: "memory",
@@ -82,12 +92,12 @@ fn memory() -> Result<SharedStore, ConnectError> {
 macro_rules! backend {
     ($backend:ident, $feature:literal, $connect:path) => {
         #[cfg(feature = $feature)]
-        async fn $backend(url: &str) -> Result<SharedStore, ConnectError> {
+        async fn $backend(url: &str) -> Result<SharedOperatorStore, ConnectError> {
             Ok(std::sync::Arc::new($connect(url).await?))
         }
 
         #[cfg(not(feature = $feature))]
-        async fn $backend(_: &str) -> Result<SharedStore, ConnectError> {
+        async fn $backend(_: &str) -> Result<SharedOperatorStore, ConnectError> {
             Err(ConnectError::FeatureDisabled {
                 scheme: $feature,
                 feature: $feature,

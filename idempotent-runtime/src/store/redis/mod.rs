@@ -81,8 +81,11 @@ use crate::store::clamped_millis;
 
 mod batch;
 mod builder;
+mod claim;
 mod clock;
 mod conn;
+mod scan;
+mod settle;
 mod store;
 mod wire;
 

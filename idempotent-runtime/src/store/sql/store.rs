@@ -18,8 +18,8 @@ use crate::store::sql::exec::{
 use crate::store::sql::record::Stored;
 use crate::store::sql::table::TableName;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, Record, ScanCursor, ScanPage, Settlement,
-    Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Expect, OperatorStore, Record, ScanCursor,
+    ScanPage, Settlement, Store, Token,
 };
 
 /// An idempotency [`Store`] on a SQL database, through an sqlx connection pool. Use it as
@@ -215,6 +215,17 @@ impl<DB: Dialect> Store for SqlStore<DB> {
         self.max_result_size
     }
 
+    fn name(&self) -> &'static str {
+        match <DB as sqlx::Database>::NAME {
+            "PostgreSQL" => "postgresql",
+            "MySQL" => "mysql",
+            "SQLite" => "sqlite",
+            _ => "sql",
+        }
+    }
+}
+
+impl<DB: Dialect> OperatorStore for SqlStore<DB> {
     fn reopen<'a>(
         &'a self,
         key: &'a Key,
@@ -304,14 +315,5 @@ impl<DB: Dialect> Store for SqlStore<DB> {
                 }
             }
         })
-    }
-
-    fn name(&self) -> &'static str {
-        match <DB as sqlx::Database>::NAME {
-            "PostgreSQL" => "postgresql",
-            "MySQL" => "mysql",
-            "SQLite" => "sqlite",
-            _ => "sql",
-        }
     }
 }

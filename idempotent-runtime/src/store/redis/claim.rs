@@ -1,0 +1,330 @@
+//! Claims: the fast claim (`SET ... NX GET`) and the server's clock it is decided by,
+//! claims by script, and the pipelines of a batch.
+
+use std::sync::atomic::Ordering;
+
+use ::redis::Value;
+
+use crate::error::{StoreError, StoreErrorKind};
+use crate::store::redis::batch::send_again;
+use crate::store::redis::clock::{fast_durations, Estimate};
+use crate::store::redis::conn::{command_error, script_error};
+use crate::store::redis::store::RedisStore;
+use crate::store::redis::wire::{claim_cmd, decode_claim, fast_claim_record, parse_record};
+use crate::store::{clamped_millis, Claim, ClaimRequest, RecordState};
+
+impl RedisStore {
+    /// Every claim in one pipeline: one round trip where the fast claim decides them all. With
+    /// the fast claim on (see [`fast_claim`](Self::fast_claim)), the pipeline is of `SET ... NX
+    /// GET`s and the items they cannot decide (a released record, a run-out lease, a value that
+    /// is no record) follow in a second pipeline of scripts; otherwise it is of scripts.
+    pub(super) async fn claim_pipelined(
+        &self,
+        reqs: &[&ClaimRequest],
+        slot: u16,
+    ) -> Vec<Result<Claim, StoreError>> {
+        let mut claims = match self.claim_fast_pipelined(reqs).await {
+            Some(claims) => claims,
+            None => self.claim_scripted(reqs, slot).await,
+        };
+        if claims
+            .iter()
+            .any(|claim| matches!(claim, Ok(Claim::Acquired { .. })))
+        {
+            if let Err(err) = self.wait_for_replicas().await {
+                let message = err.to_string();
+                for claim in &mut claims {
+                    if let Ok(Claim::Acquired { .. }) = claim {
+                        *claim = Err(StoreError::new(err.kind(), message.clone()));
+                    }
+                }
+            }
+        }
+        claims
+    }
+
+    /// The fast claims of a batch, as one pipeline of `SET ... NX GET`s, then the script for
+    /// the items they leave undecided; `None` when the fast claim does not apply now.
+    async fn claim_fast_pipelined(
+        &self,
+        reqs: &[&ClaimRequest],
+    ) -> Option<Vec<Result<Claim, StoreError>>> {
+        if !self.inner.fast_claims {
+            return None;
+        }
+        let now = std::time::Instant::now();
+        self.refresh_clock(now);
+        let at = self.inner.clock.estimate(now)?;
+        let mut pipe = ::redis::pipe();
+        pipe.ignore_errors();
+        let mut fast = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            let cmd = fast_claim_cmd(req, at);
+            fast.push(cmd.is_some());
+            if let Some(cmd) = cmd {
+                pipe.add_command(cmd);
+            }
+        }
+        let mut replies = if fast.iter().any(|&f| f) {
+            match self.inner.conn.pipeline(pipe, 0).await {
+                Ok(replies) => replies.into_iter(),
+                Err(err) => {
+                    if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
+                        self.inner.recheck.store(true, Ordering::Release);
+                    }
+                    // Every item may have been applied: each is resolved by token.
+                    return Some(
+                        reqs.iter()
+                            .map(|req| Err(script_error(&req.key, err.clone())))
+                            .collect(),
+                    );
+                }
+            }
+        } else {
+            Vec::new().into_iter()
+        };
+        let mut claims: Vec<Option<Result<Claim, StoreError>>> = Vec::with_capacity(reqs.len());
+        let mut scripted = Vec::new();
+        for (req, fast) in reqs.iter().zip(fast) {
+            let decided = if fast {
+                match replies.next() {
+                    Some(Value::ServerError(err)) if err.code() == "WRONGTYPE" => None,
+                    Some(Value::ServerError(err)) => Some(Err(script_error(&req.key, err.into()))),
+                    Some(reply) => fast_claim_reply(req, at, reply).map(Ok),
+                    None => Some(Err(StoreError::new(
+                        StoreErrorKind::Protocol,
+                        "a pipeline answered fewer replies than it was sent",
+                    ))),
+                }
+            } else {
+                None
+            };
+            if decided.is_none() {
+                scripted.push(*req);
+            }
+            claims.push(decided);
+        }
+        let mut rest = if scripted.is_empty() {
+            Vec::new().into_iter()
+        } else {
+            self.claim_scripted(&scripted, 0).await.into_iter()
+        };
+        Some(
+            claims
+                .into_iter()
+                .map(|claim| {
+                    claim.or_else(|| rest.next()).unwrap_or_else(|| {
+                        Err(StoreError::new(
+                            StoreErrorKind::Protocol,
+                            "no reply for a claim",
+                        ))
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// Every claim by script in one pipeline. Items the server answers `NOSCRIPT` (the script
+    /// was flushed) are claimed again one by one, which reloads it.
+    async fn claim_scripted(
+        &self,
+        reqs: &[&ClaimRequest],
+        slot: u16,
+    ) -> Vec<Result<Claim, StoreError>> {
+        let mut pipe = ::redis::pipe();
+        pipe.ignore_errors();
+        for req in reqs {
+            pipe.add_command(claim_cmd(&self.inner.script, req));
+        }
+        let replies: Vec<Value> = match self.inner.conn.pipeline(pipe, slot).await {
+            Ok(replies) => replies,
+            Err(err) => {
+                if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
+                    self.inner.recheck.store(true, Ordering::Release);
+                }
+                return reqs
+                    .iter()
+                    .map(|_| Err(command_error(err.clone())))
+                    .collect();
+            }
+        };
+        let mut claims = Vec::with_capacity(reqs.len());
+        let mut replies = replies.into_iter();
+        for req in reqs {
+            let claim = match replies.next() {
+                None => Err(StoreError::new(
+                    StoreErrorKind::Protocol,
+                    "a pipeline answered fewer replies than it was sent",
+                )),
+                Some(reply) => match (send_again(&reply), reply) {
+                    (Some(moved), _) => {
+                        if moved {
+                            self.inner.slots.invalidate();
+                        }
+                        self.claim_one_by_script(req).await
+                    }
+                    (None, Value::ServerError(err)) => Err(script_error(&req.key, err.into())),
+                    (None, reply) => decode_claim(reply),
+                },
+            };
+            claims.push(claim);
+        }
+        claims
+    }
+
+    /// One claim by script (which a `NOSCRIPT` reply reloads), without the replica wait.
+    pub(super) async fn claim_one_by_script(
+        &self,
+        req: &ClaimRequest,
+    ) -> Result<Claim, StoreError> {
+        let cmd = claim_cmd(&self.inner.script, req);
+        decode_claim(self.call(&req.key, &self.inner.script, &cmd).await?)
+    }
+}
+
+impl RedisStore {
+    /// Reads the server's clock (`TIME`) for the fast claim's estimate.
+    pub(super) async fn read_clock(&self) -> Result<(), StoreError> {
+        let sent = std::time::Instant::now();
+        let reply = self
+            .inner
+            .conn
+            .query(&::redis::cmd("TIME"))
+            .await
+            .map_err(command_error)?;
+        let received = std::time::Instant::now();
+        let field = |i: usize| match &reply {
+            Value::Array(items) => match items.get(i) {
+                Some(Value::BulkString(b)) => std::str::from_utf8(b).ok()?.parse::<u64>().ok(),
+                _ => None,
+            },
+            _ => None,
+        };
+        match (field(0), field(1)) {
+            (Some(seconds), Some(micros)) => {
+                self.inner.clock.record(seconds, micros, sent, received);
+                Ok(())
+            }
+            _ => Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                format!("unexpected TIME reply: {reply:?}"),
+            )),
+        }
+    }
+
+    /// Starts a background `TIME` reading when the estimate is getting old.
+    fn refresh_clock(&self, now: std::time::Instant) {
+        // Outside a tokio runtime there is nothing to refresh on: claims use the script.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !self.inner.clock.should_refresh(now) {
+            return;
+        }
+        /// Ends the refresh also when its task is dropped (a runtime shutting down), so a
+        /// later claim can start the next one.
+        struct Refreshing(RedisStore);
+        impl Drop for Refreshing {
+            fn drop(&mut self) {
+                self.0.inner.clock.done();
+            }
+        }
+        let refreshing = Refreshing(self.clone());
+        runtime.spawn(async move {
+            if let Err(err) = refreshing.0.read_clock().await {
+                tracing::debug!(error = %err, "cannot read the Redis server's clock");
+            }
+        });
+    }
+
+    /// The fast claim: one `SET key <in-progress record> NX PX <lifetime> GET`. `None` when
+    /// it does not apply (a cluster, an old server, short durations, no precise clock
+    /// estimate) or when the key's record needs the script to decide (a released record, a
+    /// run-out lease, a value that is no record): the caller then runs the script.
+    pub(super) async fn fast_claim(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
+        if !self.inner.fast_claims || !fast_durations(req.lease, req.ttl) {
+            return Ok(None);
+        }
+        let now = std::time::Instant::now();
+        self.refresh_clock(now);
+        let Some(at) = self.inner.clock.estimate(now) else {
+            return Ok(None);
+        };
+        let Some(cmd) = fast_claim_cmd(req, at) else {
+            return Ok(None);
+        };
+        let reply = match self.inner.conn.query(&cmd).await {
+            Ok(reply) => reply,
+            // WRONGTYPE and the like: the script reports what the key holds.
+            Err(err) if err.code() == Some("WRONGTYPE") => return Ok(None),
+            Err(err) => {
+                if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
+                    self.inner.recheck.store(true, Ordering::Release);
+                }
+                return Err(script_error(&req.key, err));
+            }
+        };
+        Ok(fast_claim_reply(req, at, reply))
+    }
+}
+
+/// The fast claim of `req` at the estimate `at`: `SET key <in-progress record> NX PX
+/// <lifetime> GET`; `None` for durations the fast claim is not used for or numbers out of the
+/// script's range.
+fn fast_claim_cmd(req: &ClaimRequest, at: Estimate) -> Option<::redis::Cmd> {
+    if !fast_durations(req.lease, req.ttl) {
+        return None;
+    }
+    let (lease, ttl) = (clamped_millis(req.lease), clamped_millis(req.ttl));
+    let value = fast_claim_record(req, at.upper_us, lease)?;
+    let key = req.key.as_bytes();
+    let mut cmd = ::redis::Cmd::with_capacity(7, key.len() + value.len() + 32);
+    cmd.arg("SET")
+        .arg(key)
+        .arg(value)
+        .arg("NX")
+        .arg("PX")
+        .arg(lease.max(ttl))
+        .arg("GET");
+    Some(cmd)
+}
+
+/// What the reply to [`fast_claim_cmd`] decides; `None` where the script must decide.
+fn fast_claim_reply(req: &ClaimRequest, at: Estimate, reply: Value) -> Option<Claim> {
+    match reply {
+        Value::Nil => Some(Claim::Acquired { fence: at.upper_us }),
+        Value::BulkString(old) => decide_existing(req, &old, at),
+        _ => None,
+    }
+}
+
+/// What a claim answers for the record `old` that its `SET NX` found, as the script would
+/// answer it, where the estimate suffices; `None` where the script must decide (a released
+/// record, a lease that has run out or is within the estimate's error of it, a value that is
+/// no record).
+fn decide_existing(req: &ClaimRequest, old: &[u8], at: Estimate) -> Option<Claim> {
+    let record = parse_record(old, i64::try_from(at.now_ms).ok()?)?;
+    let fence = record.fence;
+    let mismatch = matches!(
+        (&req.fingerprint, &record.fingerprint),
+        (Some(ours), Some(theirs)) if ours != theirs
+    );
+    match record.state {
+        RecordState::InProgress { .. } if record.token == req.token => {
+            Some(Claim::Acquired { fence })
+        }
+        RecordState::InProgress { .. } | RecordState::Completed if mismatch => {
+            Some(Claim::Mismatch { fence })
+        }
+        RecordState::Completed => Some(Claim::Completed {
+            fence,
+            result: record.result,
+        }),
+        RecordState::InProgress { lease_left }
+            if lease_left.as_micros() > u128::from(at.error_us) + 1_000 =>
+        {
+            Some(Claim::InProgress { fence })
+        }
+        _ => None,
+    }
+}
