@@ -340,7 +340,7 @@ fn may_hold(claim: &Result<Claim, StoreError>) -> bool {
 /// Releases `req`'s claim, token-checked, retrying with backoff (each attempt bounded) while
 /// the store fails, until the record would have expired anyway.
 async fn give_back(inner: &SharedOperatorStore, req: &ClaimRequest) {
-    let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
+    let give_up_at = tokio::time::Instant::now() + req.record_lifetime();
     let mut backoff = Duration::from_millis(10);
     loop {
         match within(call_bound(req.lease), inner.release(&req.key, &req.token)).await {

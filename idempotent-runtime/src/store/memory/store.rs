@@ -196,7 +196,7 @@ impl MemoryStore {
         };
         let fence = next_fence(previous_fence, now_micros);
         let lease = clamped(req.lease);
-        let expires_at = now + clamped(req.ttl).max(lease);
+        let expires_at = now + clamped(req.record_lifetime());
         shard.expires(expires_at);
         shard.put(
             &req.key,

@@ -275,7 +275,7 @@ fn fast_claim_cmd(req: &ClaimRequest, at: Estimate) -> Option<::redis::Cmd> {
     if !fast_durations(req.lease, req.ttl) {
         return None;
     }
-    let (lease, ttl) = (clamped_millis(req.lease), clamped_millis(req.ttl));
+    let lease = clamped_millis(req.lease);
     let value = fast_claim_record(req, at.upper_us, lease)?;
     let key = req.key.as_bytes();
     let mut cmd = ::redis::Cmd::with_capacity(7, key.len() + value.len() + 32);
@@ -284,7 +284,7 @@ fn fast_claim_cmd(req: &ClaimRequest, at: Estimate) -> Option<::redis::Cmd> {
         .arg(value)
         .arg("NX")
         .arg("PX")
-        .arg(lease.max(ttl))
+        .arg(clamped_millis(req.record_lifetime()))
         .arg("GET");
     Some(cmd)
 }
