@@ -141,10 +141,11 @@ pub mod store {
     // backends' modules (which are at the crate root) is listed here: a trait or type added
     // to the runtime's `store` belongs in this list.
     pub use idempotent_runtime::store::{
-        clamped_millis, next_fence, AcquiredClaim, BoxFuture, Claim, ClaimRequest, CombiningStore,
-        Completion, ConnectError, Expect, Fingerprint, IntoOperatorStore, IntoStore, OperatorStore,
-        Record, RecordState, ScanCursor, ScanPage, Settle, Settlement, SharedOperatorStore, Store,
-        TieredStore, Token, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION, MIN_DURATION,
+        claim_answer, clamped_millis, next_fence, AcquiredClaim, BoxFuture, Claim, ClaimAnswer,
+        ClaimRequest, CombiningStore, Completion, ConnectError, Expect, Fingerprint,
+        IntoOperatorStore, IntoStore, OperatorStore, Record, RecordState, ScanCursor, ScanPage,
+        Settle, Settlement, SharedOperatorStore, Store, TieredStore, Token,
+        DEFAULT_MAX_RESULT_SIZE, MAX_DURATION, MIN_DURATION,
     };
     pub use idempotent_runtime::{AlreadySet, StoreError, StoreErrorKind};
 }
@@ -190,7 +191,6 @@ pub use idempotent_runtime::admin;
 // What the attribute's expansion calls (`::idempotency::__private::...`); not a public API.
 #[doc(hidden)]
 pub use idempotent_runtime::__private;
-
 
 // The repository's README, compiled as a doctest so its examples never rot.
 #[cfg(doctest)]

@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/claim_rule.rs"]
+mod claim_rule;
 mod conformance;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -42,6 +44,13 @@ async fn memory() -> Memory {
 }
 
 conformance_suite!(memory);
+
+/// `store::claim_answer`, which every store decides its claims by, answers each case of the
+/// rule's table as the table says.
+#[test]
+fn a_claim_answers_every_record_by_the_rule_table() {
+    claim_rule::check_claim_answer();
+}
 
 fn claim_req(key: &Key, lease: Duration, ttl: Duration) -> ClaimRequest {
     ClaimRequest::new(key.clone(), Token::generate(), lease, ttl)

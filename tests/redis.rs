@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/claim_rule.rs"]
+mod claim_rule;
 mod conformance;
 #[path = "support/proxy.rs"]
 mod proxy;
@@ -1464,9 +1466,9 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
     mine.token = *token;
     let done = Completion::new(None, long);
     // As the engine completes: naming a claim (a fence no unreadable value holds) and lease.
-    let named = done
-        .clone()
-        .for_claim(idempotency::store::AcquiredClaim::new(1_796_130_461_329_139, None).with_lease(long));
+    let named = done.clone().for_claim(
+        idempotency::store::AcquiredClaim::new(1_796_130_461_329_139, None).with_lease(long),
+    );
     let outcomes = [
         (
             "claim",
@@ -1736,4 +1738,106 @@ async fn durations_beyond_a_century_are_clamped_to_a_century() {
         pttl(&batched, "batch claim");
     }
     delete_matching(&url, &format!("{namespace}:*"));
+}
+
+/// The claim script (`record.lua`, which cannot call Rust) and the store's claims (the fast
+/// claim's `SET ... NX GET` with the script after it) answer every record as the rule's one
+/// table says, and so does `store::claim_answer`: each case's record is written under a key
+/// as the script writes records, then claimed by the script itself and by the store.
+#[tokio::test]
+async fn the_claim_script_answers_every_record_by_the_rule_table() {
+    claim_rule::check_claim_answer();
+    let url = redis_url();
+    let store = connect(&url).await;
+    let mut conn = raw(&url);
+    let namespace = unique_namespace();
+    let script = include_str!("../idempotent-runtime/src/store/redis/record.lua");
+    let minute_ms = 60_000u64;
+    for (i, case) in claim_rule::cases().iter().enumerate() {
+        let key = Key::new(&namespace, 1, &[&(i as u64)]).unwrap();
+        let token = Token::generate();
+        let req = case.request(&key, token);
+        let held_by = case.record_token(token);
+        let fence = 1_796_130_461_329_139 + i as u64;
+        let seed = |conn: &mut redis::Connection| {
+            let (seconds, micros): (u64, u64) = redis::cmd("TIME").query(conn).unwrap();
+            let now_ms = seconds * 1_000 + micros / 1_000;
+            let (state, lease_end, last) = match case.found {
+                claim_rule::Found::Live => ('P', now_ms + minute_ms, (now_ms - 5_000).to_string()),
+                claim_rule::Found::RunOut => ('P', now_ms - 1_000, (now_ms - 5_000).to_string()),
+                claim_rule::Found::Completed => (
+                    'C',
+                    0,
+                    String::from_utf8(claim_rule::RESULT.to_vec()).unwrap(),
+                ),
+                claim_rule::Found::Released => ('R', 0, String::new()),
+            };
+            let mut value = vec![state as u8];
+            value.extend_from_slice(held_by.as_bytes());
+            match claim_rule::fingerprint(case.stored) {
+                Some(fp) => {
+                    value.push(b'F');
+                    value.extend_from_slice(fp.as_bytes());
+                }
+                None => value.push(b'-'),
+            }
+            value.extend_from_slice(format!("{fence}:{lease_end}:{last}").as_bytes());
+            let _: () = redis::cmd("SET")
+                .arg(key.as_bytes())
+                .arg(value)
+                .arg("PX")
+                .arg(minute_ms)
+                .query(conn)
+                .unwrap();
+        };
+        let want = case.expected(fence);
+
+        seed(&mut conn);
+        let fingerprint = claim_rule::fingerprint(case.given);
+        let reply: redis::Value = redis::cmd("EVAL")
+            .arg(script)
+            .arg(1)
+            .arg(key.as_bytes())
+            .arg("claim")
+            .arg(token.as_bytes())
+            .arg(minute_ms)
+            .arg(minute_ms)
+            .arg(fingerprint.as_ref().map_or(&[][..], |f| &f.as_bytes()[..]))
+            .query(&mut conn)
+            .unwrap();
+        assert_eq!(script_claim(reply), want, "the script, {case:?}");
+
+        seed(&mut conn);
+        assert_eq!(
+            store.claim(&req).await.unwrap(),
+            want,
+            "the store, {case:?}"
+        );
+    }
+    delete_matching(&url, &format!("{namespace}:*"));
+}
+
+/// A claim as the script answers it: `{code, fence, result?}`.
+fn script_claim(reply: redis::Value) -> Claim {
+    let redis::Value::Array(items) = reply else {
+        panic!("not a claim reply: {reply:?}");
+    };
+    let int = |v: Option<&redis::Value>| match v {
+        Some(redis::Value::Int(n)) => *n,
+        other => panic!("not a number: {other:?}"),
+    };
+    let fence = u64::try_from(int(items.get(1))).unwrap();
+    match int(items.first()) {
+        1 => Claim::Acquired { fence },
+        2 => Claim::Completed {
+            fence,
+            result: match items.get(2) {
+                Some(redis::Value::BulkString(bytes)) if !bytes.is_empty() => Some(bytes.clone()),
+                _ => None,
+            },
+        },
+        3 => Claim::InProgress { fence },
+        4 => Claim::Mismatch { fence },
+        code => panic!("claim code {code}"),
+    }
 }

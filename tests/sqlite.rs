@@ -370,6 +370,10 @@ async fn asynchronous_claims_are_refused() {
     let Err(err) = refused else {
         panic!("a SQLite store with asynchronous claims was built");
     };
-    assert_eq!(err.kind(), idempotency::store::StoreErrorKind::Unsafe, "{err}");
+    assert_eq!(
+        err.kind(),
+        idempotency::store::StoreErrorKind::Unsafe,
+        "{err}"
+    );
     assert!(err.to_string().contains("PostgreSQL"), "{err}");
 }

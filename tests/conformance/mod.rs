@@ -1,11 +1,12 @@
-//! The conformance suite: every rule of the semantics (`docs/semantics.md`), written once,
-//! generic over the store. Each backend's test file instantiates it with
-//! `conformance_suite!(make_backend)`, where `make_backend` is an async fn returning an
-//! [`OperatorBackend`]: a [`Backend`] whose store also has the operator's methods
-//! ([`OperatorStore`](idempotency::store::OperatorStore)), as every store of this crate does.
-//! A store that implements [`Store`](idempotency::store::Store) alone runs the engine's cases with
-//! `store_conformance_suite!(make_backend)`; the operator's cases (`admin`, and `model`, whose
-//! sequences include an operator's reopening and deletion) need an [`OperatorBackend`].
+//! The conformance suite: every rule of the semantics (`docs/semantics.md`, "Rules" and
+//! "Operator actions"), written once, generic over the store. Each backend's test file
+//! instantiates it with `conformance_suite!(make_backend)`, where `make_backend` is an async
+//! fn returning an [`OperatorBackend`]: a [`Backend`] whose store also has the operator's
+//! methods ([`OperatorStore`](idempotency::store::OperatorStore)), as every store of this
+//! crate does. A store that implements [`Store`](idempotency::store::Store) alone runs the engine's
+//! cases with `store_conformance_suite!(make_backend)`; the operator's cases (`admin`, and
+//! `model`, whose sequences include an operator's reopening and deletion) need an
+//! [`OperatorBackend`].
 //!
 //! Every case uses its own key prefix, so backends that share a server (Redis, SQL) can run
 //! cases in parallel; the backend cleans its prefix up when dropped.

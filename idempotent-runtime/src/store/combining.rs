@@ -30,13 +30,12 @@ type Settled = oneshot::Sender<Result<bool, StoreError>>;
 /// A call is sent at once while fewer than `max_in_flight` batches are on their way; beyond
 /// that it waits, and every call that arrived meanwhile goes with it in the next batch. An
 /// idle store adds no delay; a busy one sends one statement (one commit, on SQL) for many
-/// calls instead of one each. On PostgreSQL, whose batch claim and batch settlement are one
-/// statement each, claim + complete cycles of 50 concurrent callers on a pool of 8 ran at
-/// 1.2 to 1.9 times one hand-written statement per call (`benches/sql.rs`), against 0.77 to
-/// 0.9 for the store without it; on MariaDB (10.5 and later, whose batch claim is one
-/// statement with `RETURNING`), 1.5 to 1.6 times, against 0.82 to 0.86. On MySQL a batch
-/// claim is a statement and a read: measure before using it there. On Redis, whose batches
-/// are pipelines, it saves little.
+/// calls instead of one each. It pays where a batch is one statement: PostgreSQL's batch
+/// claim and batch settlement, and MariaDB's (10.5 and later, whose batch claim is one
+/// statement with `RETURNING`). On MySQL a batch claim is a statement and a read: measure
+/// before using it there. On Redis, whose batches are pipelines, it saves little. The
+/// measured figures are in the performance section of the repository's README, and
+/// `benches/sql.rs` measures them again.
 ///
 /// Every call is answered as the wrapped store answers it alone: a batch's answers are per
 /// item ([`Store::complete_many`]'s contract), two claims of one key never share a batch,
@@ -341,7 +340,7 @@ fn may_hold(claim: &Result<Claim, StoreError>) -> bool {
 /// Releases `req`'s claim, token-checked, retrying with backoff (each attempt bounded) while
 /// the store fails, until the record would have expired anyway.
 async fn give_back(inner: &SharedOperatorStore, req: &ClaimRequest) {
-    let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
+    let give_up_at = tokio::time::Instant::now() + req.record_lifetime();
     let mut backoff = Duration::from_millis(10);
     loop {
         match within(call_bound(req.lease), inner.release(&req.key, &req.token)).await {

@@ -24,9 +24,11 @@
 //!
 //! Neither trait has a method that fails for want of an implementation: a store that lacks
 //! the operator's methods is refused by the compiler where an operator would use it, not at
-//! run time. The helpers [`next_fence`] and [`clamped_millis`] give the numbers every
-//! backend must agree on. The conformance suite in the repository's `tests/` checks every
-//! rule of both traits; run it against a new backend before trusting it.
+//! run time. The helpers [`next_fence`], [`clamped_millis`] and
+//! [`ClaimRequest::record_lifetime`] give the numbers every backend must agree on, and
+//! [`claim_answer`] what a claim answers for the record it finds. The conformance suite in
+//! the repository's `tests/` checks every rule of both traits; run it against a new backend
+//! before trusting it.
 //!
 //! A store that counts the claims of another, with both traits passed on to it:
 //!
@@ -117,7 +119,7 @@ mod tiered;
 mod token;
 mod url;
 
-pub use answer::{Claim, Record, RecordState};
+pub use answer::{claim_answer, Claim, ClaimAnswer, Record, RecordState};
 pub use combining::CombiningStore;
 pub use contract::{BoxFuture, IntoStore, SharedStore, Store};
 pub use fingerprint::Fingerprint;

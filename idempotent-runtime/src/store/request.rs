@@ -51,6 +51,24 @@ impl ClaimRequest {
         self.fingerprint = Some(fingerprint);
         self
     }
+
+    /// How long the record this claim writes lives: the longer of [`ttl`](Self::ttl) and
+    /// [`lease`](Self::lease), so that a claim's record never expires while its lease runs.
+    /// Every store sets the expiry of the record it claims from it (clamped as every
+    /// duration is, [`clamped_millis`](crate::store::clamped_millis)).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotent_runtime::{ClaimRequest, Key, Token};
+    ///
+    /// let key = Key::new("order", 1, &[&7u32]).unwrap();
+    /// let (lease, ttl) = (Duration::from_secs(600), Duration::from_secs(60));
+    /// let req = ClaimRequest::new(key, Token::generate(), lease, ttl);
+    /// assert_eq!(req.record_lifetime(), lease);
+    /// ```
+    pub fn record_lifetime(&self) -> Duration {
+        self.ttl.max(self.lease)
+    }
 }
 
 /// What [`Store::complete`](crate::store::Store::complete) writes. Built with [`Completion::new`]; fields may be added in

@@ -9,8 +9,8 @@ use crate::key::Key;
 use crate::store::memory::clock::{Clock, SystemClock};
 use crate::store::memory::shard::{clamped, lock, Entry, Shard, State, SHARDS};
 use crate::store::{
-    next_fence, BoxFuture, Claim, ClaimRequest, Completion, Record, Store, Token,
-    DEFAULT_MAX_RESULT_SIZE,
+    claim_answer, next_fence, BoxFuture, Claim, ClaimAnswer, ClaimRequest, Completion, Record,
+    Store, Token, DEFAULT_MAX_RESULT_SIZE,
 };
 
 /// The embedded in-memory [`Store`].
@@ -163,40 +163,16 @@ impl MemoryStore {
         let now = self.clock.now();
         let (mut shard, hash) = self.shard(&req.key);
         shard.maybe_sweep(now);
-        let mismatch = |e: &Entry| match (e.fingerprint, req.fingerprint) {
-            (Some(stored), Some(given)) => stored != given,
-            _ => false,
-        };
-        let previous_fence = match shard.live(&req.key, hash, now) {
-            None => None,
-            Some(entry) => match &entry.state {
-                // The same owner claiming again (a retry after a lost reply).
-                State::InProgress { .. } if entry.token == req.token => {
-                    return Claim::Acquired { fence: entry.fence }
-                }
-                State::Completed { result } if !mismatch(entry) => {
-                    return Claim::Completed {
-                        fence: entry.fence,
-                        result: result.as_deref().map(<[u8]>::to_vec),
-                    }
-                }
-                State::InProgress { lease_until } if *lease_until > now && !mismatch(entry) => {
-                    return Claim::InProgress { fence: entry.fence }
-                }
-                State::Released => Some(entry.fence),
-                _ if mismatch(entry) => return Claim::Mismatch { fence: entry.fence },
-                // An InProgress record whose lease ran out: take it over.
-                _ => Some(entry.fence),
+        let fence = match shard.live(&req.key, hash, now) {
+            Some(entry) => match claim_answer(req, entry.record(now)) {
+                ClaimAnswer::Answer(claim) => return claim,
+                ClaimAnswer::TakeOver { fence } => fence,
             },
+            // The wall clock is read only when the key has no record.
+            None => next_fence(None, self.clock.unix_micros()),
         };
-        // The wall clock is read only when the key has no record.
-        let now_micros = match previous_fence {
-            Some(_) => 0,
-            None => self.clock.unix_micros(),
-        };
-        let fence = next_fence(previous_fence, now_micros);
         let lease = clamped(req.lease);
-        let expires_at = now + clamped(req.ttl).max(lease);
+        let expires_at = now + clamped(req.record_lifetime());
         shard.expires(expires_at);
         shard.put(
             &req.key,

@@ -2,6 +2,7 @@
 //! claims by script, and the pipelines of a batch.
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use ::redis::Value;
 
@@ -11,7 +12,7 @@ use crate::store::redis::clock::{fast_durations, Estimate};
 use crate::store::redis::conn::{command_error, script_error};
 use crate::store::redis::store::RedisStore;
 use crate::store::redis::wire::{claim_cmd, decode_claim, fast_claim_record, parse_record};
-use crate::store::{clamped_millis, Claim, ClaimRequest, RecordState};
+use crate::store::{claim_answer, clamped_millis, Claim, ClaimAnswer, ClaimRequest, RecordState};
 
 impl RedisStore {
     /// Every claim in one pipeline: one round trip where the fast claim decides them all. With
@@ -275,7 +276,7 @@ fn fast_claim_cmd(req: &ClaimRequest, at: Estimate) -> Option<::redis::Cmd> {
     if !fast_durations(req.lease, req.ttl) {
         return None;
     }
-    let (lease, ttl) = (clamped_millis(req.lease), clamped_millis(req.ttl));
+    let lease = clamped_millis(req.lease);
     let value = fast_claim_record(req, at.upper_us, lease)?;
     let key = req.key.as_bytes();
     let mut cmd = ::redis::Cmd::with_capacity(7, key.len() + value.len() + 32);
@@ -284,7 +285,7 @@ fn fast_claim_cmd(req: &ClaimRequest, at: Estimate) -> Option<::redis::Cmd> {
         .arg(value)
         .arg("NX")
         .arg("PX")
-        .arg(lease.max(ttl))
+        .arg(clamped_millis(req.record_lifetime()))
         .arg("GET");
     Some(cmd)
 }
@@ -298,33 +299,19 @@ fn fast_claim_reply(req: &ClaimRequest, at: Estimate, reply: Value) -> Option<Cl
     }
 }
 
-/// What a claim answers for the record `old` that its `SET NX` found, as the script would
-/// answer it, where the estimate suffices; `None` where the script must decide (a released
-/// record, a lease that has run out or is within the estimate's error of it, a value that is
-/// no record).
+/// What a claim answers for the record `old` that its `SET NX` found, by the rule
+/// ([`claim_answer`]) the script follows too, where the estimate suffices; `None` where the
+/// script must decide (a record to take over, released or with a lease that has run out, a
+/// lease within the estimate's error of running out, a value that is no record).
 fn decide_existing(req: &ClaimRequest, old: &[u8], at: Estimate) -> Option<Claim> {
-    let record = parse_record(old, i64::try_from(at.now_ms).ok()?)?;
-    let fence = record.fence;
-    let mismatch = matches!(
-        (&req.fingerprint, &record.fingerprint),
-        (Some(ours), Some(theirs)) if ours != theirs
-    );
-    match record.state {
-        RecordState::InProgress { .. } if record.token == req.token => {
-            Some(Claim::Acquired { fence })
-        }
-        RecordState::InProgress { .. } | RecordState::Completed if mismatch => {
-            Some(Claim::Mismatch { fence })
-        }
-        RecordState::Completed => Some(Claim::Completed {
-            fence,
-            result: record.result,
-        }),
-        RecordState::InProgress { lease_left }
-            if lease_left.as_micros() > u128::from(at.error_us) + 1_000 =>
-        {
-            Some(Claim::InProgress { fence })
-        }
-        _ => None,
+    let mut record = parse_record(old, i64::try_from(at.now_ms).ok()?)?;
+    // A lease the estimate cannot be sure is live reads as run out: the script decides it.
+    if let RecordState::InProgress { lease_left } = &mut record.state {
+        let doubt = Duration::from_micros(at.error_us.saturating_add(1_000));
+        *lease_left = lease_left.saturating_sub(doubt);
+    }
+    match claim_answer(req, record) {
+        ClaimAnswer::Answer(claim) => Some(claim),
+        ClaimAnswer::TakeOver { .. } => None,
     }
 }

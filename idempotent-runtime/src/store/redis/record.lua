@@ -85,8 +85,9 @@ local function encode(state, token, fp, fence, lease_end, result)
 end
 
 if op == 'claim' then
-  -- ARGV: token, lease ms, ttl ms, fingerprint ('' for none)
-  local token, lease, ttl = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+  -- ARGV: token, lease ms, the record's lifetime ms (the longer of ttl and lease, which the
+  -- client computes), fingerprint ('' for none)
+  local token, lease = ARGV[2], tonumber(ARGV[3])
   local fp = ARGV[5]
   if fp == '' then fp = false end
   local r, why = load()
@@ -107,10 +108,8 @@ if op == 'claim' then
     end
     fence = r.fence + 1
   end
-  local px = ARGV[4]
-  if lease > ttl then px = ARGV[3] end
   redis.call('SET', key, encode('P', token, fp, fence, now + lease, string.format('%d', now)),
-    'PX', px)
+    'PX', ARGV[4])
   return {1, fence}
 
 elseif op == 'complete' then

@@ -22,7 +22,7 @@ pub(super) fn claim_cmd(script: &Lua, req: &ClaimRequest) -> Cmd {
     cmd.arg("claim")
         .arg(req.token.as_bytes())
         .arg(clamped_millis(req.lease))
-        .arg(clamped_millis(req.ttl))
+        .arg(clamped_millis(req.record_lifetime()))
         .arg(fingerprint);
     cmd
 }

@@ -421,7 +421,7 @@ where
             .bind(&req.token.as_bytes()[..])
             .bind(ticks(req.lease, tick))
             .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-            .bind(ticks(req.ttl.max(req.lease), tick));
+            .bind(ticks(req.record_lifetime(), tick));
     }
     query
 }

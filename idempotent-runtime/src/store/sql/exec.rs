@@ -9,7 +9,7 @@ use sqlx::Database;
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
-use crate::store::{Claim, ClaimRequest, Completion, Settle, Settlement, Token};
+use crate::store::{BoxFuture, Claim, ClaimRequest, Completion, Settle, Settlement, Token};
 
 use crate::store::sql::driver::{ticks, Arg};
 use crate::store::sql::driver::{Dialect, Statements};
@@ -33,18 +33,15 @@ pub(super) async fn claim_on<DB: Dialect>(
     req: &ClaimRequest,
     autocommit: bool,
 ) -> Result<Claim, StoreError> {
-    let mut conflicts = 0;
+    // One count of conflicts for every attempt.
+    let mut conflicts = Conflicts::new(autocommit);
     let mut attempts = 0;
     loop {
-        let step = match DB::claim(conn, sql, req).await {
-            Ok(step) => step,
-            Err(err) if autocommit && conflicts < CONFLICT_RETRIES && is_conflict::<DB>(&err) => {
-                conflicts += 1;
-                backoff(conflicts).await;
-                continue;
-            }
-            Err(err) => return Err(store_error::<DB>(err, Phase::Write, "claim")),
-        };
+        let step = conflicts
+            .send::<DB, _, _>(conn, &(sql, req), "claim", |conn, &(sql, req)| {
+                DB::claim(conn, sql, req)
+            })
+            .await?;
         if let Some(claim) = settle(step, req, DB::TICK)? {
             return Ok(claim);
         }
@@ -138,17 +135,11 @@ async fn claim_batch_on<DB: Dialect>(
     sql: &Statements,
     reqs: &[&ClaimRequest],
 ) -> Result<Vec<Step>, StoreError> {
-    let mut conflicts = 0;
-    loop {
-        match DB::claim_batch(conn, sql, reqs).await {
-            Ok(steps) => return Ok(steps),
-            Err(err) if conflicts < CONFLICT_RETRIES && is_conflict::<DB>(&err) => {
-                conflicts += 1;
-                backoff(conflicts).await;
-            }
-            Err(err) => return Err(store_error::<DB>(err, Phase::Write, "batch claim")),
-        }
-    }
+    Conflicts::new(true)
+        .send::<DB, _, _>(conn, &(sql, reqs), "batch claim", |conn, &(sql, reqs)| {
+            DB::claim_batch(conn, sql, reqs)
+        })
+        .await
 }
 
 /// `err` for every item of a batch that failed as a whole: the first gets the error itself,
@@ -377,17 +368,14 @@ async fn settle_batch_on<DB: Dialect>(
     sql: &Statements,
     items: &[&Settlement],
 ) -> Result<Vec<bool>, StoreError> {
-    let mut conflicts = 0;
-    loop {
-        match DB::settle_batch(conn, sql, items).await {
-            Ok(matched) => return Ok(matched),
-            Err(err) if conflicts < CONFLICT_RETRIES && is_conflict::<DB>(&err) => {
-                conflicts += 1;
-                backoff(conflicts).await;
-            }
-            Err(err) => return Err(store_error::<DB>(err, Phase::Write, "batch settlement")),
-        }
-    }
+    Conflicts::new(true)
+        .send::<DB, _, _>(
+            conn,
+            &(sql, items),
+            "batch settlement",
+            |conn, &(sql, items)| DB::settle_batch(conn, sql, items),
+        )
+        .await
 }
 
 /// Refuses a completion whose result is larger than the store takes, before it is sent.
@@ -409,20 +397,56 @@ pub(super) async fn write<DB: Dialect>(
     what: &str,
     autocommit: bool,
 ) -> Result<u64, StoreError> {
-    let mut conflicts = 0;
-    loop {
-        match DB::execute(conn, sql, args).await {
-            Ok(rows) => return Ok(rows),
-            Err(err) if autocommit && conflicts < CONFLICT_RETRIES && is_conflict::<DB>(&err) => {
-                conflicts += 1;
-                backoff(conflicts).await;
-            }
-            Err(err) => return Err(store_error::<DB>(err, Phase::Write, what)),
-        }
-    }
+    Conflicts::new(autocommit)
+        .send::<DB, _, _>(conn, &(sql, args), what, |conn, &(sql, args)| {
+            DB::execute(conn, sql, args)
+        })
+        .await
 }
 
-/// A short, growing pause before a statement rolled back by a conflict is sent again.
-async fn backoff(attempt: u32) {
-    tokio::time::sleep(Duration::from_millis(2u64 << attempt.min(6))).await;
+/// The conflict retries of a statement: one that the database rolled back by a conflict
+/// (deadlock, serialization failure, busy database) is sent again, after a short, growing
+/// pause, at most [`CONFLICT_RETRIES`] times in all. Only in autocommit mode: in a
+/// transaction a conflict may have aborted the transaction, and the error is returned.
+struct Conflicts {
+    autocommit: bool,
+    seen: u32,
+}
+
+impl Conflicts {
+    fn new(autocommit: bool) -> Conflicts {
+        Conflicts {
+            autocommit,
+            seen: 0,
+        }
+    }
+
+    /// `send(conn, args)`'s answer, sent again while it is rolled back by a conflict and
+    /// retries are left; its error otherwise, as a write's error named `what`.
+    async fn send<DB, A, T>(
+        &mut self,
+        conn: &mut DB::Connection,
+        args: &A,
+        what: &str,
+        send: impl for<'c> Fn(&'c mut DB::Connection, &'c A) -> BoxFuture<'c, Result<T, sqlx::Error>>,
+    ) -> Result<T, StoreError>
+    where
+        DB: Dialect,
+        A: ?Sized,
+    {
+        loop {
+            match send(&mut *conn, args).await {
+                Ok(answer) => return Ok(answer),
+                Err(err)
+                    if self.autocommit
+                        && self.seen < CONFLICT_RETRIES
+                        && is_conflict::<DB>(&err) =>
+                {
+                    self.seen += 1;
+                    tokio::time::sleep(Duration::from_millis(2u64 << self.seen.min(6))).await;
+                }
+                Err(err) => return Err(store_error::<DB>(err, Phase::Write, what)),
+            }
+        }
+    }
 }

@@ -376,7 +376,7 @@ impl Driver for Postgres {
                 .bind(&req.token.as_bytes()[..])
                 .bind(ticks(req.lease, Self::TICK))
                 .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-                .bind(ticks(req.ttl.max(req.lease), Self::TICK))
+                .bind(ticks(req.record_lifetime(), Self::TICK))
                 .fetch_optional(conn)
                 .await?;
             Ok(Step::Seen(row.as_ref().map(RecordRow::decode).transpose()?))
@@ -404,7 +404,7 @@ impl Driver for Postgres {
                 .collect();
             let ttls: Vec<i64> = reqs
                 .iter()
-                .map(|req| ticks(req.ttl.max(req.lease), Self::TICK))
+                .map(|req| ticks(req.record_lifetime(), Self::TICK))
                 .collect();
             let rows = sqlx::query(AssertSqlSafe(sql.claim_many.clone()))
                 .bind(&keys)

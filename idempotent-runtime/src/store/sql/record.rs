@@ -5,7 +5,9 @@ use std::time::Duration;
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use crate::error::{StoreError, StoreErrorKind};
-use crate::store::{Claim, ClaimRequest, Fingerprint, Record, RecordState, Token};
+use crate::store::{
+    claim_answer, Claim, ClaimAnswer, ClaimRequest, Fingerprint, Record, RecordState, Token,
+};
 
 /// The record columns every statement that returns a record selects, in this order:
 /// `state, token, fence, fingerprint, result, lease_left` (`lease_left` in the dialect's
@@ -212,25 +214,13 @@ pub(crate) fn settle(
             return Err(corrupt("a column does not decode".to_string()).with_source(err))
         }
     };
-    let stored = Stored::from_row(row, tick)?;
-    let fence = stored.fence;
-    if stored.token == req.token && stored.state == State::InProgress {
-        return Ok(Some(Claim::Acquired { fence }));
-    }
-    let mismatch = matches!(
-        (stored.fingerprint, req.fingerprint),
-        (Some(stored), Some(given)) if stored != given
-    );
-    Ok(match stored.state {
-        State::Completed if mismatch => Some(Claim::Mismatch { fence }),
-        State::Completed => Some(Claim::Completed {
-            fence,
-            result: stored.result,
-        }),
-        State::InProgress if mismatch => Some(Claim::Mismatch { fence }),
-        State::InProgress if !stored.lease_left.is_zero() => Some(Claim::InProgress { fence }),
-        State::InProgress | State::Released => None,
-    })
+    Ok(
+        match claim_answer(req, Stored::from_row(row, tick)?.into_record()) {
+            ClaimAnswer::Answer(claim) => Some(claim),
+            // Free, yet the statement did not take it: send it again.
+            ClaimAnswer::TakeOver { .. } => None,
+        },
+    )
 }
 
 fn sixteen(bytes: &[u8], what: &str) -> Result<[u8; 16], StoreError> {

@@ -388,7 +388,7 @@ impl Driver for Sqlite {
                 .bind(&req.token.as_bytes()[..])
                 .bind(ticks(req.lease, Self::TICK))
                 .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-                .bind(ticks(req.ttl.max(req.lease), Self::TICK))
+                .bind(ticks(req.record_lifetime(), Self::TICK))
                 .fetch_optional(&mut *conn)
                 .await?;
             if let Some(row) = taken {
