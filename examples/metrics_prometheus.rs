@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::routing::get;
-use idempotency::{idempotent, Error, Idempotency, InProgress, Key, MemoryStore, SharedStore};
+use idempotency::{idempotent, Error, Idempotency, Key, MemoryStore, OnInProgress, SharedStore};
 use metrics_exporter_prometheus::PrometheusBuilder;
 
 #[derive(Debug)]
@@ -68,7 +68,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     running.await?;
     let busy: Result<(), Error> = guard
-        .on_in_progress(InProgress::Reject)
+        .on_in_progress(OnInProgress::Reject)
         .run(key, async { Ok(()) })
         .await;
     println!("in flight: {busy:?}");

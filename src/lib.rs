@@ -46,7 +46,7 @@
 //!   refuse a stale owner (`... WHERE fence < $fence`), and a lost-lease signal.
 //! - [`Error`] and [`Error::action`]: every outcome as an [`Action`]: ack, redeliver or
 //!   dead-letter.
-//! - The policies: [`InProgress`], [`OnError`], [`OnStoreError`], [`OnLostLease`].
+//! - The policies: [`OnInProgress`], [`OnError`], [`OnStoreError`], [`OnLostLease`].
 //! - The stores: [`connect`] and [`set_default_store`] (or [`with_default_store`] in tests),
 //!   [`MemoryStore`]; a [`Key`] is built from [`KeyPart`]s.
 //!
@@ -102,8 +102,8 @@
 pub use idempotent_macros::idempotent;
 pub use idempotent_runtime::{
     connect, current, default_store, on_completion_lost, set_default_store, with_default_store,
-    Action, Batch, CompletionLost, Current, Error, Idempotency, InProgress, Key, KeyPart,
-    LossReason, OnError, OnLostLease, OnStoreError, Operation, SharedStore,
+    Action, Batch, CompletionLost, Current, Error, Idempotency, Key, KeyPart, LossReason, OnError,
+    OnInProgress, OnLostLease, OnStoreError, Operation, SharedStore,
 };
 
 #[cfg(feature = "memory")]

@@ -28,7 +28,7 @@ use idempotency::http::{IdempotencyLayer, Replayed};
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
 use idempotency::store::{BoxFuture, Claim, ClaimRequest, Completion, Record, StoreError, Token};
-use idempotency::{Idempotency, InProgress, Key, MemoryStore, SharedStore};
+use idempotency::{Idempotency, Key, MemoryStore, OnInProgress, SharedStore};
 use proxy::Proxy;
 use redis_server::{connect, delete_matching, redis_url};
 use sql_tables::{Scratch, Server};
@@ -741,7 +741,7 @@ impl idempotency::store::Store for Watched {
     }
 }
 
-/// With `InProgress::Wait`, a duplicate sent while the first request's handler runs is not
+/// With `OnInProgress::Wait`, a duplicate sent while the first request's handler runs is not
 /// refused with `409`: it waits, and once the first completed it gets the first response
 /// replayed. The handler runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -753,7 +753,7 @@ async fn a_duplicate_in_flight_waits_for_the_first_response_with_wait_policy() {
             backend,
             move |idempotency, store| {
                 idempotency
-                    .on_in_progress(InProgress::Wait(Duration::from_secs(5)))
+                    .on_in_progress(OnInProgress::Wait(Duration::from_secs(5)))
                     .store(Arc::new(Watched {
                         inner: store.clone(),
                         busy: seen,

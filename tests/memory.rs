@@ -539,7 +539,7 @@ async fn the_call_span_is_a_child_of_the_span_the_call_runs_in() {
     }
 }
 
-/// `InProgress::Wait(Duration::MAX)` (wait as long as it takes) runs the handler on a free key
+/// `OnInProgress::Wait(Duration::MAX)` (wait as long as it takes) runs the handler on a free key
 /// and, on a held one, waits for the owner and then answers as for a completed key, instead of
 /// overflowing the clock on every call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -547,7 +547,7 @@ async fn an_unbounded_wait_policy_runs_and_waits() {
     let store: SharedStore = Arc::new(MemoryStore::new());
     let idem = idempotency::Idempotency::new(Duration::from_secs(60))
         .store(store.clone())
-        .on_in_progress(idempotency::InProgress::Wait(Duration::MAX));
+        .on_in_progress(idempotency::OnInProgress::Wait(Duration::MAX));
     let runs = AtomicUsize::new(0);
     let free = Key::new("wait-max", 1, &[&"free"]).unwrap();
     let out: Result<(), idempotency::Error> = idem

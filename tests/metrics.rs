@@ -20,7 +20,7 @@ use std::time::Duration;
 use idempotency::sql::SqliteStore;
 use idempotency::store::Token;
 use idempotency::{
-    Error, Idempotency, InProgress, Key, MemoryStore, OnError, OnStoreError, SharedStore,
+    Error, Idempotency, Key, MemoryStore, OnError, OnInProgress, OnStoreError, SharedStore,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::CompositeKey;
@@ -200,7 +200,7 @@ async fn busy_keys_mismatches_and_the_done_fallback_are_counted() {
     assert!(matches!(rejected, Err(Error::InProgress { .. })));
     let skipped: Result<(), Error> = guard
         .clone()
-        .on_in_progress(InProgress::Skip)
+        .on_in_progress(OnInProgress::Skip)
         .run(key("busy"), async { Ok(()) })
         .await;
     assert!(matches!(skipped, Err(Error::Skipped { .. })));
@@ -208,7 +208,7 @@ async fn busy_keys_mismatches_and_the_done_fallback_are_counted() {
     let waiter = tokio::spawn({
         let guard = guard
             .clone()
-            .on_in_progress(InProgress::Wait(Duration::from_secs(30)));
+            .on_in_progress(OnInProgress::Wait(Duration::from_secs(30)));
         let key = key("busy");
         async move {
             let out: Result<(), Error> = guard.run(key, async { Ok(()) }).await;

@@ -31,7 +31,7 @@ use idempotency::sql::sqlx::{self, Postgres};
 use idempotency::sql::PostgresStore;
 use idempotency::store::{Fingerprint, Token};
 use idempotency::{
-    idempotent, Error, Idempotency, InProgress, Key, MemoryStore, OnError, OnLostLease,
+    idempotent, Error, Idempotency, Key, MemoryStore, OnError, OnInProgress, OnLostLease,
     OnStoreError, SharedStore,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
@@ -636,9 +636,9 @@ async fn operation(
         }
         Case::InProgress | Case::Skipped => {
             let policy = if case == Case::Skipped {
-                InProgress::Skip
+                OnInProgress::Skip
             } else {
-                InProgress::Reject
+                OnInProgress::Reject
             };
             call.settings = call.settings.on_in_progress(policy);
             let first = call.clone();

@@ -165,11 +165,11 @@ fn spec(
     let ttl = Literal::u64_suffixed(ttl);
     let lease = Literal::u64_suffixed(lease);
     let in_progress = match in_progress {
-        InProgress::Reject => quote!(#private::InProgress::Reject),
-        InProgress::Skip => quote!(#private::InProgress::Skip),
+        InProgress::Reject => quote!(#private::OnInProgress::Reject),
+        InProgress::Skip => quote!(#private::OnInProgress::Skip),
         InProgress::Wait(secs) => {
             let secs = Literal::u64_suffixed(*secs);
-            quote!(#private::InProgress::Wait(::core::time::Duration::from_secs(#secs)))
+            quote!(#private::OnInProgress::Wait(::core::time::Duration::from_secs(#secs)))
         }
     };
     let on_store_error = match on_store_error {

@@ -62,7 +62,7 @@ pub enum Error {
         fence: u64,
     },
 
-    /// Another owner holds a live claim and the policy is [`InProgress::Skip`](crate::InProgress::Skip):
+    /// Another owner holds a live claim and the policy is [`OnInProgress::Skip`](crate::OnInProgress::Skip):
     /// the message is dropped in favour of the one being processed.
     ///
     /// Consumer: [`Action::Ack`].

@@ -73,7 +73,7 @@ pub use engine::{
 };
 pub use error::{Action, Error, StoreError, StoreErrorKind};
 pub use key::{Key, KeyError, KeyPart};
-pub use policy::{InProgress, OnError, OnLostLease, OnStoreError};
+pub use policy::{OnError, OnInProgress, OnLostLease, OnStoreError};
 pub use store::{
     AcquiredClaim, BoxFuture, Claim, ClaimRequest, Completion, Fingerprint, IntoStore, Record,
     RecordState, SharedStore, Store, Token,

@@ -204,7 +204,7 @@ pub(crate) fn handler_duration(key: &Key, store: &'static str, since: Started) {
     let _ = (key, store, since);
 }
 
-/// How long a call waited for another owner (`InProgress::Wait`) before its outcome.
+/// How long a call waited for another owner (`OnInProgress::Wait`) before its outcome.
 #[inline]
 pub(crate) fn wait_duration(key: &Key, store: &'static str, since: Started) {
     #[cfg(feature = "metrics")]

@@ -7,15 +7,15 @@ use std::time::Duration;
 ///
 /// ```
 /// use std::time::Duration;
-/// use idempotent_runtime::InProgress;
+/// use idempotent_runtime::OnInProgress;
 ///
-/// assert_eq!(InProgress::default(), InProgress::Reject);
-/// let wait = InProgress::Wait(Duration::from_secs(5));
+/// assert_eq!(OnInProgress::default(), OnInProgress::Reject);
+/// let wait = OnInProgress::Wait(Duration::from_secs(5));
 /// # let _ = wait;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
-pub enum InProgress {
+pub enum OnInProgress {
     /// Return [`Error::InProgress`](crate::Error::InProgress) at once; the broker redelivers
     /// the message later. The default.
     #[default]

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 pub use crate::engine::HandlerResult;
 use crate::engine::{Idempotency, Operation};
-pub use crate::policy::{InProgress, OnError, OnStoreError};
+pub use crate::policy::{OnError, OnInProgress, OnStoreError};
 use crate::store::{IntoStore, SharedStore};
 use crate::{Key, KeyPart};
 
@@ -20,7 +20,7 @@ pub struct Spec {
     /// `lease = N`, in seconds; 0 for the default.
     pub lease_secs: u64,
     /// `on_in_progress = ...`.
-    pub in_progress: InProgress,
+    pub in_progress: OnInProgress,
     /// `on_store_error = ...`.
     pub on_store_error: OnStoreError,
 }

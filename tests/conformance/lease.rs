@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::store::{Claim, RecordState};
-use idempotency::{Error, InProgress};
+use idempotency::{Error, OnInProgress};
 use tokio::sync::Notify;
 
 use super::{guard, key, req, same_fence, unique_prefix, Backend, TestError};
@@ -70,7 +70,7 @@ pub async fn handler_that_outlives_its_lease_loses_ownership(b: impl Backend) {
     // completes.
     let new: Result<&str, TestError> = guard(&store)
         .lease(lease)
-        .on_in_progress(InProgress::Wait(Duration::from_secs(10)))
+        .on_in_progress(OnInProgress::Wait(Duration::from_secs(10)))
         .run(k.clone(), async { Ok("new") })
         .await;
     assert_eq!(new.unwrap(), "new");

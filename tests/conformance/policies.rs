@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::store::Claim;
-use idempotency::{Error, Idempotency, InProgress, SharedStore};
+use idempotency::{Error, Idempotency, OnInProgress, SharedStore};
 use tokio::sync::Notify;
 
 use super::{guard, key, req, same_fence, unique_prefix, Backend, Observed, TestError};
@@ -33,7 +33,7 @@ pub async fn wait_policy_returns_the_owners_result(b: impl Backend) {
     let waiter = {
         let (g, k) = (guard(&store), k.clone());
         tokio::spawn(async move {
-            g.on_in_progress(InProgress::Wait(Duration::from_secs(10)))
+            g.on_in_progress(OnInProgress::Wait(Duration::from_secs(10)))
                 .operation(k)
                 .replay()
                 .run(async { Ok::<_, TestError>(0) })
@@ -59,7 +59,7 @@ pub async fn wait_policy_gives_up_after_its_bound(b: impl Backend) {
     };
     let started = tokio::time::Instant::now();
     let out: Result<(), TestError> = guard(&store)
-        .on_in_progress(InProgress::Wait(Duration::from_millis(200)))
+        .on_in_progress(OnInProgress::Wait(Duration::from_millis(200)))
         .run(k, async { Ok(()) })
         .await;
     assert!(
@@ -77,7 +77,7 @@ pub async fn skip_policy_drops_the_duplicate(b: impl Backend) {
         .await
         .unwrap();
     let out: Result<(), TestError> = guard(&store)
-        .on_in_progress(InProgress::Skip)
+        .on_in_progress(OnInProgress::Skip)
         .run(k, async { panic!("the handler must not run") })
         .await;
     match out {

@@ -180,7 +180,7 @@ impl fmt::Display for Decision {
 }
 
 /// How outcomes become [`Decision`]s: how often a failing handler is retried and how long a
-/// redelivered message waits. (The engine's policies, `InProgress`, `OnError` and the like,
+/// redelivered message waits. (The engine's policies, `OnInProgress`, `OnError` and the like,
 /// decide what a call does; this one decides what becomes of the message afterwards.)
 ///
 /// ```

@@ -155,7 +155,7 @@ where
 {
     /// Runs `handler` for each item not run before, and returns each item's answer in input
     /// order (see the [type docs](Batch)). Items whose key is held by a live owner follow the
-    /// in-progress policy (with [`InProgress::Wait`](crate::InProgress::Wait) they are
+    /// in-progress policy (with [`OnInProgress::Wait`](crate::OnInProgress::Wait) they are
     /// claimed again one by one).
     pub async fn run<F, Fut>(self, items: Vec<(Key, T)>, handler: F) -> Vec<R>
     where
@@ -239,7 +239,7 @@ impl Idempotency {
     /// a shorthand for `self.batch().run(items, handler)`. Results come back in input order,
     /// each what [`Operation::run`] would have returned for that item alone. Acquired items
     /// run concurrently, each under its own lease renewal; items held by a live owner follow
-    /// the in-progress policy (with [`InProgress::Wait`](crate::InProgress::Wait) they are claimed again one by one).
+    /// the in-progress policy (with [`OnInProgress::Wait`](crate::OnInProgress::Wait) they are claimed again one by one).
     /// For a fingerprint, replay or business check per item, use [`batch`](Self::batch).
     ///
     /// ```

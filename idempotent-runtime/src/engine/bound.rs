@@ -13,7 +13,7 @@ use crate::engine::idempotency::Idempotency;
 use crate::engine::results::Results;
 use crate::error::{Error, StoreError};
 use crate::key::Key;
-use crate::policy::InProgress;
+use crate::policy::OnInProgress;
 use crate::store::{Claim, ClaimRequest, Completion, Fingerprint};
 
 /// The three calls of a claim's life, made on a resource the engine does not own. A rollback
@@ -106,7 +106,7 @@ where
         Ok(claim) => claim,
         Err(err) => return report.refuse(req.key, Refusal::Store(err), &results),
     };
-    let policy = InProgress::Reject;
+    let policy = OnInProgress::Reject;
     let next = decide(claim, policy, &mut Waiting::new(policy));
     let next_fence = next.fence();
     report.fence(next_fence);

@@ -80,7 +80,7 @@ pub(crate) enum Refusal {
     /// Another owner holds the key, and the business check says the effect is applied; or
     /// the key was ours and the check said so before the body ran.
     DoneBefore,
-    /// Another owner holds the key: skip ([`InProgress::Skip`](crate::InProgress::Skip)).
+    /// Another owner holds the key: skip ([`OnInProgress::Skip`](crate::OnInProgress::Skip)).
     Skipped,
     /// Another owner holds the key under `fence`.
     InProgress { fence: u64 },

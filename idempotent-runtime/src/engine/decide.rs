@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::policy::InProgress;
+use crate::policy::OnInProgress;
 use crate::store::{Claim, MAX_DURATION};
 
 /// What to do next, after a claim answered.
@@ -58,9 +58,9 @@ impl Waiting {
     /// The wait budget of a policy, starting now. A wait longer than [`MAX_DURATION`] (up to
     /// `Duration::MAX`) waits `MAX_DURATION`: far beyond any lease, and a deadline the clock
     /// can always represent.
-    pub(crate) fn new(policy: InProgress) -> Waiting {
+    pub(crate) fn new(policy: OnInProgress) -> Waiting {
         let until = match policy {
-            InProgress::Wait(max) => Some(Instant::now() + max.min(MAX_DURATION)),
+            OnInProgress::Wait(max) => Some(Instant::now() + max.min(MAX_DURATION)),
             _ => None,
         };
         Waiting {
@@ -72,15 +72,15 @@ impl Waiting {
 
 /// Maps a claim's outcome and the in-progress policy to the next step. Advances `waiting`'s
 /// backoff when it says [`Busy::Retry`].
-pub(crate) fn decide(claim: Claim, policy: InProgress, waiting: &mut Waiting) -> Next {
+pub(crate) fn decide(claim: Claim, policy: OnInProgress, waiting: &mut Waiting) -> Next {
     match claim {
         Claim::Acquired { fence } => Next::Run { fence },
         Claim::Completed { fence, result } => Next::Completed { fence, result },
         Claim::Mismatch { fence } => Next::Mismatch { fence },
         Claim::InProgress { fence } => {
             let then = match (policy, waiting.until) {
-                (InProgress::Skip, _) => Busy::Skip,
-                (InProgress::Wait(_), Some(until)) => {
+                (OnInProgress::Skip, _) => Busy::Skip,
+                (OnInProgress::Wait(_), Some(until)) => {
                     let now = Instant::now();
                     if now < until {
                         let pause = waiting.backoff.min(until - now);

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::error::Error;
 use crate::key::Key;
-use crate::policy::{default_lease, InProgress, OnLostLease, OnStoreError};
+use crate::policy::{default_lease, OnInProgress, OnLostLease, OnStoreError};
 use crate::store::{
     ClaimRequest, Fingerprint, IntoStore, SharedStore, Token, MAX_DURATION, MIN_DURATION,
 };
@@ -38,7 +38,7 @@ pub struct Idempotency {
     pub(crate) store: Option<SharedStore>,
     pub(crate) ttl: Duration,
     pub(crate) lease: Option<Duration>,
-    pub(crate) in_progress: InProgress,
+    pub(crate) in_progress: OnInProgress,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) on_lost_lease: OnLostLease,
 }
@@ -72,7 +72,7 @@ impl Idempotency {
             store: None,
             ttl,
             lease: None,
-            in_progress: InProgress::default(),
+            in_progress: OnInProgress::default(),
             on_store_error: OnStoreError::default(),
             on_lost_lease: OnLostLease::default(),
         }
@@ -92,7 +92,7 @@ impl Idempotency {
     }
 
     /// What to do when another owner holds a live claim.
-    pub fn on_in_progress(mut self, policy: InProgress) -> Idempotency {
+    pub fn on_in_progress(mut self, policy: OnInProgress) -> Idempotency {
         self.in_progress = policy;
         self
     }

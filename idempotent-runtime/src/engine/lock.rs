@@ -16,7 +16,7 @@ use crate::engine::run::unwrap_req;
 use crate::engine::watch::watch;
 use crate::error::Error;
 use crate::key::Key;
-use crate::policy::{InProgress, OnLostLease};
+use crate::policy::{OnInProgress, OnLostLease};
 use crate::store::{ClaimRequest, IntoStore, SharedStore, Token};
 #[cfg(doc)]
 use crate::store::{MAX_DURATION, MIN_DURATION};
@@ -109,7 +109,7 @@ impl Lock {
     /// (a held lock renews its lease on a task of the runtime). In every error case the key
     /// is left free.
     pub async fn lock(&self, key: Key) -> Result<LockGuard, Error> {
-        self.acquire(key, InProgress::Wait(self.wait)).await
+        self.acquire(key, OnInProgress::Wait(self.wait)).await
     }
 
     /// Takes the lock on `key` if no one holds it: `Ok(None)` when someone does.
@@ -118,14 +118,14 @@ impl Lock {
     ///
     /// As [`lock`](Lock::lock), but never [`Error::InProgress`].
     pub async fn try_lock(&self, key: Key) -> Result<Option<LockGuard>, Error> {
-        match self.acquire(key, InProgress::Reject).await {
+        match self.acquire(key, OnInProgress::Reject).await {
             Ok(held) => Ok(Some(held)),
             Err(Error::InProgress { .. }) => Ok(None),
             Err(err) => Err(err),
         }
     }
 
-    async fn acquire(&self, key: Key, policy: InProgress) -> Result<LockGuard, Error> {
+    async fn acquire(&self, key: Key, policy: OnInProgress) -> Result<LockGuard, Error> {
         // Checked before the claim: without a runtime the guard could not renew its lease,
         // and a claim taken then would hold the key until its lease ran out.
         if tokio::runtime::Handle::try_current().is_err() {
@@ -138,7 +138,7 @@ impl Lock {
             .await
     }
 
-    async fn claim(&self, req: ClaimRequest, policy: InProgress) -> Result<LockGuard, Error> {
+    async fn claim(&self, req: ClaimRequest, policy: OnInProgress) -> Result<LockGuard, Error> {
         let report = Report::current(self.store.name());
         let req = Arc::new(req);
         let mut waiting = Waiting::new(policy);

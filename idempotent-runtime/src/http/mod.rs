@@ -10,7 +10,7 @@
 //! |---|---|
 //! | first with its key | the handler runs; a storable response is kept ([`Storage`]) |
 //! | retry after the first completed | the stored status, headers and body, with `Idempotent-Replayed: true` |
-//! | retry while the first runs | `409` [`in-flight`](#in-flight) with `Retry-After` (or it waits, with [`InProgress::Wait`](crate::InProgress::Wait)) |
+//! | retry while the first runs | `409` [`in-flight`](#in-flight) with `Retry-After` (or it waits, with [`OnInProgress::Wait`](crate::OnInProgress::Wait)) |
 //! | same key, another method, path, query or body | `422` [`payload-mismatch`](#payload-mismatch) |
 //! | no key where one is required | `400` [`missing-key`](#missing-key) |
 //! | store down | `503` [`store-unavailable`](#store-unavailable); the handler does not run (fail closed) |
