@@ -20,6 +20,8 @@ pub(crate) struct Claimed {
     pub(crate) fingerprint: Option<Fingerprint>,
     pub(crate) lease: Duration,
     pub(crate) ttl: Duration,
+    /// How long the record lives from the claim ([`ClaimRequest::record_lifetime`]).
+    pub(crate) record_lifetime: Duration,
     /// When the claim was sent: the lease is measured from here on the caller's clock, which
     /// can only make the caller think it lost the lease early, never late.
     pub(crate) sent_at: tokio::time::Instant,
@@ -36,6 +38,7 @@ impl Claimed {
         fence: u64,
         sent_at: tokio::time::Instant,
     ) -> Claimed {
+        let record_lifetime = req.record_lifetime();
         Claimed {
             store,
             key: req.key,
@@ -44,6 +47,7 @@ impl Claimed {
             fingerprint: req.fingerprint,
             lease: req.lease,
             ttl: req.ttl,
+            record_lifetime,
             sent_at,
             renewed_at: Mutex::new(sent_at),
             lost: AtomicBool::new(false),

@@ -14,6 +14,12 @@
 //! batch whose sender is dropped mid-flight answers its waiters
 //! [`StoreErrorKind::OutcomeUnknown`]: the engine then reads the record back by token, as after
 //! any lost reply.
+//!
+//! This is the idea of [`CombiningStore`](crate::store::CombiningStore) (many calls, one round
+//! trip), applied at one scope: `CombiningStore` is a store the application chooses, and
+//! combines the claims, completions and releases of concurrent single calls across the
+//! process; `Coalescing` is private to one batch, always on, and combines only its items'
+//! first completion or release. Both send through [`Store::complete_many`].
 
 use std::collections::HashSet;
 use std::hash::{BuildHasherDefault, Hasher};

@@ -272,7 +272,7 @@ async fn complete_in_background(claim: Arc<Claimed>, completion: Completion, tol
             loss::report(lost, claim.store.name());
         }
     };
-    let give_up_at = claim.sent_at + claim.ttl.max(claim.lease);
+    let give_up_at = claim.sent_at + claim.record_lifetime;
     let mut backoff = Duration::from_millis(10).min(claim.lease / 4);
     let mut attempts = 0u32;
     loop {

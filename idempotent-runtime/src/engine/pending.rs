@@ -55,7 +55,7 @@ pub(crate) async fn claim(
     };
     if resolved.is_err() {
         let (store, key, token) = (store.clone(), req.key.clone(), req.token);
-        let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
+        let give_up_at = tokio::time::Instant::now() + req.record_lifetime();
         run_detached(give_back(store, key, token, req.lease, give_up_at));
     }
     resolved
@@ -183,7 +183,7 @@ impl Drop for PendingClaim {
         };
         let (store, req) = (self.store.clone(), self.req.clone());
         tracing::debug!(key = %req.key, "claim abandoned in flight; giving it back once it lands");
-        let give_up_at = tokio::time::Instant::now() + req.ttl.max(req.lease);
+        let give_up_at = tokio::time::Instant::now() + req.record_lifetime();
         run_detached(async move {
             if let Ok(Claim::Acquired { .. }) = fut.await {
                 give_back(store, req.key.clone(), req.token, req.lease, give_up_at).await;
@@ -264,7 +264,7 @@ impl Drop for PendingBatch {
                     Err(err) => err.is_outcome_unknown(),
                 };
                 let give_up_at =
-                    give_up_at.max(tokio::time::Instant::now() + req.ttl.max(req.lease));
+                    give_up_at.max(tokio::time::Instant::now() + req.record_lifetime());
                 may_hold.then(|| {
                     give_back(
                         store.clone(),

@@ -1,4 +1,5 @@
-//! Concurrent single calls sent as batches: [`CombiningStore`].
+//! Concurrent single calls sent as batches: [`CombiningStore`]. (A batch of the engine's
+//! combines its own items' completions the same way, privately: see `engine/coalesce.rs`.)
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
