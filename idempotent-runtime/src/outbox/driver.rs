@@ -9,10 +9,9 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
+use crate::database::{SqlDatabase, TableName};
 use crate::outbox::{DeadMessage, OutboxCounts, OutboxMessage, StoredMessage};
-use crate::store::sql::table::TableName;
-use crate::store::sql::Dialect;
-use crate::store::BoxFuture;
+use crate::store::{clamped_millis, BoxFuture};
 
 /// A value bound to an outbox statement.
 #[derive(Debug, Clone, Copy)]
@@ -144,7 +143,7 @@ pub trait Listener: Send {
 /// A database the outbox runs on. Sealed: implemented for sqlx's `Postgres`, `MySql` and
 /// `Sqlite` only.
 #[allow(unreachable_pub)] // reachable as the supertrait of `OutboxDialect`, but not nameable
-pub trait OutboxDriver: Dialect {
+pub trait OutboxDriver: SqlDatabase {
     /// The statements.
     const OUTBOX: OutboxTemplates;
     /// Whether the enqueue statement notifies relays at commit itself (it then takes the
@@ -217,7 +216,7 @@ pub(crate) fn ticks<DB: OutboxDriver>(duration: Duration) -> i64 {
     if duration.is_zero() {
         return 0;
     }
-    crate::store::sql::driver::ticks(duration, DB::TICK)
+    crate::database::ticks(clamped_millis(duration), DB::TICK)
 }
 
 /// A message row as read: the message, and what of it cannot be read (written by another
