@@ -11,6 +11,7 @@ use sqlx::Pool;
 
 use crate::database::{SqlDatabase, TableName};
 use crate::outbox::{DeadMessage, OutboxCounts, OutboxMessage, StoredMessage};
+use crate::store::sql::Dialect;
 use crate::store::{clamped_millis, BoxFuture};
 
 /// A value bound to an outbox statement.
@@ -204,10 +205,11 @@ pub trait OutboxDriver: SqlDatabase {
 
 /// A database an [`Outbox`](crate::outbox::Outbox) runs on: sqlx's
 /// [`Postgres`](sqlx::Postgres), [`MySql`](sqlx::MySql) or [`Sqlite`](sqlx::Sqlite), as the
-/// database features enable them. Sealed.
-pub trait OutboxDialect: OutboxDriver {}
+/// database features enable them. Sealed. Each is also a [`Dialect`], so an outbox's pool
+/// serves a [`SqlStore`](crate::sql::SqlStore) too.
+pub trait OutboxDialect: OutboxDriver + Dialect {}
 
-impl<DB: OutboxDriver> OutboxDialect for DB {}
+impl<DB: OutboxDriver + Dialect> OutboxDialect for DB {}
 
 /// A duration in a database's tick, by the rule every store follows (whole milliseconds,
 /// rounded up, clamped), except that zero stays zero: a zero backoff makes a row due at once,
