@@ -37,6 +37,8 @@
 
 pub mod admin;
 mod codec;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+mod database;
 mod default_store;
 mod engine;
 mod error;

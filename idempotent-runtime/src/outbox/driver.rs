@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
+use crate::database::{SqlDatabase, TableName};
 use crate::outbox::{DeadMessage, OutboxCounts, OutboxMessage, StoredMessage};
-use crate::store::sql::table::TableName;
 use crate::store::sql::Dialect;
-use crate::store::BoxFuture;
+use crate::store::{clamped_millis, BoxFuture};
 
 /// A value bound to an outbox statement.
 #[derive(Debug, Clone, Copy)]
@@ -144,7 +144,7 @@ pub trait Listener: Send {
 /// A database the outbox runs on. Sealed: implemented for sqlx's `Postgres`, `MySql` and
 /// `Sqlite` only.
 #[allow(unreachable_pub)] // reachable as the supertrait of `OutboxDialect`, but not nameable
-pub trait OutboxDriver: Dialect {
+pub trait OutboxDriver: SqlDatabase {
     /// The statements.
     const OUTBOX: OutboxTemplates;
     /// Whether the enqueue statement notifies relays at commit itself (it then takes the
@@ -205,10 +205,11 @@ pub trait OutboxDriver: Dialect {
 
 /// A database an [`Outbox`](crate::outbox::Outbox) runs on: sqlx's
 /// [`Postgres`](sqlx::Postgres), [`MySql`](sqlx::MySql) or [`Sqlite`](sqlx::Sqlite), as the
-/// database features enable them. Sealed.
-pub trait OutboxDialect: OutboxDriver {}
+/// database features enable them. Sealed. Each is also a [`Dialect`], so an outbox's pool
+/// serves a [`SqlStore`](crate::sql::SqlStore) too.
+pub trait OutboxDialect: OutboxDriver + Dialect {}
 
-impl<DB: OutboxDriver> OutboxDialect for DB {}
+impl<DB: OutboxDriver + Dialect> OutboxDialect for DB {}
 
 /// A duration in a database's tick, by the rule every store follows (whole milliseconds,
 /// rounded up, clamped), except that zero stays zero: a zero backoff makes a row due at once,
@@ -217,7 +218,7 @@ pub(crate) fn ticks<DB: OutboxDriver>(duration: Duration) -> i64 {
     if duration.is_zero() {
         return 0;
     }
-    crate::store::sql::driver::ticks(duration, DB::TICK)
+    crate::database::ticks(clamped_millis(duration), DB::TICK)
 }
 
 /// A message row as read: the message, and what of it cannot be read (written by another

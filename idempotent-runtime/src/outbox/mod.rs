@@ -73,10 +73,9 @@ use std::sync::Arc;
 use sqlx::{Pool, Transaction};
 use tokio::sync::watch;
 
+use crate::database::{is_conflict, store_error, Phase, TableName};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::hex_string;
-use crate::store::sql::error::{is_conflict, store_error, Phase};
-use crate::store::sql::table::TableName;
 use crate::store::Token;
 use driver::{Arg, OutboxStatements};
 

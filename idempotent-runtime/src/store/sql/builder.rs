@@ -17,10 +17,11 @@ use crate::store::redact::redact;
 use crate::store::Store;
 use crate::store::DEFAULT_MAX_RESULT_SIZE;
 
-use crate::store::sql::driver::{Dialect, Statements};
-use crate::store::sql::error::{store_error, Phase};
+use crate::database::TableName;
+use crate::database::{store_error, Phase};
+use crate::store::sql::driver::{render, Dialect, Statements};
 use crate::store::sql::store::SqlStore;
-use crate::store::sql::table::{TableName, DEFAULT_TABLE};
+use crate::store::sql::DEFAULT_TABLE;
 
 /// The pool size of a store built from a URL, unless
 /// [`max_connections`](SqlStoreBuilder::max_connections) says otherwise.
@@ -424,7 +425,7 @@ impl<DB: Dialect> SqlStore<DB> {
                     version,
                     Cow::Borrowed(description),
                     MigrationType::Simple,
-                    AssertSqlSafe(self.table.render(sql)).into_sql_str(),
+                    AssertSqlSafe(render(&self.table, sql)).into_sql_str(),
                     false,
                 )
             })

@@ -7,14 +7,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::error::DatabaseError;
 use sqlx::migrate::Migrator;
 use sqlx::pool::PoolOptions;
 use sqlx::{Database, Pool};
 
-use crate::store::sql::failure::DbFailure;
+use crate::database::{SqlDatabase, TableName};
 use crate::store::sql::record::{RecordRow, Step};
-use crate::store::sql::table::TableName;
+use crate::store::sql::DEFAULT_TABLE;
 use crate::store::{clamped_millis, BoxFuture, ClaimRequest, Settle, Settlement};
 
 /// A value bound to a statement parameter.
@@ -124,13 +123,13 @@ impl Statements {
     /// [`render`](Statements::render), with the asynchronously committed claims.
     pub(crate) fn render_async_claims(templates: &Templates, table: &TableName) -> Statements {
         let mut statements = Statements::render(templates, table);
-        statements.claim = Arc::from(table.render(templates.claim_async));
-        statements.claim_many = Arc::from(table.render(templates.claim_many_async));
+        statements.claim = Arc::from(render(table, templates.claim_async));
+        statements.claim_many = Arc::from(render(table, templates.claim_many_async));
         statements
     }
 
     pub(crate) fn render(templates: &Templates, table: &TableName) -> Statements {
-        let render = |sql: &str| Arc::from(table.render(sql));
+        let render = |sql: &str| Arc::from(render(table, sql));
         Statements {
             claim: render(templates.claim),
             seen: render(templates.seen),
@@ -219,11 +218,7 @@ impl Statements {
 /// A database the SQL store speaks. Sealed: implemented for sqlx's `Postgres`, `MySql` and
 /// `Sqlite` only.
 #[allow(unreachable_pub)] // reachable as the supertrait of `Dialect`, but not nameable
-pub trait Driver: Database {
-    /// Whether a table name may be `schema.table`.
-    const SCHEMA_QUALIFIED: bool;
-    /// The unit of durations in statements and of `lease_left` in record rows.
-    const TICK: Duration;
+pub trait Driver: SqlDatabase {
     /// The statements.
     const SQL: Templates;
     /// The migrations, oldest first: version, description, SQL for `idempotent_records`.
@@ -333,9 +328,6 @@ pub trait Driver: Database {
         migrator: &'c mut Migrator,
         migrations_table: &'c str,
     ) -> BoxFuture<'c, Result<(), crate::error::StoreError>>;
-
-    /// What a database error says about the failed statement.
-    fn classify(err: &dyn DatabaseError) -> DbFailure;
 }
 
 /// A database a [`SqlStore`](super::SqlStore) runs on: sqlx's [`Postgres`](sqlx::Postgres),
@@ -354,9 +346,13 @@ pub(crate) const HEADROOM: usize = 64 << 10;
 /// [`MIN_DURATION`](crate::store::MIN_DURATION) ..= [`MAX_DURATION`](crate::store::MAX_DURATION),
 /// so a lease is never zero and `now + duration` stays within every database's time range.
 pub(crate) fn ticks(duration: Duration, tick: Duration) -> i64 {
-    let per_milli = (Duration::from_millis(1).as_nanos() / tick.as_nanos().max(1)).max(1);
-    let ticks = u128::from(clamped_millis(duration)) * per_milli;
-    i64::try_from(ticks).unwrap_or(i64::MAX)
+    crate::database::ticks(clamped_millis(duration), tick)
+}
+
+/// A shipped template with `idempotent_records` (and the names derived from it) replaced by
+/// `table`'s names. Only whole identifiers are replaced.
+pub(crate) fn render(table: &TableName, template: &str) -> String {
+    table.render_for(template, DEFAULT_TABLE, &["_expires_at"])
 }
 
 /// The values a batch settlement binds for `item`: its result (`None` for a release or a

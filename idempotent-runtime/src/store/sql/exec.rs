@@ -11,9 +11,9 @@ use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::{BoxFuture, Claim, ClaimRequest, Completion, Settle, Settlement, Token};
 
+use crate::database::{is_conflict, store_error, Phase};
 use crate::store::sql::driver::{ticks, Arg};
 use crate::store::sql::driver::{Dialect, Statements};
-use crate::store::sql::error::{is_conflict, store_error, Phase};
 use crate::store::sql::record::{settle, Step, Stored};
 
 /// How many times an autocommit statement the database rolled back by a conflict (deadlock,

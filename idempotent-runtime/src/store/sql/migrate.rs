@@ -13,12 +13,12 @@
 
 use sqlx::migrate::Migrator;
 
+use crate::database::migrate_error;
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+use crate::database::{store_error, Phase};
 use crate::error::StoreError;
 #[cfg(feature = "mysql")]
 use crate::error::StoreErrorKind;
-use crate::store::sql::error::migrate_error;
-#[cfg(any(feature = "mysql", feature = "sqlite"))]
-use crate::store::sql::error::{store_error, Phase};
 use crate::store::BoxFuture;
 
 /// How long a process waits for another one's migration (or WAL switch) before failing.
@@ -166,7 +166,7 @@ pub(crate) async fn sqlite_wal(pool: &sqlx::Pool<sqlx::Sqlite>) -> Result<(), sq
         {
             Ok(_) => return Ok(()),
             Err(err)
-                if crate::store::sql::error::is_conflict::<sqlx::Sqlite>(&err)
+                if crate::database::is_conflict::<sqlx::Sqlite>(&err)
                     && Instant::now() < deadline =>
             {
                 tokio::time::sleep(pause).await;

@@ -189,14 +189,11 @@ use crate::store::{Claim, Store, MAX_DURATION, MIN_DURATION};
 
 mod builder;
 pub(crate) mod driver;
-pub(crate) mod error;
 mod exec;
-mod failure;
 mod migrate;
 mod purge;
 mod record;
 mod store;
-pub(crate) mod table;
 mod tx;
 
 #[cfg(feature = "mysql")]
@@ -210,7 +207,9 @@ pub use builder::SqlStoreBuilder;
 pub use driver::{Dialect, Statements};
 pub use purge::Purger;
 pub use store::SqlStore;
-pub use table::DEFAULT_TABLE;
+
+/// The table of records used when none is configured.
+pub const DEFAULT_TABLE: &str = "idempotent_records";
 
 /// The sqlx this crate is built with, so the pools and transactions you pass in have the
 /// same type.

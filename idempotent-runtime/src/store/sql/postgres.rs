@@ -2,17 +2,15 @@
 //! statement that also reports the record when the claim did not take it.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
 
-use sqlx::error::DatabaseError;
 use sqlx::pool::PoolOptions;
 use sqlx::postgres::{PgConnection, Postgres};
 use sqlx::{AssertSqlSafe, Pool};
 
+use crate::database::SqlDatabase;
 use crate::store::sql::driver::{
     settle_args, statement_fns, ticks, Driver, Statements, Templates, HEADROOM,
 };
-use crate::store::sql::failure::{sqlstate, DbFailure};
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::{BoxFuture, ClaimRequest, Settlement};
 
@@ -327,8 +325,6 @@ WHERE record_key IN (SELECT record_key FROM idempotent_records
   AND expires_at <= statement_timestamp()";
 
 impl Driver for Postgres {
-    const SCHEMA_QUALIFIED: bool = true;
-    const TICK: Duration = Duration::from_micros(1);
     const SQL: Templates = Templates {
         claim: CLAIM,
         seen: READ,
@@ -469,8 +465,4 @@ impl Driver for Postgres {
     }
 
     statement_fns!(PgConnection);
-
-    fn classify(err: &dyn DatabaseError) -> DbFailure {
-        err.code().map_or(DbFailure::Other, |code| sqlstate(&code))
-    }
 }

@@ -5,16 +5,15 @@ use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::error::DatabaseError;
 use sqlx::pool::PoolOptions;
 use sqlx::sqlite::{Sqlite, SqliteConnectOptions, SqliteConnection};
 use sqlx::{AssertSqlSafe, Pool, Row};
 
+use crate::database::SqlDatabase;
 use crate::store::sql::driver::{
     bind_claims, bind_settlements, in_request_order, statement_fns, ticks, Arg, Driver, Statements,
     Templates, HEADROOM,
 };
-use crate::store::sql::failure::DbFailure;
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::{BoxFuture, ClaimRequest, Settlement};
 
@@ -317,8 +316,6 @@ const DEFAULT_MAX_LENGTH: usize = 1_000_000_000;
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Driver for Sqlite {
-    const SCHEMA_QUALIFIED: bool = false;
-    const TICK: Duration = Duration::from_millis(1);
     const SQL: Templates = Templates {
         claim: CLAIM,
         seen: READ,
@@ -479,20 +476,4 @@ impl Driver for Sqlite {
     }
 
     statement_fns!(SqliteConnection);
-
-    fn classify(err: &dyn DatabaseError) -> DbFailure {
-        // The primary result code is the low byte of the extended one.
-        let code = err.code().and_then(|code| code.parse::<i64>().ok());
-        match code.map(|code| code & 0xff) {
-            // SQLITE_BUSY, SQLITE_LOCKED: another connection holds the lock
-            Some(5 | 6) => DbFailure::Conflict,
-            // SQLITE_READONLY
-            Some(8) => DbFailure::ReadOnly,
-            // SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN
-            Some(10 | 13 | 14) => DbFailure::Unavailable,
-            // SQLITE_TOOBIG, SQLITE_CONSTRAINT (checks, triggers' RAISE(ABORT)), SQLITE_MISMATCH
-            Some(18..=20) => DbFailure::Rejected,
-            _ => DbFailure::Other,
-        }
-    }
 }

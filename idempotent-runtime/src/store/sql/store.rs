@@ -7,16 +7,16 @@ use std::time::Duration;
 use sqlx::pool::PoolConnection;
 use sqlx::{Database, Pool};
 
+use crate::database::TableName;
+use crate::database::{store_error, Phase};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::sql::driver::{ticks, Arg, Dialect, Statements};
-use crate::store::sql::error::{store_error, Phase};
 use crate::store::sql::exec::{
     claim_many_on, claim_on, complete_many_on, complete_on, owned, refuse_oversized, release_on,
     reopen_on, spread, write,
 };
 use crate::store::sql::record::Stored;
-use crate::store::sql::table::TableName;
 use crate::store::{
     BoxFuture, Claim, ClaimRequest, Completion, Expect, OperatorStore, Record, ScanCursor,
     ScanPage, Settlement, Store, Token,

@@ -3,9 +3,8 @@
 
 use sqlx::migrate::MigrateError;
 
+use crate::database::{DbFailure, SqlDatabase};
 use crate::error::{StoreError, StoreErrorKind};
-use crate::store::sql::driver::Driver;
-use crate::store::sql::failure::DbFailure;
 
 /// Where a failure happened, which decides what an I/O error means.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,7 +18,11 @@ pub(crate) enum Phase {
 }
 
 /// Converts a sqlx error met during `what` (`"claim"`, `"complete"`...).
-pub(crate) fn store_error<D: Driver>(err: sqlx::Error, phase: Phase, what: &str) -> StoreError {
+pub(crate) fn store_error<D: SqlDatabase>(
+    err: sqlx::Error,
+    phase: Phase,
+    what: &str,
+) -> StoreError {
     let kind = kind::<D>(&err, phase);
     StoreError::new(
         kind,
@@ -30,13 +33,13 @@ pub(crate) fn store_error<D: Driver>(err: sqlx::Error, phase: Phase, what: &str)
 
 /// Whether an autocommit statement that failed with `err` was rolled back by a conflict and
 /// may be sent again.
-pub(crate) fn is_conflict<D: Driver>(err: &sqlx::Error) -> bool {
+pub(crate) fn is_conflict<D: SqlDatabase>(err: &sqlx::Error) -> bool {
     err.as_database_error()
         .is_some_and(|db| D::classify(db) == DbFailure::Conflict)
 }
 
 /// Converts a migration failure.
-pub(crate) fn migrate_error<D: Driver>(err: MigrateError) -> StoreError {
+pub(crate) fn migrate_error<D: SqlDatabase>(err: MigrateError) -> StoreError {
     let kind = match &err {
         MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _) => {
             kind::<D>(e, Phase::Write)
@@ -50,7 +53,7 @@ pub(crate) fn migrate_error<D: Driver>(err: MigrateError) -> StoreError {
     .with_source(err)
 }
 
-fn kind<D: Driver>(err: &sqlx::Error, phase: Phase) -> StoreErrorKind {
+fn kind<D: SqlDatabase>(err: &sqlx::Error, phase: Phase) -> StoreErrorKind {
     if phase == Phase::Connect {
         return StoreErrorKind::Unavailable;
     }

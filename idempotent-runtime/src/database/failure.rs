@@ -1,4 +1,4 @@
-//! What a database's own error code says about a failed statement, shared by the drivers
+//! What a database's own error code says about a failed statement, shared by the databases
 //! (which read the code) and the error mapping (which turns it into a [`StoreErrorKind`]).
 //!
 //! [`StoreErrorKind`]: crate::StoreErrorKind

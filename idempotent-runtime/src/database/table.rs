@@ -5,9 +5,6 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{StoreError, StoreErrorKind};
 
-/// The table used when none is configured.
-pub const DEFAULT_TABLE: &str = "idempotent_records";
-
 /// The longest identifier every supported database accepts unchanged (PostgreSQL truncates
 /// at 63 bytes, MySQL refuses more than 64).
 const MAX_IDENT: usize = 63;
@@ -76,18 +73,6 @@ impl TableName {
     /// (unqualified: for indexes, which live in their table's schema).
     pub(crate) fn with_suffix(&self, suffix: &str) -> String {
         derived(&self.table, suffix)
-    }
-
-    /// The expiry index's name (unqualified: an index lives in its table's schema).
-    #[cfg(test)]
-    pub(crate) fn expiry_index(&self) -> String {
-        derived(&self.table, "_expires_at")
-    }
-
-    /// A shipped template with `idempotent_records` (and the names derived from it) replaced
-    /// by this table's names. Only whole identifiers are replaced.
-    pub(crate) fn render(&self, template: &str) -> String {
-        self.render_for(template, DEFAULT_TABLE, &["_expires_at"])
     }
 
     /// `template` with the identifier `base` replaced by this table's name, and each
@@ -169,7 +154,7 @@ mod tests {
         assert_eq!(name.as_str(), "idem.records");
         assert_eq!(name.schema(), Some("idem"));
         assert_eq!(name.migrations_table(), "idem.records_migrations");
-        assert_eq!(name.expiry_index(), "records_expires_at");
+        assert_eq!(name.with_suffix("_expires_at"), "records_expires_at");
         for bad in ["a.b.c", ".b", "a.", "a..b", "a.1b"] {
             assert!(TableName::parse(bad, true, "PostgreSQL").is_err(), "{bad}");
         }
@@ -179,12 +164,16 @@ mod tests {
     fn derived_names_fit_an_identifier_and_stay_distinct() {
         let a = TableName::parse(&"a".repeat(63), false, "db").unwrap();
         let b = TableName::parse(&format!("{}b", "a".repeat(62)), false, "db").unwrap();
-        for name in [a.migrations_table(), a.expiry_index(), b.migrations_table()] {
+        for name in [
+            a.migrations_table(),
+            a.with_suffix("_expires_at"),
+            b.migrations_table(),
+        ] {
             assert!(name.len() <= MAX_IDENT, "{name}");
             assert!(is_identifier(&name), "{name}");
         }
         assert_ne!(a.migrations_table(), b.migrations_table());
-        assert_ne!(a.expiry_index(), b.expiry_index());
+        assert_ne!(a.with_suffix("_expires_at"), b.with_suffix("_expires_at"));
     }
 
     #[test]
@@ -193,7 +182,7 @@ mod tests {
         let sql = "CREATE TABLE idempotent_records (x idempotent_records_x);\n\
                    CREATE INDEX idempotent_records_expires_at ON idempotent_records (expires_at);";
         assert_eq!(
-            name.render(sql),
+            name.render_for(sql, "idempotent_records", &["_expires_at"]),
             "CREATE TABLE s.orders (x idempotent_records_x);\n\
              CREATE INDEX orders_expires_at ON s.orders (expires_at);"
         );
