@@ -31,7 +31,7 @@
 //! Figures, for `redis`, `postgres` and `mysql`:
 //!
 //! - `<db>_batch_round_trips_per_100`: bursts of one `run_batch` of 100 (target: 2 round
-//!   trips: one claim, one settlement); `<db>_seed_batch_round_trips_per_100`: the same for
+//!   trips: one claim, one ending); `<db>_seed_batch_round_trips_per_100`: the same for
 //!   the batch by hand;
 //! - `<db>_seed_batch_msgs_per_s`, `<db>_batch_ratio_vs_seed_design`: the batch by hand, and
 //!   the framework's batch over it;

@@ -12,7 +12,7 @@
 //!   compare-and-set run by `EVALSHA` (`redis::Script`): if the key still holds the token, it
 //!   becomes `done` with the `ttl`.
 //! - **raw**: redis-rs sending the backend's own commands: the fast claim, `SET key <in-progress
-//!   record> NX PX <ttl> GET`, then the completion script (`settle.lua`) by `EVALSHA`, with
+//!   record> NX PX <ttl> GET`, then the completion script (`ending.lua`) by `EVALSHA`, with
 //!   the arguments the store sends for a claim it wrote itself (the ttl, the claimed record
 //!   as written, the completed record with the 5-byte result `replay` stores for `Ok(())`).
 //!   It writes the very records the framework writes, so it is the framework without the
@@ -104,7 +104,7 @@ use stats::{figure, median, per_s, percentile};
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The backend's script, byte for byte.
-const SCRIPT: &str = include_str!("../idempotent-runtime/src/store/redis/settle.lua");
+const SCRIPT: &str = include_str!("../idempotent-runtime/src/store/redis/ending.lua");
 /// The seed design's completion: a compare-and-set from the owner's token to `done`.
 const SEED_COMPLETE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
      return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) and 1 else return 0 end";
@@ -213,7 +213,7 @@ struct Bench {
     /// For the `MONITOR` connection of the round-trip count.
     client: Client,
     conn: ConnectionManager,
-    /// The backend's `settle.lua` (its completion script), for the raw side.
+    /// The backend's `ending.lua` (its completion script), for the raw side.
     script: Arc<Script>,
     /// The seed design's compare-and-set completion.
     seed_complete: Arc<Script>,

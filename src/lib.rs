@@ -142,10 +142,10 @@ pub mod store {
     // to the runtime's `store` belongs in this list.
     pub use idempotent_runtime::store::{
         claim_answer, clamped_millis, next_fence, AcquiredClaim, BoxFuture, Claim, ClaimAnswer,
-        ClaimRequest, CombiningStore, Completion, ConnectError, Expect, Fingerprint,
+        ClaimRequest, CombiningStore, Completion, ConnectError, End, Ending, Expect, Fingerprint,
         IntoOperatorStore, IntoStore, OperatorStore, Record, RecordState, ScanCursor, ScanPage,
-        Settle, Settlement, SharedOperatorStore, Store, TieredStore, Token,
-        DEFAULT_MAX_RESULT_SIZE, MAX_DURATION, MIN_DURATION,
+        SharedOperatorStore, Store, TieredStore, Token, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION,
+        MIN_DURATION,
     };
     pub use idempotent_runtime::{AlreadySet, StoreError, StoreErrorKind};
 }

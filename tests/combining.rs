@@ -6,6 +6,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/forward.rs"]
+#[macro_use]
+mod forward;
+
 use std::future::Future;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,18 +18,17 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, Expect, OperatorStore, Record,
-    RecordState, ScanCursor, ScanPage, Settle, Settlement, Store, StoreError, StoreErrorKind,
-    Token,
+    BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, End, Ending, Record, RecordState,
+    Store, StoreError, StoreErrorKind, Token,
 };
 use idempotency::{Key, MemoryStore};
 use tokio::sync::Semaphore;
 
-/// A batch call as the wrapped store saw it: claims or settlements, by key.
+/// A batch call as the wrapped store saw it: claims or endings, by key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Batch {
     Claims(Vec<String>),
-    Settlements(Vec<(String, &'static str)>),
+    Endings(Vec<(String, &'static str)>),
 }
 
 /// A real in-memory store whose batch calls wait for the case to let them through.
@@ -35,7 +38,7 @@ struct Gated {
     entered: Semaphore,
     gate: Semaphore,
     released: Semaphore,
-    /// The next batch settlement panics once through the gate.
+    /// The next batch ending panics once through the gate.
     panic_next: AtomicBool,
     /// The next batch call never answers (a silent connection): not held at the gate, not
     /// sent to the store.
@@ -117,21 +120,21 @@ impl Store for Gated {
     }
     fn complete_many<'a>(
         &'a self,
-        items: &'a [Settlement],
+        items: &'a [Ending],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         Box::pin(async move {
             let items_seen = items
                 .iter()
                 .map(|item| {
                     let what = match item.action {
-                        Settle::Complete(_) => "complete",
-                        Settle::Release => "release",
+                        End::Complete(_) => "complete",
+                        End::Release => "release",
                         _ => "other",
                     };
                     (name(&item.key), what)
                 })
                 .collect();
-            self.held(Batch::Settlements(items_seen)).await;
+            self.held(Batch::Endings(items_seen)).await;
             assert!(
                 !self.panic_next.swap(false, Ordering::SeqCst),
                 "the store panics mid-batch"
@@ -163,31 +166,8 @@ impl Store for Gated {
     }
 }
 
-/// The operator's calls are not gated: a `CombiningStore` sends them straight through.
-impl OperatorStore for Gated {
-    fn reopen<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.reopen(key, token)
-    }
-    fn scan<'a>(
-        &'a self,
-        prefix: &'a str,
-        cursor: &'a ScanCursor,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
-        self.inner.scan(prefix, cursor, limit)
-    }
-    fn delete<'a>(
-        &'a self,
-        key: &'a Key,
-        expect: Expect<'a>,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.delete(key, expect)
-    }
-}
+// The operator's calls are not gated: a `CombiningStore` sends them straight through.
+forward_operator_store!(Gated);
 
 fn key(name: &str) -> Key {
     Key::new("combining", 1, &[&name]).unwrap()
@@ -334,10 +314,10 @@ async fn a_claim_acquired_for_a_caller_that_went_away_is_released() {
     );
 }
 
-/// The settlements of one key are sent in the order they were made, never two batches of
-/// them on their way at once; other keys' settlements do not wait for them.
+/// The endings of one key are sent in the order they were made, never two batches of
+/// them on their way at once; other keys' endings do not wait for them.
 #[tokio::test]
-async fn settlements_of_one_key_go_in_order_one_batch_after_another() {
+async fn endings_of_one_key_go_in_order_one_batch_after_another() {
     let inner = Gated::new();
     let store = Arc::new(CombiningStore::new(inner.clone(), 2));
     let (k, j) = (request(&key("k")), request(&key("j")));
@@ -347,7 +327,7 @@ async fn settlements_of_one_key_go_in_order_one_batch_after_another() {
             Claim::Acquired { .. }
         ));
     }
-    let settle = |req: &ClaimRequest, complete: bool| {
+    let end = |req: &ClaimRequest, complete: bool| {
         let (store, key, token) = (store.clone(), req.key.clone(), req.token);
         tokio::spawn(async move {
             if complete {
@@ -358,17 +338,17 @@ async fn settlements_of_one_key_go_in_order_one_batch_after_another() {
             }
         })
     };
-    let complete_k = settle(&k, true);
+    let complete_k = end(&k, true);
     inner.batch_entered().await;
-    let release_k = settle(&k, false);
-    let complete_j = settle(&j, true);
-    // The second batch carries `j` alone: `k` has a settlement on its way.
+    let release_k = end(&k, false);
+    let complete_j = end(&j, true);
+    // The second batch carries `j` alone: `k` has an ending on its way.
     inner.batch_entered().await;
     assert_eq!(
         inner.batches(),
         vec![
-            Batch::Settlements(vec![(name(&k.key), "complete")]),
-            Batch::Settlements(vec![(name(&j.key), "complete")]),
+            Batch::Endings(vec![(name(&k.key), "complete")]),
+            Batch::Endings(vec![(name(&j.key), "complete")]),
         ]
     );
     inner.let_through();
@@ -381,7 +361,7 @@ async fn settlements_of_one_key_go_in_order_one_batch_after_another() {
     assert!(!within(release_k).await.unwrap().unwrap());
     assert_eq!(
         inner.batches()[2],
-        Batch::Settlements(vec![(name(&k.key), "release")])
+        Batch::Endings(vec![(name(&k.key), "release")])
     );
     let record = inner.read(&k.key).await.unwrap().unwrap();
     assert_eq!(record.state, RecordState::Completed);
@@ -418,15 +398,15 @@ async fn calls_behind_a_batch_that_never_returns_are_still_answered() {
     assert!(within(retry_k).await.unwrap());
     assert_eq!(
         inner.batches()[1],
-        Batch::Settlements(vec![(name(&j.key), "complete"), (name(&k.key), "complete")])
+        Batch::Endings(vec![(name(&j.key), "complete"), (name(&k.key), "complete")])
     );
 }
 
 /// A batch that never answers holds its place among the batches in flight for a bounded time
 /// only: with one batch in flight, a claim whose batch is silent is answered `Unavailable`
 /// after half its lease (nothing was acquired, so nothing is released) and the claims of
-/// other keys go on being served; a silent batch of settlements is answered `OutcomeUnknown`
-/// after half the lease its completion names, and the settlements behind it go.
+/// other keys go on being served; a silent batch of endings is answered `OutcomeUnknown`
+/// after half the lease its completion names, and the endings behind it go.
 #[tokio::test]
 async fn a_batch_that_never_answers_does_not_hold_the_other_keys() {
     let inner = Gated::new();

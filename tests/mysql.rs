@@ -21,7 +21,7 @@ use std::time::Duration;
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::MySqlStore;
 use idempotency::store::{
-    BoxFuture, Claim, Completion, Settlement, SharedOperatorStore, Store, StoreErrorKind,
+    BoxFuture, Claim, Completion, Ending, SharedOperatorStore, Store, StoreErrorKind,
 };
 use idempotency::{Key, SharedStore};
 
@@ -367,28 +367,28 @@ async fn statements(store: &MySqlStore) -> (u64, u64) {
     (inserts, selects)
 }
 
-/// A settlement batch of one item is sent as that item's own `UPDATE`, which the server runs
+/// An ending batch of one item is sent as that item's own `UPDATE`, which the server runs
 /// for less than the multiple-table `UPDATE` of a batch (a `CombiningStore` sends a single
-/// settlement that way when its store is idle); two items are one multiple-table `UPDATE`.
+/// ending that way when its store is idle); two items are one multiple-table `UPDATE`.
 #[tokio::test]
-async fn a_settlement_batch_of_one_is_a_single_update() {
+async fn a_batch_of_one_ending_is_a_single_update() {
     let records = Scratch::table(Server::MySql);
     let store = one_connection(&records, false).await;
     let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
     let claims: Vec<_> = (0..3u8)
-        .map(|i| req(&Key::new("settle-one", 1, &[&i]).unwrap(), lease, ttl))
+        .map(|i| req(&Key::new("end-one", 1, &[&i]).unwrap(), lease, ttl))
         .collect();
     for claim in store.claim_many(&claims).await {
         acquired(claim);
     }
     let done = |r: &idempotency::store::ClaimRequest| {
-        Settlement::complete(r.key.clone(), r.token, Completion::new(None, ttl))
+        Ending::complete(r.key.clone(), r.token, Completion::new(None, ttl))
     };
     let kinds = ["COM_UPDATE", "COM_UPDATE_MULTI"];
     let before = session_counts(&store, kinds).await;
     let one = store.complete_many(&[done(&claims[0])]).await;
     let after = session_counts(&store, kinds).await;
-    assert!(one.into_iter().all(|settled| settled.unwrap()));
+    assert!(one.into_iter().all(|ended| ended.unwrap()));
     assert_eq!(
         [after[0] - before[0], after[1] - before[1]],
         [1, 0],
@@ -398,7 +398,7 @@ async fn a_settlement_batch_of_one_is_a_single_update() {
         .complete_many(&[done(&claims[1]), done(&claims[2])])
         .await;
     let later = session_counts(&store, kinds).await;
-    assert!(two.into_iter().all(|settled| settled.unwrap()));
+    assert!(two.into_iter().all(|ended| ended.unwrap()));
     assert_eq!(
         [later[0] - after[0], later[1] - after[1]],
         [0, 1],

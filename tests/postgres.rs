@@ -303,7 +303,7 @@ async fn batch_statements_look_their_keys_up_on_a_table_without_statistics() {
         .await
         .unwrap();
     let claim_many = store.statements().claim_many().unwrap();
-    let settle_many = store.statements().settle_many().unwrap();
+    let complete_many = store.statements().complete_many().unwrap();
     let statements = [
         (
             "claim_many",
@@ -312,8 +312,8 @@ async fn batch_statements_look_their_keys_up_on_a_table_without_statistics() {
              ARRAY[NULL::bytea], ARRAY[1::int8])",
         ),
         (
-            "settle_many",
-            settle_many,
+            "complete_many",
+            complete_many,
             "(ARRAY['\\x01'::bytea], ARRAY['\\x02'::bytea], ARRAY[NULL::bytea], \
              ARRAY[1::int8], ARRAY[true])",
         ),

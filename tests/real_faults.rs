@@ -459,7 +459,7 @@ fn server_of(url: &str) -> &str {
         .unwrap()
 }
 
-/// A batch on a SQL store whose claim statement, then (in a second batch) whose settlement
+/// A batch on a SQL store whose claim statement, then (in a second batch) whose ending
 /// statement, loses its reply: the proxy forwards the statement, the database commits it, and
 /// the connection is cut before the answer comes back. Each item's outcome is unknown and is
 /// read back by token: the claims are found to be the items' own, the completions done. Every
@@ -486,7 +486,7 @@ async fn lost_batch_replies(
     };
     let rounds = [
         ("claim", format!("{namespace}-claim-0007").into_bytes(), 30),
-        ("settle", b"900000007".to_vec(), 30),
+        ("end", b"900000007".to_vec(), 30),
     ];
     for (round, marker, size) in rounds.into_iter().chain(more) {
         let items: Vec<(Key, u32)> = (0..size)

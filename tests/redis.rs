@@ -22,7 +22,7 @@ use conformance::{unique_namespace, Backend};
 use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::redis::{RedisStore, UnsafeConfig};
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, OperatorStore, RecordState, Settlement,
+    BoxFuture, Claim, ClaimRequest, Completion, Ending, Expect, OperatorStore, RecordState,
     SharedOperatorStore, Store, StoreErrorKind, Token, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION,
 };
 use idempotency::{Action, Error, Idempotency, Key, SharedStore};
@@ -208,7 +208,7 @@ fn conformance_on_a_three_master_cluster() {
 /// the keys it gave away; each such key is sent again on its own and the handlers still run
 /// once per key. The slots move twice: between two batches (the second batch's claims meet
 /// `MOVED`, the map read by the first batch being fresh enough to be kept), and while a
-/// batch's handlers run (its settlements meet `MOVED`). The nodes' `INFO errorstats` show
+/// batch's handlers run (its endings meet `MOVED`). The nodes' `INFO errorstats` show
 /// that the `MOVED` replies happened.
 #[test]
 fn batches_follow_slots_moved_during_a_reshard_and_run_each_key_once() {
@@ -273,7 +273,7 @@ fn batches_follow_slots_moved_during_a_reshard_and_run_each_key_once() {
         assert_eq!(executions.load(Ordering::SeqCst), 80);
 
         // While the handlers run: from the second master to the third, before any of the
-        // batch's items settles.
+        // batch's items ends.
         let moved_before = moved_replies(ports[1]);
         let resharded = Arc::new(tokio::sync::Notify::new());
         let moving = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -309,7 +309,7 @@ fn batches_follow_slots_moved_during_a_reshard_and_run_each_key_once() {
         assert!(third.iter().all(Result::is_ok), "{third:?}");
         assert!(
             moved_replies(ports[1]) > moved_before,
-            "the settlements never met a MOVED reply"
+            "the endings never met a MOVED reply"
         );
         assert_eq!(executions.load(Ordering::SeqCst), 120);
 
@@ -542,7 +542,7 @@ async fn lost_complete_reply_on_a_real_connection_is_resolved_as_completed() {
     let key = Key::new(&format!("{namespace}:lost-complete"), 1, &[&"order-2"]).unwrap();
     let guard = Idempotency::new(Duration::from_secs(60)).store(store.clone());
 
-    proxy.lose_reply_to(&settle_script_sha());
+    proxy.lose_reply_to(&ending_script_sha());
     let first: Result<u32, Error> = guard
         .operation(key.clone())
         .replay()
@@ -556,7 +556,7 @@ async fn lost_complete_reply_on_a_real_connection_is_resolved_as_completed() {
 }
 
 /// A server that does not have the scripts (a fresh server, or after `SCRIPT FLUSH`): the
-/// claim and settlement pipelines meet `NOSCRIPT` for every item, each item is sent again on
+/// claim and ending pipelines meet `NOSCRIPT` for every item, each item is sent again on
 /// its own (which loads the script), and the batch runs each handler once. A server of the
 /// test's own, so that flushing its scripts touches no other test.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -595,12 +595,12 @@ async fn batches_on_a_server_without_the_scripts_load_them_and_run_once() {
     assert_eq!(executions.load(Ordering::SeqCst), 40);
 }
 
-/// A batch whose settlement pipeline loses its reply (the server applied every completion,
+/// A batch whose ending pipeline loses its reply (the server applied every completion,
 /// the connection is cut before the answers come back): each item reads its record back by
 /// token and finds it completed, every handler ran once, and a redelivery of the batch
 /// replays every result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lost_reply_to_a_batch_settlement_is_resolved_item_by_item() {
+async fn lost_reply_to_a_batch_ending_is_resolved_item_by_item() {
     let proxy = proxy::Proxy::start("127.0.0.1:6379".parse().unwrap()).await;
     let store: SharedStore = Arc::new(connect(&proxy.url()).await);
     let namespace = unique_namespace();
@@ -623,7 +623,7 @@ async fn lost_reply_to_a_batch_settlement_is_resolved_item_by_item() {
             Ok::<_, Error>(id * 3)
         }
     };
-    proxy.lose_reply_to(&settle_script_sha());
+    proxy.lose_reply_to(&ending_script_sha());
     let first: Vec<Result<u32, Error>> = guard.batch().replay().run(items(), handler).await;
     assert_eq!(proxy.lost(), 1, "the proxy lost no reply");
     assert_eq!(executions.load(Ordering::SeqCst), 40);
@@ -693,7 +693,7 @@ async fn deliver(
             Ok(()) => return attempts,
             Err(e) if e.action() == Action::Ack => return attempts,
             Err(e) => {
-                assert!(attempts < 2_000, "message {id} never settled: {e:?}");
+                assert!(attempts < 2_000, "message {id} never ended: {e:?}");
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
@@ -966,11 +966,11 @@ fn claim_request(key: &Key, lease: Duration, ttl: Duration) -> ClaimRequest {
     ClaimRequest::new(key.clone(), Token::generate(), lease, ttl)
 }
 
-/// The SHA1 of the store's settlement script, which every completion and release names:
-/// what the proxy looks for to lose the reply to a settlement.
-fn settle_script_sha() -> Vec<u8> {
+/// The SHA1 of the store's ending script, which every completion and release names:
+/// what the proxy looks for to lose the reply to an ending.
+fn ending_script_sha() -> Vec<u8> {
     redis::Script::new(include_str!(
-        "../idempotent-runtime/src/store/redis/settle.lua"
+        "../idempotent-runtime/src/store/redis/ending.lua"
     ))
     .get_hash()
     .as_bytes()
@@ -1491,7 +1491,7 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
         (
             "batch completion",
             store
-                .complete_many(&[Settlement::complete(key.clone(), *token, done.clone())])
+                .complete_many(&[Ending::complete(key.clone(), *token, done.clone())])
                 .await
                 .pop()
                 .and_then(Result::err),
@@ -1499,7 +1499,7 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
         (
             "batch release",
             store
-                .complete_many(&[Settlement::release(key.clone(), *token)])
+                .complete_many(&[Ending::release(key.clone(), *token)])
                 .await
                 .pop()
                 .and_then(Result::err),

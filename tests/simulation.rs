@@ -52,9 +52,8 @@ use idempotency::admin::Admin;
 use idempotency::lock::Lock;
 use idempotency::memory::Clock;
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, Expect, OperatorStore, Record,
-    RecordState, ScanCursor, ScanPage, Settle, Settlement, Store, StoreError, StoreErrorKind,
-    Token,
+    BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, End, Ending, Expect, OperatorStore,
+    Record, RecordState, ScanCursor, ScanPage, Store, StoreError, StoreErrorKind, Token,
 };
 use idempotency::{Error, Idempotency, Key, MemoryStore, OnError, SharedStore};
 
@@ -116,7 +115,7 @@ impl Choices {
 }
 
 // ---------------------------------------------------------------------------------------
-// The store: every command waits in flight until the scheduler settles it.
+// The store: every command waits in flight until the scheduler ends it.
 
 /// The store's clock is Tokio's paused clock, so leases, ttls and the engine's timers move
 /// together.
@@ -148,8 +147,8 @@ enum Command {
     Scan(String, ScanCursor, usize),
     /// A batch claim: one round trip, as every built-in store sends it.
     ClaimMany(Vec<ClaimRequest>),
-    /// A batch settlement: one round trip.
-    CompleteMany(Vec<Settlement>),
+    /// A batch ending: one round trip.
+    CompleteMany(Vec<Ending>),
 }
 
 #[derive(Debug)]
@@ -167,8 +166,8 @@ struct InFlight {
     command: Command,
     reply: Option<Reply>,
     waker: Option<Waker>,
-    /// Settled: the scheduler no longer chooses it.
-    settled: bool,
+    /// Ended: the scheduler no longer chooses it.
+    ended: bool,
 }
 
 #[derive(Default)]
@@ -223,7 +222,7 @@ impl SimStore {
             command,
             reply: None,
             waker: None,
-            settled: false,
+            ended: false,
         });
         Sent {
             id,
@@ -262,7 +261,7 @@ impl SimStore {
                 items
                     .iter()
                     .map(|item| match &item.action {
-                        Settle::Complete(c) => self.complete_now(&item.key, &item.token, c, world),
+                        End::Complete(c) => self.complete_now(&item.key, &item.token, c, world),
                         _ => self.release_now(&item.key, &item.token, world),
                     })
                     .collect(),
@@ -346,11 +345,11 @@ impl SimStore {
         ready(self.inner.release(key, token))
     }
 
-    /// Settles in-flight command number `index` with `fault`: 0 applied and answered, 1 refused
+    /// Ends in-flight command number `index` with `fault`: 0 applied and answered, 1 refused
     /// before being applied, 2 applied with its reply lost, 3 never answered and never applied
     /// (a request lost on a silent connection), 4 applied and never answered (a silent
     /// connection after the server applied it).
-    fn settle(&self, index: usize, fault: u32) {
+    fn end(&self, index: usize, fault: u32) {
         let mut world = self.world.lock().unwrap();
         let command = world.in_flight[index].command.clone();
         let reply = match fault {
@@ -377,7 +376,7 @@ impl SimStore {
         let id = world.in_flight[index].id;
         world.log(|| {
             format!(
-                "  settle #{id} {} -> {reply:?}",
+                "  end #{id} {} -> {reply:?}",
                 [
                     "applied",
                     "refused",
@@ -388,7 +387,7 @@ impl SimStore {
             )
         });
         let entry = &mut world.in_flight[index];
-        entry.settled = true;
+        entry.ended = true;
         if let Some(reply) = reply {
             entry.reply = Some(reply);
             if let Some(waker) = entry.waker.take() {
@@ -400,7 +399,7 @@ impl SimStore {
     fn unsettled(&self) -> Vec<usize> {
         let world = self.world.lock().unwrap();
         (0..world.in_flight.len())
-            .filter(|&i| !world.in_flight[i].settled)
+            .filter(|&i| !world.in_flight[i].ended)
             .collect()
     }
 }
@@ -461,7 +460,7 @@ fn describe(command: &Command) -> String {
                 .map(|i| (
                     i.key.to_string(),
                     i.token,
-                    matches!(i.action, Settle::Complete(_))
+                    matches!(i.action, End::Complete(_))
                 ))
                 .collect::<Vec<_>>()
         ),
@@ -550,7 +549,7 @@ impl Store for SimStore {
     }
     fn complete_many<'a>(
         &'a self,
-        items: &'a [Settlement],
+        items: &'a [Ending],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         sent(
             self.send(Command::CompleteMany(items.to_vec())),
@@ -1100,7 +1099,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                     }
                 }
             }
-            // Settle a store command.
+            // End a store command.
             7..=11 => {
                 let unsettled = store.unsettled();
                 if !unsettled.is_empty() {
@@ -1112,7 +1111,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                         5 => 4,
                         _ => 0,
                     };
-                    store.settle(index, fault);
+                    store.end(index, fault);
                 }
             }
             // Let background tasks run.
@@ -1142,7 +1141,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
             active |= poll_caller(&mut live, at);
         }
         for index in store.unsettled() {
-            store.settle(index, 0);
+            store.end(index, 0);
         }
         for _ in 0..4 {
             tokio::task::yield_now().await;

@@ -4,6 +4,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/forward.rs"]
+#[macro_use]
+mod forward;
+
 mod conformance;
 #[path = "support/redis_server.rs"]
 mod redis_server;
@@ -18,8 +22,8 @@ use conformance::{unique_namespace, Backend, Down};
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, OperatorStore, Record, RecordState,
-    ScanCursor, ScanPage, Settlement, SharedOperatorStore, Store, StoreError, TieredStore, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Ending, Record, RecordState, SharedOperatorStore,
+    Store, StoreError, TieredStore, Token,
 };
 use idempotency::{Error, Idempotency, Key, MemoryStore, SharedStore};
 use redis_server::{delete_matching, redis_url};
@@ -159,33 +163,10 @@ impl Store for HeldReleases {
     }
 }
 
-impl OperatorStore for HeldReleases {
-    fn reopen<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.reopen(key, token)
-    }
-    fn scan<'a>(
-        &'a self,
-        prefix: &'a str,
-        cursor: &'a ScanCursor,
-        limit: usize,
-    ) -> BoxFuture<'a, Result<ScanPage, StoreError>> {
-        self.inner.scan(prefix, cursor, limit)
-    }
-    fn delete<'a>(
-        &'a self,
-        key: &'a Key,
-        expect: Expect<'a>,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.delete(key, expect)
-    }
-}
+forward_operator_store!(HeldReleases);
 
 /// A claim given back is released on the front first, then on the back (single and batch
-/// settlements): while the front's release is under way the back still holds the claim, so
+/// endings): while the front's release is under way the back still holds the claim, so
 /// whoever sees the back released (the record of truth) finds the front released too, and
 /// the next delivery is acquired at once with the next fence instead of being told by the
 /// front that the call is still in flight.
@@ -205,9 +186,7 @@ async fn a_claim_given_back_is_released_on_the_front_before_the_back() {
             let (store, key, token) = (store.clone(), key.clone(), owner.token);
             async move {
                 if batch {
-                    let mut answers = store
-                        .complete_many(&[Settlement::release(key, token)])
-                        .await;
+                    let mut answers = store.complete_many(&[Ending::release(key, token)]).await;
                     answers.pop().unwrap()
                 } else {
                     store.release(&key, &token).await
@@ -257,11 +236,7 @@ async fn a_release_dropped_between_the_layers_keeps_the_key_busy_until_the_lease
             let (store, key, token) = (store.clone(), key.clone(), owner.token);
             async move {
                 if batch {
-                    drop(
-                        store
-                            .complete_many(&[Settlement::release(key, token)])
-                            .await,
-                    );
+                    drop(store.complete_many(&[Ending::release(key, token)]).await);
                 } else {
                     drop(store.release(&key, &token).await);
                 }
@@ -489,7 +464,7 @@ async fn batches_take_the_single_call_paths_through_the_layers() {
 
 /// A batch that completes and then releases one key (the release meets the completion and
 /// changes nothing) leaves the front completed, as the back is: a key the batch completes
-/// keeps its settlements' order on the front.
+/// keeps its endings' order on the front.
 #[tokio::test]
 async fn a_batch_completing_and_releasing_one_key_keeps_the_front_completed() {
     let front = Arc::new(MemoryStore::new());
@@ -504,8 +479,8 @@ async fn a_batch_completing_and_releasing_one_key_keeps_the_front_completed() {
     ));
     let answers: Vec<bool> = store
         .complete_many(&[
-            Settlement::complete(key.clone(), owner.token, Completion::new(None, minute)),
-            Settlement::release(key.clone(), owner.token),
+            Ending::complete(key.clone(), owner.token, Completion::new(None, minute)),
+            Ending::release(key.clone(), owner.token),
         ])
         .await
         .into_iter()

@@ -255,7 +255,7 @@ pub(crate) fn completion_lost(key: &Key, store: &'static str, reason: &'static s
     let _ = (key, store, reason);
 }
 
-/// A claim acquired (`+1`) or settled (`-1`).
+/// A claim acquired (`+1`) or ended (`-1`).
 #[inline]
 pub(crate) fn claims_active(key: &Key, store: &'static str, delta: i8) {
     #[cfg(feature = "metrics")]
@@ -303,7 +303,7 @@ pub(crate) fn purged(store: &'static str, records: u64) {
     let _ = (store, records);
 }
 
-/// How long a broker consumer took to process a message (handler and settlement).
+/// How long a broker consumer took to process a message (handler and ending).
 #[inline]
 #[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
 pub(crate) fn messaging_process(system: &'static str, destination: &str, since: Started) {

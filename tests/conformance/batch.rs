@@ -1,4 +1,4 @@
-//! Conformance cases for batches and retried claims: each item of a batch is settled by its own
+//! Conformance cases for batches and retried claims: each item of a batch is ended by its own
 //! outcome, and a claim retried by its owner is acquired again.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Record, RecordState, Settlement, Store, StoreError,
+    BoxFuture, Claim, ClaimRequest, Completion, Ending, Record, RecordState, Store, StoreError,
     Token,
 };
 use idempotency::{Error, Key, SharedStore};
@@ -137,17 +137,17 @@ pub async fn concurrent_overlapping_batches_run_each_key_once(b: impl Backend) {
 enum Quirk {
     /// Nothing: every call goes to the store under test.
     None,
-    /// Its batch settlement never answers (a hung connection).
-    HungSettlements,
-    /// Its batch settlement fails for every item, applying nothing (the store down for that
+    /// Its batch ending never answers (a hung connection).
+    HungEndings,
+    /// Its batch ending fails for every item, applying nothing (the store down for that
     /// one call).
-    FailingSettlements,
+    FailingEndings,
     /// Its batch claim leaves the last item out of what it sends and answers (a misbehaving
     /// third-party store).
     ShortClaims,
 }
 
-/// The store under test, counting the settlements that reach it (single completions and
+/// The store under test, counting the endings that reach it (single completions and
 /// releases, and batches with their sizes), and with a [`Quirk`] that no real backend
 /// produces on demand.
 struct Instrumented {
@@ -189,18 +189,18 @@ impl Store for Instrumented {
     }
     fn complete_many<'a>(
         &'a self,
-        items: &'a [Settlement],
+        items: &'a [Ending],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         self.batches.lock().unwrap().push(items.len());
         match self.quirk {
-            Quirk::HungSettlements => Box::pin(std::future::pending()),
-            Quirk::FailingSettlements => Box::pin(std::future::ready(
+            Quirk::HungEndings => Box::pin(std::future::pending()),
+            Quirk::FailingEndings => Box::pin(std::future::ready(
                 items
                     .iter()
                     .map(|_| {
                         Err(StoreError::new(
                             idempotency::store::StoreErrorKind::Unavailable,
-                            "the batch settlement failed",
+                            "the batch ending failed",
                         ))
                     })
                     .collect(),
@@ -233,13 +233,13 @@ fn instrumented(b: &impl Backend, quirk: Quirk) -> Arc<Instrumented> {
     })
 }
 
-/// A batch's items are settled together: 30 items whose handlers all return (27 completed,
+/// A batch's items are ended together: 30 items whose handlers all return (27 completed,
 /// 3 failed and released) reach the store as one `complete_many` of 30 and no single
 /// completion or release; each record ends as its own outcome says, and a second delivery of
 /// the batch runs nothing and replays the stored results.
-pub async fn a_batch_is_settled_in_one_call(b: impl Backend) {
+pub async fn a_batch_is_completed_in_one_call(b: impl Backend) {
     let store = instrumented(&b, Quirk::None);
-    let prefix = unique_prefix(&b, "batch-settle");
+    let prefix = unique_prefix(&b, "batch-end");
     let g = guard(&(store.clone() as SharedStore));
     let items = || -> Vec<(Key, u32)> { (0..30u32).map(|id| (key(&prefix, &[&id]), id)).collect() };
     let runs = AtomicUsize::new(0);
@@ -337,11 +337,11 @@ pub async fn a_slow_batch_item_does_not_hold_the_others(b: impl Backend) {
     assert!(batches.len() >= 2, "{batches:?}");
 }
 
-/// A batch dropped while its settlement hangs (the caller's timeout) still records every
+/// A batch dropped while its ending hangs (the caller's timeout) still records every
 /// item's outcome: each body ran once, and each owner completes on its own in the background,
 /// so no key is left claimed and a redelivery runs nothing.
 pub async fn a_batch_dropped_while_settling_still_records_every_outcome(b: impl Backend) {
-    let store: SharedStore = instrumented(&b, Quirk::HungSettlements);
+    let store: SharedStore = instrumented(&b, Quirk::HungEndings);
     let prefix = unique_prefix(&b, "batch-dropped");
     let g = guard(&store);
     let items = || -> Vec<(Key, u32)> { (0..6u32).map(|id| (key(&prefix, &[&id]), id)).collect() };
@@ -355,7 +355,7 @@ pub async fn a_batch_dropped_while_settling_still_records_every_outcome(b: impl 
     };
     let dropped =
         tokio::time::timeout(Duration::from_millis(300), g.run_batch(items(), handler)).await;
-    assert!(dropped.is_err(), "the hung settlement answered");
+    assert!(dropped.is_err(), "the hung ending answered");
     assert_eq!(runs.load(Ordering::SeqCst), 6);
     for (k, _) in items() {
         super::eventually(&store, &k, |r| {
@@ -371,11 +371,11 @@ pub async fn a_batch_dropped_while_settling_still_records_every_outcome(b: impl 
 /// `complete_many` answers each item, in order, as the single `complete` or `release` would
 /// have: its own completion, a stale token, a completion retried by its owner, a release, a
 /// release by someone else, a key without a record, a lease that ran out but is still the
-/// owner's, two settlements of one key (the second meets the first's outcome, a completion
+/// owner's, two endings of one key (the second meets the first's outcome, a completion
 /// then a release and a release then a completion), and a release retried by its owner.
-pub async fn complete_many_answers_as_single_settlements_would(b: impl Backend) {
+pub async fn complete_many_answers_as_single_endings_would(b: impl Backend) {
     let store = b.store();
-    let prefix = unique_prefix(&b, "settle-many");
+    let prefix = unique_prefix(&b, "end-many");
     let minute = Duration::from_secs(60);
     let owned = |id: u32, lease: Duration| {
         let store = store.clone();
@@ -404,18 +404,18 @@ pub async fn complete_many_answers_as_single_settlements_would(b: impl Backend) 
     let (k10, t10) = owned(10, minute).await;
     let stranger = Token::generate();
     let items = vec![
-        Settlement::complete(k1.clone(), t1, done("r1")),
-        Settlement::complete(k2.clone(), stranger, done("r2")),
-        Settlement::complete(k3.clone(), t3, done("r3")),
-        Settlement::release(k4.clone(), t4),
-        Settlement::release(k5.clone(), stranger),
-        Settlement::complete(k6.clone(), stranger, done("r6")),
-        Settlement::complete(k7.clone(), t7, done("r7")),
-        Settlement::complete(k8.clone(), t8, done("r8")),
-        Settlement::release(k8.clone(), t8),
-        Settlement::release(k9.clone(), t9),
-        Settlement::release(k10.clone(), t10),
-        Settlement::complete(k10.clone(), t10, done("r10")),
+        Ending::complete(k1.clone(), t1, done("r1")),
+        Ending::complete(k2.clone(), stranger, done("r2")),
+        Ending::complete(k3.clone(), t3, done("r3")),
+        Ending::release(k4.clone(), t4),
+        Ending::release(k5.clone(), stranger),
+        Ending::complete(k6.clone(), stranger, done("r6")),
+        Ending::complete(k7.clone(), t7, done("r7")),
+        Ending::complete(k8.clone(), t8, done("r8")),
+        Ending::release(k8.clone(), t8),
+        Ending::release(k9.clone(), t9),
+        Ending::release(k10.clone(), t10),
+        Ending::complete(k10.clone(), t10, done("r10")),
     ];
     let answers: Vec<bool> = store
         .complete_many(&items)
@@ -574,13 +574,13 @@ pub async fn a_batch_claim_that_answers_fewer_items_fails_the_rest(b: impl Backe
     );
 }
 
-/// A batch whose settlement fails (nothing recorded): every body ran once and its value is
+/// A batch whose ending fails (nothing recorded): every body ran once and its value is
 /// returned (the effect is applied), the claims are never given back, and each owner
 /// records its outcome on its own in the background, so a redelivery runs nothing.
-pub async fn a_failed_batch_settlement_is_recorded_item_by_item(b: impl Backend) {
-    let store = instrumented(&b, Quirk::FailingSettlements);
+pub async fn a_failed_batch_ending_is_recorded_item_by_item(b: impl Backend) {
+    let store = instrumented(&b, Quirk::FailingEndings);
     let shared: SharedStore = store.clone();
-    let prefix = unique_prefix(&b, "batch-settle-fails");
+    let prefix = unique_prefix(&b, "batch-end-fails");
     let items = || -> Vec<(Key, u32)> { (0..6u32).map(|id| (key(&prefix, &[&id]), id)).collect() };
     let runs = AtomicUsize::new(0);
     let handler = |id: u32| {

@@ -18,7 +18,7 @@
 //!
 //! The cases live in one file per rule (`claim`, `lease`, `complete`, `release`,
 //! `store_errors`, `done`, `fingerprint`, `cancellation`, `unknown_outcomes`), plus
-//! `policies`, `batch`, `settle`, `admin` (the operator's API), `model` (the in-memory store
+//! `policies`, `batch`, `ending`, `admin` (the operator's API), `model` (the in-memory store
 //! as a model of every other) and the fault wrappers in `faults`; this file holds the
 //! [`Backend`] and [`OperatorBackend`] traits, the helpers they share and the lists of cases
 //! ([`conformance_cases!`] for the engine's, [`operator_cases!`] for the operator's).
@@ -48,13 +48,13 @@ mod cancellation;
 mod claim;
 mod complete;
 mod done;
+mod ending;
 mod faults;
 mod fingerprint;
 mod lease;
 mod model;
 mod policies;
 mod release;
-mod settle;
 mod store_errors;
 mod unknown_outcomes;
 
@@ -65,13 +65,13 @@ pub use cancellation::*;
 pub use claim::*;
 pub use complete::*;
 pub use done::*;
+pub use ending::*;
 pub use faults::*;
 pub use fingerprint::*;
 pub use lease::*;
 pub use model::*;
 pub use policies::*;
 pub use release::*;
-pub use settle::*;
 pub use store_errors::*;
 pub use unknown_outcomes::*;
 
@@ -280,13 +280,13 @@ macro_rules! conformance_cases {
             out_of_range_durations_are_refused_before_the_store,
             body_reads_its_key_and_fence,
             lost_lease_is_signalled_to_the_body,
-            a_batch_is_settled_in_one_call,
+            a_batch_is_completed_in_one_call,
             a_slow_batch_item_does_not_hold_the_others,
             a_batch_dropped_while_settling_still_records_every_outcome,
-            complete_many_answers_as_single_settlements_would,
+            complete_many_answers_as_single_endings_would,
             a_batch_checks_payloads_replays_and_asks_done_per_item,
             a_batch_claim_that_answers_fewer_items_fails_the_rest,
-            a_failed_batch_settlement_is_recorded_item_by_item,
+            a_failed_batch_ending_is_recorded_item_by_item,
             a_completion_that_never_answers_is_bounded_and_read_back,
             a_completion_lost_after_the_caller_got_ok_is_reported,
             a_batch_claim_that_never_answers_fails_closed_and_gives_back

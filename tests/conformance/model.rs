@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::store::{
-    AcquiredClaim, Claim, ClaimRequest, Completion, Expect, Fingerprint, OperatorStore,
-    RecordState, Settlement, SharedOperatorStore, StoreErrorKind, Token,
+    AcquiredClaim, Claim, ClaimRequest, Completion, Ending, Expect, Fingerprint, OperatorStore,
+    RecordState, SharedOperatorStore, StoreErrorKind, Token,
 };
 use idempotency::{Key, MemoryStore};
 
@@ -17,7 +17,7 @@ use super::{unique_prefix, OperatorBackend};
 #[derive(Debug, PartialEq, Eq)]
 enum Seen {
     Claim(&'static str, i128, Option<Vec<u8>>),
-    Settled(bool),
+    Ended(bool),
     Record(Option<SeenRecord>),
     Failed(StoreErrorKind),
 }
@@ -57,9 +57,9 @@ struct Owner {
 
 /// Random sequences of claims (each by a new owner, with one of three fingerprints; single or
 /// as a batch of one), completions (by token, naming the fence, naming fence and lease,
-/// naming a wrong claim; retried at random), releases, renewals, batch settlements of one
+/// naming a wrong claim; retried at random), releases, renewals, batch endings of one
 /// item, an operator's reopening and deletion by token, and reads, on two keys, with batch
-/// claims and batch settlements of both keys at once, sent to the store under test and to a
+/// claims and batch endings of both keys at once, sent to the store under test and to a
 /// fresh in-memory store: every answer is the in-memory store's. Leases and ttls are long,
 /// so no answer depends on time; a store whose fast paths (a compare-and-set completion, a
 /// completion by head, a native claim) answered otherwise than its general path would show
@@ -89,10 +89,10 @@ pub async fn every_sequence_is_answered_as_the_in_memory_store_answers_it(b: imp
         for step in 0..24 {
             let mut seen: [Vec<Seen>; 2] = [Vec::new(), Vec::new()];
             if dice.roll(6) == 0 {
-                // Both keys in one batch: claimed by new owners, or settled by known ones.
+                // Both keys in one batch: claimed by new owners, or ended by known ones.
                 let steps = [0, 1].map(|k| roll(&mut dice, keys[k].owners.len()));
                 let claim = keys.iter().any(|k| k.owners.is_empty()) || dice.roll(2) == 0;
-                trace.push(format!("batch {}", if claim { "claim" } else { "settle" }));
+                trace.push(format!("batch {}", if claim { "claim" } else { "end" }));
                 if claim {
                     for (k, s) in keys.iter_mut().zip(&steps) {
                         k.owners.push(Owner {
@@ -178,7 +178,7 @@ async fn claim_both(
         .collect()
 }
 
-/// Settles both keys in one batch: each a completion (named as its step says) or a release by
+/// Ends both keys in one batch: each a completion (named as its step says) or a release by
 /// one of its known owners.
 async fn settle_both(
     store: &dyn OperatorStore,
@@ -186,15 +186,15 @@ async fn settle_both(
     keys: &[KeyState; 2],
     steps: &[Step; 2],
 ) -> Vec<Seen> {
-    let items: Vec<Settlement> = keys
+    let items: Vec<Ending> = keys
         .iter()
         .zip(steps)
         .map(|(k, s)| {
             let owner = &k.owners[s.owner];
             if s.op % 2 == 0 {
-                Settlement::release(k.key.clone(), owner.token)
+                Ending::release(k.key.clone(), owner.token)
             } else {
-                Settlement::complete(k.key.clone(), owner.token, completion(s, owner, side))
+                Ending::complete(k.key.clone(), owner.token, completion(s, owner, side))
             }
         })
         .collect();
@@ -202,7 +202,7 @@ async fn settle_both(
         .complete_many(&items)
         .await
         .into_iter()
-        .map(|answer| answer.map_or_else(|e| Seen::Failed(e.kind()), Seen::Settled))
+        .map(|answer| answer.map_or_else(|e| Seen::Failed(e.kind()), Seen::Ended))
         .collect()
 }
 
@@ -304,29 +304,29 @@ async fn apply(
             let outcome = if step.op == 1 {
                 store.complete(key, &owner.token, &done).await
             } else {
-                let item = Settlement::complete(key.clone(), owner.token, done);
+                let item = Ending::complete(key.clone(), owner.token, done);
                 store.complete_many(&[item]).await.remove(0)
             };
-            outcome.map_or_else(failed, Seen::Settled)
+            outcome.map_or_else(failed, Seen::Ended)
         }
         3 | 4 => {
             let token = owners[step.owner].token;
             let outcome = if step.op == 3 {
                 store.release(key, &token).await
             } else {
-                let item = Settlement::release(key.clone(), token);
+                let item = Ending::release(key.clone(), token);
                 store.complete_many(&[item]).await.remove(0)
             };
-            outcome.map_or_else(failed, Seen::Settled)
+            outcome.map_or_else(failed, Seen::Ended)
         }
         5 => store
             .renew(key, &owners[step.owner].token, minute)
             .await
-            .map_or_else(failed, Seen::Settled),
+            .map_or_else(failed, Seen::Ended),
         8 => store
             .reopen(key, &owners[step.owner].token)
             .await
-            .map_or_else(failed, Seen::Settled),
+            .map_or_else(failed, Seen::Ended),
         9 => {
             let deleted = store
                 .delete(key, Expect::Token(&owners[step.owner].token))
@@ -335,7 +335,7 @@ async fn apply(
                 // The key starts again: its next fence comes from the store's clock.
                 base[side] = None;
             }
-            deleted.map_or_else(failed, Seen::Settled)
+            deleted.map_or_else(failed, Seen::Ended)
         }
         _ => match store.read(key).await {
             Ok(record) => Seen::Record(record.map(|r| {

@@ -20,8 +20,8 @@ use idempotency::admin::{Admin, AdminOutcome, ListQuery, StateFilter};
 use idempotency::sql::sqlx::{self, Database};
 use idempotency::sql::{Dialect, SqlStore};
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, Fingerprint, OperatorStore, RecordState,
-    Settlement, Store, StoreError, StoreErrorKind, Token, MAX_DURATION,
+    BoxFuture, Claim, ClaimRequest, Completion, Ending, Expect, Fingerprint, OperatorStore,
+    RecordState, Store, StoreError, StoreErrorKind, Token, MAX_DURATION,
 };
 use idempotency::{Error, Idempotency, Key, OnError};
 
@@ -662,16 +662,13 @@ pub async fn corrupt_records_are_reported_as_corrupt<H: Harness>(store: &SqlStor
                 store.delete(&live, Expect::Token(&owner.token)).await,
                 &what("delete by its token"),
             );
-            let settled = store
+            let ended = store
                 .complete_many(&[
-                    Settlement::complete(live.clone(), owner.token, done.clone()),
-                    Settlement::release(released.clone(), gone.token),
+                    Ending::complete(live.clone(), owner.token, done.clone()),
+                    Ending::release(released.clone(), gone.token),
                 ])
                 .await;
-            for (answer, op) in settled
-                .into_iter()
-                .zip(["batch completion", "batch release"])
-            {
+            for (answer, op) in ended.into_iter().zip(["batch completion", "batch release"]) {
                 assert_corrupt(answer, &what(op));
             }
         }

@@ -1,10 +1,10 @@
-//! Settling a batch's items together: the first completion or release of each item of a
+//! Ending a batch's items together: the first completion or release of each item of a
 //! batch waits, briefly, for the others, and they go to the store in one
 //! [`Store::complete_many`] (one round trip on Redis and SQL).
 //!
 //! [`Coalescing`] wraps the batch's store. An item's first `complete` or `release` joins the
-//! pending settlements; they are sent when every item of the batch has either settled or
-//! finished without settling ([`Coalescing::forget`]), or when the first of them has waited
+//! pending endings; they are sent when every item of the batch has either ended or
+//! finished without ending ([`Coalescing::forget`]), or when the first of them has waited
 //! [`Coalescing::new`]'s `max_delay` (a slow sibling never holds the others' completions for
 //! longer, so their leases never come close to running out while they wait). Whoever finds
 //! the batch ready sends it, and every waiter gets its own item's answer.
@@ -31,25 +31,25 @@ use tokio::sync::{oneshot, Notify};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Record, Settlement, SharedStore, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Ending, Record, SharedStore, Store, Token,
 };
 
 type Answer = oneshot::Sender<Result<bool, StoreError>>;
 
-/// A batch's store: the first settlement of each item is sent with the others'.
+/// A batch's store: the first ending of each item is sent with the others'.
 pub(crate) struct Coalescing {
     inner: SharedStore,
     max_delay: Duration,
     state: Mutex<State>,
-    /// Wakes the waiters when the last item that could still settle went away.
+    /// Wakes the waiters when the last item that could still end went away.
     changed: Notify,
 }
 
 struct State {
-    /// Items that may still settle through the batch.
+    /// Items that may still end through the batch.
     waiting: HashSet<Token, BuildHasherDefault<TokenHasher>>,
-    pending: Vec<(Settlement, Answer)>,
-    /// When the first pending settlement arrived.
+    pending: Vec<(Ending, Answer)>,
+    /// When the first pending ending arrived.
     since: Option<tokio::time::Instant>,
 }
 
@@ -82,7 +82,7 @@ impl Hasher for TokenHasher {
 }
 
 impl Coalescing {
-    /// The store of a batch whose items own `tokens`; a settlement waits at most `max_delay`
+    /// The store of a batch whose items own `tokens`; an ending waits at most `max_delay`
     /// for the others.
     pub(crate) fn new(
         inner: SharedStore,
@@ -107,7 +107,7 @@ impl Coalescing {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The item of `token` will not settle through the batch (it did not acquire its key, or
+    /// The item of `token` will not end through the batch (it did not acquire its key, or
     /// its call ended): the others stop waiting for it.
     pub(crate) fn forget(&self, token: &Token) {
         let mut state = self.lock();
@@ -117,7 +117,7 @@ impl Coalescing {
         }
     }
 
-    async fn settle(&self, item: Settlement) -> Result<bool, StoreError> {
+    async fn end(&self, item: Ending) -> Result<bool, StoreError> {
         let joined = {
             let mut state = self.lock();
             if state.waiting.remove(&item.token) {
@@ -139,7 +139,7 @@ impl Coalescing {
             notified.as_mut().enable();
             let (ready, due) = {
                 let mut state = self.lock();
-                // Set exactly while settlements are pending; none pending means this item's
+                // Set exactly while endings are pending; none pending means this item's
                 // is on its way in another waiter's batch.
                 let due = state.since.map(|since| since + self.max_delay);
                 let ready = !state.pending.is_empty()
@@ -167,13 +167,13 @@ impl Coalescing {
     }
 
     /// Sends `batch` and hands each waiter its answer.
-    async fn flush(&self, batch: Vec<(Settlement, Answer)>) {
-        let (items, answers): (Vec<Settlement>, Vec<Answer>) = batch.into_iter().unzip();
-        let settled = self.inner.complete_many(&items).await;
-        let mut settled = settled.into_iter();
+    async fn flush(&self, batch: Vec<(Ending, Answer)>) {
+        let (items, answers): (Vec<Ending>, Vec<Answer>) = batch.into_iter().unzip();
+        let ended = self.inner.complete_many(&items).await;
+        let mut ended = ended.into_iter();
         for answer in answers {
             // A store that answered fewer items than it was given leaves the rest unknown.
-            let _ = answer.send(settled.next().unwrap_or_else(|| Err(abandoned())));
+            let _ = answer.send(ended.next().unwrap_or_else(|| Err(abandoned())));
         }
     }
 }
@@ -181,7 +181,7 @@ impl Coalescing {
 fn abandoned() -> StoreError {
     StoreError::new(
         StoreErrorKind::OutcomeUnknown,
-        "the batched settlement carrying this item was abandoned",
+        "the batched ending carrying this item was abandoned",
     )
 }
 
@@ -203,8 +203,8 @@ impl Store for Coalescing {
         token: &'a Token,
         completion: &'a Completion,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        let item = Settlement::complete(key.clone(), *token, completion.clone());
-        Box::pin(self.settle(item))
+        let item = Ending::complete(key.clone(), *token, completion.clone());
+        Box::pin(self.end(item))
     }
 
     fn release<'a>(
@@ -212,12 +212,12 @@ impl Store for Coalescing {
         key: &'a Key,
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(self.settle(Settlement::release(key.clone(), *token)))
+        Box::pin(self.end(Ending::release(key.clone(), *token)))
     }
 
     fn complete_many<'a>(
         &'a self,
-        items: &'a [Settlement],
+        items: &'a [Ending],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         self.inner.complete_many(items)
     }

@@ -46,7 +46,7 @@
 //!
 //! The semantics are specified in `docs/semantics.md` ("Outbox").
 
-mod driver;
+mod dialect;
 #[cfg(feature = "mysql")]
 mod mysql;
 mod operate;
@@ -77,9 +77,9 @@ use crate::database::{is_conflict, store_error, Phase, TableName};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::hex_string;
 use crate::store::Token;
-use driver::{Arg, OutboxStatements};
+use dialect::{Arg, OutboxStatements};
 
-pub use driver::OutboxDialect;
+pub use dialect::OutboxDialect;
 pub use operate::{DeadMessage, Discarded, MessageState, OutboxCounts, StoredMessage};
 pub use publish::{PublishError, Publisher};
 pub use relay::{Relay, RelayStats};

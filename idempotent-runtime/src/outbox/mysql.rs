@@ -5,7 +5,7 @@
 
 use sqlx::mysql::MySql;
 
-use crate::outbox::driver::{outbox_fns, OutboxDriver, OutboxTemplates, COUNTS};
+use crate::outbox::dialect::{outbox_fns, OutboxDialectImpl, OutboxTemplates, COUNTS};
 
 /// The message columns, as every dialect reads them.
 macro_rules! columns {
@@ -76,7 +76,7 @@ const TEMPLATES: OutboxTemplates = OutboxTemplates {
     counts: COUNTS,
 };
 
-impl OutboxDriver for MySql {
+impl OutboxDialectImpl for MySql {
     const OUTBOX: OutboxTemplates = TEMPLATES;
     const NOTIFIES: bool = false;
     const NUMBERED: bool = false;

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use crate::error::{StoreError, StoreErrorKind};
-use crate::outbox::driver::{self, Arg, ReadRow};
+use crate::outbox::dialect::{self, Arg, ReadRow};
 use crate::outbox::{db_error, MessageId, Outbox, OutboxDialect, OutboxMessage};
 
 /// A message that failed its attempts and waits for an operator ([`Outbox::dead`]).
@@ -241,7 +241,7 @@ impl<DB: OutboxDialect> Outbox<DB> {
         older_than: Duration,
         limit: u32,
     ) -> Result<u64, StoreError> {
-        let older = driver::ticks::<DB>(older_than);
+        let older = dialect::ticks::<DB>(older_than);
         self.exec(
             &self.sql.purge,
             &[Arg::Int(older), Arg::Int(i64::from(limit))],

@@ -3,7 +3,7 @@
 
 use sqlx::postgres::{PgListener, PgPool, Postgres};
 
-use crate::outbox::driver::{outbox_fns, Listener, OutboxDriver, OutboxTemplates, COUNTS};
+use crate::outbox::dialect::{outbox_fns, Listener, OutboxDialectImpl, OutboxTemplates, COUNTS};
 use crate::store::BoxFuture;
 
 /// The message columns, as every dialect reads them.
@@ -84,7 +84,7 @@ impl Listener for PgWake {
     }
 }
 
-impl OutboxDriver for Postgres {
+impl OutboxDialectImpl for Postgres {
     const OUTBOX: OutboxTemplates = TEMPLATES;
     const NOTIFIES: bool = true;
     const NUMBERED: bool = true;

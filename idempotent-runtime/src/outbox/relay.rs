@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::error::StoreError;
-use crate::outbox::driver::{self, Arg, Listener, ReadRow};
+use crate::outbox::dialect::{self, Arg, Listener, ReadRow};
 use crate::outbox::publish::Publisher;
 use crate::outbox::{db_error, Outbox, OutboxDialect, OutboxMessage};
 use crate::store::Token;
@@ -239,7 +239,7 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
                     &[
                         Arg::Text(&error),
                         Arg::Int(i64::from(self.max_attempts)),
-                        Arg::Int(driver::ticks::<DB>(self.backoff_after(row.attempts))),
+                        Arg::Int(dialect::ticks::<DB>(self.backoff_after(row.attempts))),
                         Arg::Text(row.id.as_str()),
                         Arg::Bytes(token.as_bytes()),
                     ],
@@ -336,7 +336,7 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
         let sql = self.outbox.statements();
         let claim = [
             Arg::Bytes(token.as_bytes()),
-            Arg::Int(driver::ticks::<DB>(self.lease)),
+            Arg::Int(dialect::ticks::<DB>(self.lease)),
             Arg::Int(i64::from(self.batch)),
         ];
         if sql.claimed.is_empty() {

@@ -3,7 +3,7 @@
 
 use sqlx::sqlite::Sqlite;
 
-use crate::outbox::driver::{outbox_fns, OutboxDriver, OutboxTemplates, COUNTS};
+use crate::outbox::dialect::{outbox_fns, OutboxDialectImpl, OutboxTemplates, COUNTS};
 
 /// The database's clock in milliseconds since the Unix epoch, as the SQLite store reads it.
 macro_rules! now {
@@ -106,7 +106,7 @@ const TEMPLATES: OutboxTemplates = OutboxTemplates {
     counts: COUNTS,
 };
 
-impl OutboxDriver for Sqlite {
+impl OutboxDialectImpl for Sqlite {
     const OUTBOX: OutboxTemplates = TEMPLATES;
     const NOTIFIES: bool = false;
     const NUMBERED: bool = false;

@@ -11,8 +11,8 @@ use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::deadline::call_bound;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, IntoOperatorStore, OperatorStore, Record,
-    ScanCursor, ScanPage, Settle, Settlement, SharedOperatorStore, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, End, Ending, Expect, IntoOperatorStore,
+    OperatorStore, Record, ScanCursor, ScanPage, SharedOperatorStore, Store, Token,
 };
 
 /// The most items one combined batch carries.
@@ -22,7 +22,7 @@ const MAX_BATCH: usize = 100;
 const DEFAULT_BATCH_TIMEOUT: Duration = Duration::from_secs(5);
 
 type Claimed = oneshot::Sender<Result<Claim, StoreError>>;
-type Settled = oneshot::Sender<Result<bool, StoreError>>;
+type Ended = oneshot::Sender<Result<bool, StoreError>>;
 
 /// A store that sends concurrent claims, completions and releases together, as
 /// [`claim_many`](Store::claim_many) and [`complete_many`](Store::complete_many) batches of
@@ -32,7 +32,7 @@ type Settled = oneshot::Sender<Result<bool, StoreError>>;
 /// that it waits, and every call that arrived meanwhile goes with it in the next batch. An
 /// idle store adds no delay; a busy one sends one statement (one commit, on SQL) for many
 /// calls instead of one each. It pays where a batch is one statement: PostgreSQL's batch
-/// claim and batch settlement, and MariaDB's (10.5 and later, whose batch claim is one
+/// claim and batch ending, and MariaDB's (10.5 and later, whose batch claim is one
 /// statement with `RETURNING`). On MySQL a batch claim is a statement and a read: measure
 /// before using it there. On Redis, whose batches are pipelines, it saves little. The
 /// measured figures are in the performance section of the repository's README, and
@@ -40,7 +40,7 @@ type Settled = oneshot::Sender<Result<bool, StoreError>>;
 ///
 /// Every call is answered as the wrapped store answers it alone: a batch's answers are per
 /// item ([`Store::complete_many`]'s contract), two claims of one key never share a batch,
-/// and the settlements of one key are sent in the order they were made, one batch after the
+/// and the endings of one key are sent in the order they were made, one batch after the
 /// other. A call whose caller went away before its batch was sent is not sent; a claim
 /// acquired for a caller that went away while its batch was on its way is released at once
 /// (a direct call would keep the key until the lease ran out). Batch calls
@@ -49,11 +49,11 @@ type Settled = oneshot::Sender<Result<bool, StoreError>>;
 /// Every batch is bounded, so a batch that never answers (a silent connection) holds its
 /// place among the `max_in_flight` for a bounded time only, and calls of other keys go on
 /// being served: a batch of claims waits at most half its shortest lease, a batch of
-/// settlements half the shortest lease its completions name, and either at most
+/// endings half the shortest lease its completions name, and either at most
 /// [`batch_timeout`](CombiningStore::batch_timeout) (5 s by default). Past it, the claims are
 /// answered [`StoreErrorKind::Unavailable`] (so their callers fail closed and do not send them
 /// again under the same token) and whatever they acquired once the batch lands is released;
-/// the settlements are answered [`StoreErrorKind::OutcomeUnknown`] (the caller reads the record
+/// the endings are answered [`StoreErrorKind::OutcomeUnknown`] (the caller reads the record
 /// back; a completion or release that lands late is token-checked).
 ///
 /// It sends its batches from tasks of the Tokio runtime the calls are made on; called
@@ -84,9 +84,9 @@ struct Shared {
 #[derive(Default)]
 struct Queues {
     claims: VecDeque<(ClaimRequest, Claimed)>,
-    settlements: VecDeque<(Settlement, Settled)>,
-    /// The keys of the settlements on their way.
-    settling: HashSet<Vec<u8>>,
+    endings: VecDeque<(Ending, Ended)>,
+    /// The keys of the endings on their way.
+    ending_keys: HashSet<Vec<u8>>,
     /// Batches on their way, or senders about to take one.
     senders: usize,
     /// The kind of batch the next sender takes first, so neither queue waits on the other.
@@ -95,7 +95,7 @@ struct Queues {
 
 enum Work {
     Claims(Vec<(ClaimRequest, Claimed)>),
-    Settlements(Vec<(Settlement, Settled)>),
+    Endings(Vec<(Ending, Ended)>),
 }
 
 impl CombiningStore {
@@ -185,7 +185,7 @@ impl Shared {
             let work = if claims {
                 take_claims(&mut queues)
             } else {
-                take_settlements(&mut queues)
+                take_endings(&mut queues)
             };
             if work.is_some() {
                 return work;
@@ -208,7 +208,7 @@ impl Shared {
                 }
                 let mut queues = self.0.lock();
                 queues.senders -= 1;
-                let queued = !queues.claims.is_empty() || !queues.settlements.is_empty();
+                let queued = !queues.claims.is_empty() || !queues.endings.is_empty();
                 let Ok(runtime) = tokio::runtime::Handle::try_current() else {
                     return;
                 };
@@ -224,7 +224,7 @@ impl Shared {
             let mut retire = Retire(&self, true);
             match work {
                 Work::Claims(batch) => self.send_claims(batch).await,
-                Work::Settlements(batch) => self.send_settlements(batch).await,
+                Work::Endings(batch) => self.send_endings(batch).await,
             }
             retire.1 = false;
         }
@@ -278,41 +278,41 @@ impl Shared {
         }
     }
 
-    async fn send_settlements(&self, batch: Vec<(Settlement, Settled)>) {
+    async fn send_endings(&self, batch: Vec<(Ending, Ended)>) {
         /// The batch's keys are no longer on their way once it returned, or never will.
-        struct Unmark<'a>(&'a Shared, &'a [Settlement]);
+        struct Unmark<'a>(&'a Shared, &'a [Ending]);
         impl Drop for Unmark<'_> {
             fn drop(&mut self) {
                 let mut queues = self.0.lock();
                 for item in self.1 {
-                    queues.settling.remove(item.key.as_bytes());
+                    queues.ending_keys.remove(item.key.as_bytes());
                 }
             }
         }
-        let (items, answers): (Vec<Settlement>, Vec<Settled>) = batch.into_iter().unzip();
+        let (items, answers): (Vec<Ending>, Vec<Ended>) = batch.into_iter().unzip();
         let leases = items.iter().filter_map(|item| match &item.action {
-            Settle::Complete(completion) => completion.claim.and_then(|claim| claim.lease),
+            End::Complete(completion) => completion.claim.and_then(|claim| claim.lease),
             _ => None,
         });
         let bound = self.bound(leases);
         let unmark = Unmark(self, &items);
-        let settled = match within(bound, self.inner.complete_many(&items)).await {
-            Ok(settled) => settled,
+        let ended = match within(bound, self.inner.complete_many(&items)).await {
+            Ok(ended) => ended,
             // Dropped: a completion or release that lands late is token-checked.
             Err(_) => items
                 .iter()
                 .map(|_| {
                     Err(StoreError::new(
                         StoreErrorKind::OutcomeUnknown,
-                        format!("the combined batch carrying this settlement did not answer within {bound:?}"),
+                        format!("the combined batch carrying this ending did not answer within {bound:?}"),
                     ))
                 })
                 .collect(),
         };
         drop(unmark);
-        let mut settled = settled.into_iter();
+        let mut ended = ended.into_iter();
         for answer in answers {
-            let _ = answer.send(settled.next().unwrap_or_else(|| Err(abandoned())));
+            let _ = answer.send(ended.next().unwrap_or_else(|| Err(abandoned())));
         }
     }
 }
@@ -390,35 +390,35 @@ fn take_claims(queues: &mut Queues) -> Option<Work> {
     (!batch.is_empty()).then_some(Work::Claims(batch))
 }
 
-/// The queued settlements that can go together, oldest first: those of keys with no
-/// settlement on its way, every settlement of one key in one batch in order (the wrapped
-/// store answers them as it would one after the other). Settlements go even when their
+/// The queued endings that can go together, oldest first: those of keys with no
+/// ending on its way, every ending of one key in one batch in order (the wrapped
+/// store answers them as it would one after the other). Endings go even when their
 /// caller went away: a completion records an effect that ran.
-fn take_settlements(queues: &mut Queues) -> Option<Work> {
+fn take_endings(queues: &mut Queues) -> Option<Work> {
     let mut batch = Vec::new();
     let mut kept = VecDeque::new();
     let mut blocked: HashSet<Vec<u8>> = HashSet::new();
     let mut taken: HashSet<Vec<u8>> = HashSet::new();
-    while let Some((item, answer)) = queues.settlements.pop_front() {
+    while let Some((item, answer)) = queues.endings.pop_front() {
         let key = item.key.as_bytes();
         let goes = !blocked.contains(key)
-            && !queues.settling.contains(key)
+            && !queues.ending_keys.contains(key)
             && (batch.len() < MAX_BATCH || taken.contains(key));
         if goes {
             taken.insert(key.to_vec());
             batch.push((item, answer));
         } else {
-            // Later settlements of this key wait behind this one.
+            // Later endings of this key wait behind this one.
             blocked.insert(key.to_vec());
             kept.push_back((item, answer));
         }
     }
-    queues.settlements = kept;
+    queues.endings = kept;
     if batch.is_empty() {
         return None;
     }
-    queues.settling.extend(taken);
-    Some(Work::Settlements(batch))
+    queues.ending_keys.extend(taken);
+    Some(Work::Endings(batch))
 }
 
 impl Store for CombiningStore {
@@ -450,16 +450,12 @@ impl Store for CombiningStore {
         token: &'a Token,
         completion: &'a Completion,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(self.settle(Settlement::complete(
-            key.clone(),
-            *token,
-            completion.clone(),
-        )))
+        Box::pin(self.end(Ending::complete(key.clone(), *token, completion.clone())))
     }
 
     fn complete_many<'a>(
         &'a self,
-        items: &'a [Settlement],
+        items: &'a [Ending],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         self.inner().complete_many(items)
     }
@@ -469,7 +465,7 @@ impl Store for CombiningStore {
         key: &'a Key,
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(self.settle(Settlement::release(key.clone(), *token)))
+        Box::pin(self.end(Ending::release(key.clone(), *token)))
     }
 
     fn renew<'a>(
@@ -522,14 +518,14 @@ impl OperatorStore for CombiningStore {
 }
 
 impl CombiningStore {
-    async fn settle(&self, item: Settlement) -> Result<bool, StoreError> {
+    async fn end(&self, item: Ending) -> Result<bool, StoreError> {
         if tokio::runtime::Handle::try_current().is_err() {
             return item.send_alone(&**self.inner()).await;
         }
         let (tx, rx) = oneshot::channel();
         {
             let mut queues = self.shared.lock();
-            queues.settlements.push_back((item, tx));
+            queues.endings.push_back((item, tx));
             self.shared.wake(queues);
         }
         rx.await.unwrap_or_else(|_| Err(abandoned()))

@@ -9,7 +9,7 @@ use std::time::Duration;
 use crate::error::StoreError;
 use crate::key::Key;
 use crate::store::{
-    Claim, ClaimRequest, Completion, Record, Settle, Settlement, Token, DEFAULT_MAX_RESULT_SIZE,
+    Claim, ClaimRequest, Completion, End, Ending, Record, Token, DEFAULT_MAX_RESULT_SIZE,
 };
 
 /// A boxed, sendable future, as returned by [`Store`] methods.
@@ -103,18 +103,18 @@ pub trait Store: Send + Sync + 'static {
     /// [`release`](Store::release) would, in as few round trips as the backend allows (one
     /// pipeline on Redis, one pipeline per node on a cluster, one statement per kind on
     /// SQL). Each outcome is independent and comes back in the order of `items`. The engine
-    /// settles a batch's items with it ([`Idempotency::run_batch`](crate::Idempotency::run_batch)).
-    /// The default settles them one after another.
+    /// ends a batch's items with it ([`Idempotency::run_batch`](crate::Idempotency::run_batch)).
+    /// The default ends them one after another.
     fn complete_many<'a>(
         &'a self,
-        items: &'a [Settlement],
+        items: &'a [Ending],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         Box::pin(async move {
-            let mut settled = Vec::with_capacity(items.len());
+            let mut ended = Vec::with_capacity(items.len());
             for item in items {
-                settled.push(item.send_alone(self).await);
+                ended.push(item.send_alone(self).await);
             }
-            settled
+            ended
         })
     }
 
@@ -156,15 +156,15 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
-impl Settlement {
-    /// Sends this settlement to `store` alone: its `complete` or `release`.
+impl Ending {
+    /// Sends this ending to `store` alone: its `complete` or `release`.
     pub(crate) fn send_alone<'a, S: Store + ?Sized>(
         &'a self,
         store: &'a S,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         match &self.action {
-            Settle::Complete(completion) => store.complete(&self.key, &self.token, completion),
-            Settle::Release => store.release(&self.key, &self.token),
+            End::Complete(completion) => store.complete(&self.key, &self.token, completion),
+            End::Release => store.release(&self.key, &self.token),
         }
     }
 }
@@ -200,7 +200,7 @@ macro_rules! forward_store {
             }
             fn complete_many<'a>(
                 &'a self,
-                items: &'a [Settlement],
+                items: &'a [Ending],
             ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
                 (**self).complete_many(items)
             }

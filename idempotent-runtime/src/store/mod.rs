@@ -126,7 +126,7 @@ pub use fingerprint::Fingerprint;
 pub use operator::{
     Expect, IntoOperatorStore, OperatorStore, ScanCursor, ScanPage, SharedOperatorStore,
 };
-pub use request::{AcquiredClaim, ClaimRequest, Completion, Settle, Settlement};
+pub use request::{AcquiredClaim, ClaimRequest, Completion, End, Ending};
 pub use rules::{clamped_millis, next_fence, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION, MIN_DURATION};
 pub use tiered::TieredStore;
 pub use token::Token;

@@ -1,5 +1,5 @@
 //! What a store is asked to write: [`ClaimRequest`], [`Completion`] (with the
-//! [`AcquiredClaim`] it may name), and the [`Settlement`]s of a batch.
+//! [`AcquiredClaim`] it may name), and the [`Ending`]s of a batch.
 
 use std::time::Duration;
 
@@ -162,52 +162,58 @@ impl AcquiredClaim {
     }
 }
 
-/// One write of [`Store::complete_many`](crate::store::Store::complete_many): `action` on `key`, if `token` still owns it.
+/// The end of one claim in a [`Store::complete_many`](crate::store::Store::complete_many)
+/// batch: `action` on `key`, if `token` still owns it.
+///
+/// A claim ends by a completion or a release; the store answers an ending as it answers the
+/// single [`Store::complete`](crate::store::Store::complete) or
+/// [`Store::release`](crate::store::Store::release). "End" is kept for what a broker consumer does
+/// with a message: ack, redeliver or dead-letter it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Settlement {
+pub struct Ending {
     /// The operation key.
     pub key: Key,
     /// The owner's token.
     pub token: Token,
     /// Complete or release.
-    pub action: Settle,
+    pub action: End,
 }
 
-impl Settlement {
+impl Ending {
     /// A completion of `key` by `token`.
     ///
     /// ```
     /// use std::time::Duration;
-    /// use idempotent_runtime::store::{Settle, Settlement};
+    /// use idempotent_runtime::store::{End, Ending};
     /// use idempotent_runtime::{Completion, Key, Token};
     ///
     /// let key = Key::new("order", 1, &[&7u32]).unwrap();
-    /// let done = Settlement::complete(key, Token::generate(), Completion::new(None, Duration::from_secs(60)));
-    /// assert!(matches!(done.action, Settle::Complete(_)));
+    /// let done = Ending::complete(key, Token::generate(), Completion::new(None, Duration::from_secs(60)));
+    /// assert!(matches!(done.action, End::Complete(_)));
     /// ```
-    pub fn complete(key: Key, token: Token, completion: Completion) -> Settlement {
-        Settlement {
+    pub fn complete(key: Key, token: Token, completion: Completion) -> Ending {
+        Ending {
             key,
             token,
-            action: Settle::Complete(completion),
+            action: End::Complete(completion),
         }
     }
 
     /// A release of `key` by `token`.
-    pub fn release(key: Key, token: Token) -> Settlement {
-        Settlement {
+    pub fn release(key: Key, token: Token) -> Ending {
+        Ending {
             key,
             token,
-            action: Settle::Release,
+            action: End::Release,
         }
     }
 }
 
-/// What a [`Settlement`] does.
+/// How an [`Ending`] ends its claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Settle {
+pub enum End {
     /// [`Store::complete`](crate::store::Store::complete) with this completion.
     Complete(Completion),
     /// [`Store::release`](crate::store::Store::release).

@@ -31,8 +31,8 @@ use std::time::Duration;
 use crate::error::StoreError;
 use crate::key::Key;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, IntoOperatorStore, OperatorStore, Record,
-    ScanCursor, ScanPage, Settle, Settlement, SharedOperatorStore, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, End, Ending, Expect, IntoOperatorStore,
+    OperatorStore, Record, ScanCursor, ScanPage, SharedOperatorStore, Store, Token,
 };
 
 /// A [`Store`] of two layers: a fast `front` and a durable, authoritative `back`.
@@ -92,14 +92,14 @@ impl TieredStore {
         back
     }
 
-    /// Settles `items` on the front, best effort (nothing is sent for none).
-    async fn front_batch(&self, items: &[Settlement]) {
+    /// Ends `items` on the front, best effort (nothing is sent for none).
+    async fn front_batch(&self, items: &[Ending]) {
         if items.is_empty() {
             return;
         }
         for answer in self.front.complete_many(items).await {
             if let Err(err) = answer {
-                tracing::warn!(error = %err, "front store settlement failed; the back store stays authoritative");
+                tracing::warn!(error = %err, "front store ending failed; the back store stays authoritative");
             }
         }
     }
@@ -156,9 +156,9 @@ impl Store for TieredStore {
                     // The front forgot a completed operation: teach it again.
                     Ok(Claim::Completed { result, .. }) if front_owned => {
                         let completion = Completion::new(result.clone(), req.ttl);
-                        fixes.push(Settlement::complete(req.key.clone(), req.token, completion));
+                        fixes.push(Ending::complete(req.key.clone(), req.token, completion));
                     }
-                    _ if front_owned => fixes.push(Settlement::release(req.key.clone(), req.token)),
+                    _ if front_owned => fixes.push(Ending::release(req.key.clone(), req.token)),
                     _ => {}
                 }
                 answers[i] = answer;
@@ -207,37 +207,37 @@ impl Store for TieredStore {
 
     /// As the single calls do, a layer at a time: the front's releases, best effort; the
     /// back's batch (the answers); the front's completions, best effort, for the items the
-    /// back completed. A key the batch also completes keeps its settlements' order on the
+    /// back completed. A key the batch also completes keeps its endings' order on the
     /// front: its release goes there after the back's answer, as its completion does.
     fn complete_many<'a>(
         &'a self,
-        items: &'a [Settlement],
+        items: &'a [Ending],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         Box::pin(async move {
             let completing: HashSet<&[u8]> = items
                 .iter()
-                .filter(|item| matches!(item.action, Settle::Complete(_)))
+                .filter(|item| matches!(item.action, End::Complete(_)))
                 .map(|item| item.key.as_bytes())
                 .collect();
-            let release_first = |item: &Settlement| !completing.contains(item.key.as_bytes());
-            let releases: Vec<Settlement> = items
+            let release_first = |item: &Ending| !completing.contains(item.key.as_bytes());
+            let releases: Vec<Ending> = items
                 .iter()
-                .filter(|item| matches!(item.action, Settle::Release) && release_first(item))
+                .filter(|item| matches!(item.action, End::Release) && release_first(item))
                 .cloned()
                 .collect();
             self.front_batch(&releases).await;
-            let settled = self.back.complete_many(items).await;
-            let after: Vec<Settlement> = items
+            let ended = self.back.complete_many(items).await;
+            let after: Vec<Ending> = items
                 .iter()
-                .zip(&settled)
+                .zip(&ended)
                 .filter(|(item, answer)| match item.action {
-                    Settle::Complete(_) => matches!(answer, Ok(true)),
+                    End::Complete(_) => matches!(answer, Ok(true)),
                     _ => !release_first(item) && answer.is_ok(),
                 })
                 .map(|(item, _)| item.clone())
                 .collect();
             self.front_batch(&after).await;
-            settled
+            ended
         })
     }
 

@@ -17,7 +17,7 @@ use crate::store::DEFAULT_MAX_RESULT_SIZE;
 use crate::store::redis::batch::SlotMap;
 use crate::store::redis::clock::ServerClock;
 use crate::store::redis::conn::{command_error, connect_error, Conn, Lua};
-use crate::store::redis::store::{Inner, RedisStore, SCRIPT, SETTLE};
+use crate::store::redis::store::{Inner, RedisStore, ENDING, SCRIPT};
 use crate::store::redis::wire::text;
 
 /// Redis' default `proto-max-bulk-len` (512 MiB): the largest argument a server takes, assumed
@@ -209,7 +209,7 @@ impl RedisStoreBuilder {
                 slots: SlotMap::default(),
                 conn,
                 script: Lua::new(SCRIPT),
-                settle: Lua::new(SETTLE),
+                ending: Lua::new(ENDING),
                 wait_for_replicas: self.wait_for_replicas,
                 run_id: Mutex::new(None),
                 history_resets: AtomicU64::new(0),

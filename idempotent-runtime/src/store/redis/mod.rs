@@ -5,11 +5,11 @@
 //! duplicates ([`RedisStoreBuilder::fast_claims`] says when it applies and how its fence and
 //! lease end are taken from the server's clock). Everything else is a server-side script:
 //! `record.lua` for claims that need the server's clock to decide, renewals and reads,
-//! `settle.lua` for completion and release; both are loaded once and called by SHA-1
+//! `ending.lua` for completion and release; both are loaded once and called by SHA-1
 //! (`EVALSHA`); after a `SCRIPT FLUSH` or a server restart the `NOSCRIPT` reply makes the
 //! client load them again and retry, transparently. Leases and expiry use the server's clock
 //! (`TIME`, `PX`), never the client's wall clock. A completion that names its claim
-//! ([`Completion::claim`](crate::Completion::claim), as the engine's do) lets `settle.lua`
+//! ([`Completion::claim`](crate::Completion::claim), as the engine's do) lets `ending.lua`
 //! skip parsing: with the claim's lease, the owner writes again the record its fast claim
 //! wrote (claimed at the fence's millisecond, so the fence and the lease give every byte of
 //! it) and the completed record, and the script is a compare-and-set, as a hand-written
@@ -84,8 +84,8 @@ mod builder;
 mod claim;
 mod clock;
 mod conn;
+mod ending;
 mod scan;
-mod settle;
 mod store;
 mod wire;
 

@@ -16,7 +16,7 @@ impl OperatorStore for RedisStore {
         key: &'a Key,
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(self.settle_by_token("reopen", key, token))
+        Box::pin(self.by_token("reopen", key, token))
     }
 
     /// `SCAN ... MATCH <prefix>:v*` on the server, or on each primary of a cluster in turn

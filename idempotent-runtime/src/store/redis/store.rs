@@ -1,5 +1,5 @@
 //! [`RedisStore`]: the shared connection, the script calls, and the [`Store`] primitives
-//! (claims in `claim`, completions and releases in `settle`, the operator's in `scan`).
+//! (claims in `claim`, completions and releases in `ending`, the operator's in `scan`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -14,17 +14,17 @@ use crate::store::redis::clock::ServerClock;
 use crate::store::redis::conn::{command_error, script_error, Conn, Lua};
 use crate::store::redis::wire::{decode_record, int, text};
 use crate::store::{
-    clamped_millis, BoxFuture, Claim, ClaimRequest, Completion, Record, Settlement, Store, Token,
+    clamped_millis, BoxFuture, Claim, ClaimRequest, Completion, Ending, Record, Store, Token,
 };
 
 pub(super) const SCRIPT: &str = include_str!("record.lua");
 /// Completion and release: the hot path's writes, in a script of their own.
-pub(super) const SETTLE: &str = include_str!("settle.lua");
+pub(super) const ENDING: &str = include_str!("ending.lua");
 
 pub(super) struct Inner {
     pub(super) conn: Conn,
     pub(super) script: Lua,
-    pub(super) settle: Lua,
+    pub(super) ending: Lua,
     pub(super) wait_for_replicas: Option<(u32, Duration)>,
     pub(super) run_id: Mutex<Option<String>>,
     pub(super) history_resets: AtomicU64,
@@ -198,7 +198,7 @@ impl Store for RedisStore {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let cmd = self.complete_cmd(key, token, completion)?;
-            Ok(int(&self.call(key, &self.inner.settle, &cmd).await?)? == 1)
+            Ok(int(&self.call(key, &self.inner.ending, &cmd).await?)? == 1)
         })
     }
 
@@ -207,18 +207,18 @@ impl Store for RedisStore {
         key: &'a Key,
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(self.settle_by_token("release", key, token))
+        Box::pin(self.by_token("release", key, token))
     }
 
-    /// One pipeline of `settle.lua` calls on a server, one per node on a cluster.
+    /// One pipeline of `ending.lua` calls on a server, one per node on a cluster.
     fn complete_many<'a>(
         &'a self,
-        items: &'a [Settlement],
+        items: &'a [Ending],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         Box::pin(async move {
-            let all: Vec<&Settlement> = items.iter().collect();
+            let all: Vec<&Ending> = items.iter().collect();
             match &self.inner.conn {
-                Conn::Single(_) => self.settle_pipelined(&all, 0).await,
+                Conn::Single(_) => self.end_pipelined(&all, 0).await,
                 Conn::Cluster(_) => {
                     let groups = self
                         .inner
@@ -226,9 +226,8 @@ impl Store for RedisStore {
                         .groups(&self.inner.conn, items.iter().map(|item| &item.key))
                         .await;
                     let sent = groups.iter().map(|(slot, positions)| {
-                        let group: Vec<&Settlement> =
-                            positions.iter().map(|&i| &items[i]).collect();
-                        async move { self.settle_pipelined(&group, *slot).await }
+                        let group: Vec<&Ending> = positions.iter().map(|&i| &items[i]).collect();
+                        async move { self.end_pipelined(&group, *slot).await }
                     });
                     let answers = futures_util::future::join_all(sent).await;
                     reassemble(items.len(), &groups, answers)

@@ -154,7 +154,7 @@ pub(super) fn fast_claim_record(req: &ClaimRequest, fence: u64, lease_ms: u64) -
     )
 }
 
-/// `settle.lua`'s three-argument completion of a claim the fast claim wrote: the record as
+/// `ending.lua`'s three-argument completion of a claim the fast claim wrote: the record as
 /// [`fast_claim_record`] wrote it for `claim` (acquired with a lease of `lease_ms`), and the
 /// completed record that replaces it (what the script's own completion writes: the state,
 /// the token, the fingerprint and the fence as they were, no lease, `result`). `None` for
@@ -182,7 +182,7 @@ pub(super) fn fast_completion(
 }
 
 /// The first fields of the in-progress record of `claim` owned by `token`, up to and with
-/// the `:` after the fence: what `settle.lua` compares a record's head with to complete it
+/// the `:` after the fence: what `ending.lua` compares a record's head with to complete it
 /// without parsing. `None` for a fence out of the script's exact range (no record has one).
 pub(super) fn in_progress_head(token: &Token, claim: &AcquiredClaim) -> Option<Vec<u8>> {
     if claim.fence > MAX_EXACT {

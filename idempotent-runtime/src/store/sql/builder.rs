@@ -19,7 +19,7 @@ use crate::store::DEFAULT_MAX_RESULT_SIZE;
 
 use crate::database::TableName;
 use crate::database::{store_error, Phase};
-use crate::store::sql::driver::{render, Dialect, Statements};
+use crate::store::sql::dialect::{render, Dialect, Statements};
 use crate::store::sql::store::SqlStore;
 use crate::store::sql::DEFAULT_TABLE;
 

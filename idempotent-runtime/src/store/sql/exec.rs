@@ -1,4 +1,4 @@
-//! Sending the store's statements: conflict retries, claims that settle, batches, and
+//! Sending the store's statements: conflict retries, claims that resolve, batches, and
 //! owner-checked writes.
 
 use std::collections::HashSet;
@@ -9,12 +9,12 @@ use sqlx::Database;
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
-use crate::store::{BoxFuture, Claim, ClaimRequest, Completion, Settle, Settlement, Token};
+use crate::store::{BoxFuture, Claim, ClaimRequest, Completion, End, Ending, Token};
 
 use crate::database::{is_conflict, store_error, Phase};
-use crate::store::sql::driver::{ticks, Arg};
-use crate::store::sql::driver::{Dialect, Statements};
-use crate::store::sql::record::{settle, Step, Stored};
+use crate::store::sql::dialect::{ticks, Arg};
+use crate::store::sql::dialect::{Dialect, Statements};
+use crate::store::sql::record::{resolve, Step, Stored};
 
 /// How many times an autocommit statement the database rolled back by a conflict (deadlock,
 /// serialization failure, busy database) is sent again before the error is returned.
@@ -22,9 +22,9 @@ const CONFLICT_RETRIES: u32 = 3;
 
 /// How many times a claim is sent when the record keeps changing under it. Each new attempt
 /// needs another writer to have changed the record in between.
-const SETTLE_ATTEMPTS: u32 = 16;
+const RESOLVE_ATTEMPTS: u32 = 16;
 
-/// Sends the claim statement until its outcome settles (see the module docs). In autocommit
+/// Sends the claim statement until its outcome is resolved (see the module docs). In autocommit
 /// mode a statement rolled back by a conflict is sent again; in a transaction it is not (the
 /// transaction may be aborted).
 pub(super) async fn claim_on<DB: Dialect>(
@@ -42,15 +42,15 @@ pub(super) async fn claim_on<DB: Dialect>(
                 DB::claim(conn, sql, req)
             })
             .await?;
-        if let Some(claim) = settle(step, req, DB::TICK)? {
+        if let Some(claim) = resolve(step, req, DB::TICK)? {
             return Ok(claim);
         }
         attempts += 1;
-        if attempts >= SETTLE_ATTEMPTS {
+        if attempts >= RESOLVE_ATTEMPTS {
             return Err(StoreError::new(
                 StoreErrorKind::Unavailable,
                 format!(
-                    "{} claim did not settle: the record changed under it {attempts} times",
+                    "{} claim did not resolve: the record changed under it {attempts} times",
                     <DB as Database>::NAME
                 ),
             ));
@@ -108,7 +108,7 @@ pub(super) async fn claim_many_on<DB: Dialect>(
             }
         };
         for (&(i, req), step) in chunk.iter().zip(steps) {
-            let claim = match settle(step, req, DB::TICK) {
+            let claim = match resolve(step, req, DB::TICK) {
                 Ok(Some(claim)) => Ok(claim),
                 Ok(None) => claim_on::<DB>(conn, sql, req, true).await,
                 Err(err) => Err(err),
@@ -239,37 +239,37 @@ pub(super) async fn owned<DB: Dialect>(
     Ok(false)
 }
 
-/// The most result bytes one batch settlement statement carries: a larger batch is split,
+/// The most result bytes one batch ending statement carries: a larger batch is split,
 /// so a statement stays well within every database's packet and parameter limits.
-const SETTLE_BATCH_BYTES: usize = 4 << 20;
+const COMPLETE_BATCH_BYTES: usize = 4 << 20;
 
-/// Settles `items` in batch statements of distinct keys (at most [`Driver::SETTLE_BATCH`]
-/// items and [`SETTLE_BATCH_BYTES`] of results each); an item the statement did not settle
+/// Ends `items` in batch statements of distinct keys (at most [`DialectImpl::COMPLETE_BATCH`]
+/// items and [`COMPLETE_BATCH_BYTES`] of results each); an item the statement did not resolve
 /// is answered as a single write that matched nothing ([`owned`]: someone else's key, or
 /// [`StoreErrorKind::Corrupt`]). Later occurrences of a key, results larger than the store
 /// takes, databases without a batch statement, releases where the batch statement cannot
-/// report them exactly ([`Driver::BATCH_RELEASES`]) and a batch statement's worth of one
-/// item are settled one by one.
+/// report them exactly ([`DialectImpl::BATCH_RELEASES`]) and a batch statement's worth of one
+/// item are ended one by one.
 pub(super) async fn complete_many_on<DB: Dialect>(
     conn: &mut DB::Connection,
     sql: &Statements,
-    items: &[Settlement],
+    items: &[Ending],
     max_result_size: usize,
 ) -> Vec<Result<bool, StoreError>> {
-    let mut settled: Vec<Option<Result<bool, StoreError>>> = items.iter().map(|_| None).collect();
+    let mut ended: Vec<Option<Result<bool, StoreError>>> = items.iter().map(|_| None).collect();
     let mut firsts = HashSet::with_capacity(items.len());
     let (mut distinct, mut single) = (Vec::with_capacity(items.len()), Vec::new());
     for (i, item) in items.iter().enumerate() {
-        if let Settle::Complete(completion) = &item.action {
+        if let End::Complete(completion) = &item.action {
             if let Err(err) = refuse_oversized(completion, max_result_size) {
-                settled[i] = Some(Err(err));
+                ended[i] = Some(Err(err));
                 continue;
             }
         }
         // A key met first in an item the batch statement does not take goes one by one, with
         // every later item of it, in order.
-        let batchable = DB::BATCH_RELEASES || matches!(item.action, Settle::Complete(_));
-        if DB::SETTLE_BATCH > 0 && firsts.insert(item.key.as_bytes()) && batchable {
+        let batchable = DB::BATCH_RELEASES || matches!(item.action, End::Complete(_));
+        if DB::COMPLETE_BATCH > 0 && firsts.insert(item.key.as_bytes()) && batchable {
             distinct.push(i);
         } else {
             single.push(i);
@@ -281,11 +281,13 @@ pub(super) async fn complete_many_on<DB: Dialect>(
     let mut bytes = 0;
     for i in distinct {
         let size = match &items[i].action {
-            Settle::Complete(completion) => completion.result.as_ref().map_or(0, Vec::len),
+            End::Complete(completion) => completion.result.as_ref().map_or(0, Vec::len),
             _ => 0,
         };
         match chunks.last_mut() {
-            Some(chunk) if chunk.len() < DB::SETTLE_BATCH && bytes + size <= SETTLE_BATCH_BYTES => {
+            Some(chunk)
+                if chunk.len() < DB::COMPLETE_BATCH && bytes + size <= COMPLETE_BATCH_BYTES =>
+            {
                 bytes += size;
                 chunk.push(i);
             }
@@ -296,7 +298,7 @@ pub(super) async fn complete_many_on<DB: Dialect>(
         }
     }
     // A chunk of one item is that item's own statement, which the database runs for less
-    // than the batch statement's (a single settlement sent through a batch call, as a
+    // than the batch statement's (a single ending sent through a batch call, as a
     // `CombiningStore` sends one when its store is idle). Moved among the single items in
     // item order, it still goes before the later items of its key.
     let (ones, chunks): (Vec<Vec<usize>>, Vec<Vec<usize>>) =
@@ -306,8 +308,8 @@ pub(super) async fn complete_many_on<DB: Dialect>(
         single.sort_unstable();
     }
     for chunk in chunks {
-        let batch: Vec<&Settlement> = chunk.iter().map(|&i| &items[i]).collect();
-        match settle_batch_on::<DB>(conn, sql, &batch).await {
+        let batch: Vec<&Ending> = chunk.iter().map(|&i| &items[i]).collect();
+        match complete_batch_on::<DB>(conn, sql, &batch).await {
             Ok(matched) if matched.len() == chunk.len() => {
                 for (&i, matched) in chunk.iter().zip(matched) {
                     let answer = if matched {
@@ -315,15 +317,15 @@ pub(super) async fn complete_many_on<DB: Dialect>(
                     } else {
                         owned::<DB>(conn, sql, &items[i].key, 0).await
                     };
-                    settled[i] = Some(answer);
+                    ended[i] = Some(answer);
                 }
             }
             Ok(_) => {
                 for &i in &chunk {
-                    settled[i] = Some(Err(StoreError::new(
+                    ended[i] = Some(Err(StoreError::new(
                         StoreErrorKind::Protocol,
                         format!(
-                            "{} batch settlement did not report every key",
+                            "{} batch ending did not report every key",
                             <DB as Database>::NAME
                         ),
                     )));
@@ -331,10 +333,10 @@ pub(super) async fn complete_many_on<DB: Dialect>(
             }
             Err(err) => {
                 for &i in chunk.iter().skip(1) {
-                    settled[i] = Some(Err(copy_error(&err)));
+                    ended[i] = Some(Err(copy_error(&err)));
                 }
                 if let Some(&first) = chunk.first() {
-                    settled[first] = Some(Err(err));
+                    ended[first] = Some(Err(err));
                 }
             }
         }
@@ -342,38 +344,38 @@ pub(super) async fn complete_many_on<DB: Dialect>(
     for i in single {
         let item = &items[i];
         let answer = match &item.action {
-            Settle::Complete(completion) => {
+            End::Complete(completion) => {
                 complete_on::<DB>(conn, sql, &item.key, &item.token, completion, true).await
             }
             _ => release_on::<DB>(conn, sql, &item.key, &item.token, true).await,
         };
-        settled[i] = Some(answer);
+        ended[i] = Some(answer);
     }
-    settled
+    ended
         .into_iter()
         .map(|answer| {
             answer.unwrap_or_else(|| {
                 Err(StoreError::new(
                     StoreErrorKind::Protocol,
-                    "batch settlement left an item unanswered",
+                    "batch ending left an item unanswered",
                 ))
             })
         })
         .collect()
 }
 
-/// Sends one batch settlement statement; a statement rolled back by a conflict is sent again.
-async fn settle_batch_on<DB: Dialect>(
+/// Sends one batch ending statement; a statement rolled back by a conflict is sent again.
+async fn complete_batch_on<DB: Dialect>(
     conn: &mut DB::Connection,
     sql: &Statements,
-    items: &[&Settlement],
+    items: &[&Ending],
 ) -> Result<Vec<bool>, StoreError> {
     Conflicts::new(true)
         .send::<DB, _, _>(
             conn,
             &(sql, items),
-            "batch settlement",
-            |conn, &(sql, items)| DB::settle_batch(conn, sql, items),
+            "batch ending",
+            |conn, &(sql, items)| DB::complete_batch(conn, sql, items),
         )
         .await
 }

@@ -117,23 +117,23 @@
 //! As for a single claim, an item whose reported record is free is claimed again on its own.
 //! A batch statement that fails fails all of its items, with the error's kind.
 //!
-//! [`Store::complete_many`] settles (completes or releases) distinct keys with one statement
+//! [`Store::complete_many`] ends (completes or releases) distinct keys with one statement
 //! per 500 items (and per 4 MiB of results), in key order, on every database; a statement's
 //! worth of one item is sent as that item's own completion or release, which the database
 //! runs for less (a `CombiningStore` on an idle store sends batches of one):
 //!
 //! - **PostgreSQL**: `UPDATE ... FROM unnest(<five bound arrays>) ... RETURNING record_key`:
-//!   each item settled as the single completion or release would, the settled keys returned.
+//!   each item ended as the single completion or release would, the ended keys returned.
 //! - **SQLite**: the same `UPDATE ... FROM` over a `VALUES` list of bound rows.
 //! - **MySQL / MariaDB**: a multiple-table `UPDATE ... JOIN (SELECT ? ... UNION ALL ...)` of
 //!   the in-progress records; when it changed fewer rows than it was given, one read of the
-//!   batch's records tells which items it settled (a record already completed by its token
+//!   batch's records tells which items it ended (a record already completed by its token
 //!   counts as completed, as for a retried single completion).
 //!
-//! An item the statement did not settle is answered as a single write that matched nothing
+//! An item the statement did not resolve is answered as a single write that matched nothing
 //! (`false`, or [`StoreErrorKind::Corrupt`] for a record it
 //! cannot read); later occurrences of a key and results larger than the store takes are
-//! settled one by one.
+//! ended one by one.
 //!
 //! When the record a claim reports is free although the claim did not take it (it changed
 //! between the write and the report: a concurrent first insert, a release), the claim
@@ -188,7 +188,7 @@ use crate::error::StoreErrorKind;
 use crate::store::{Claim, Store, MAX_DURATION, MIN_DURATION};
 
 mod builder;
-pub(crate) mod driver;
+pub(crate) mod dialect;
 mod exec;
 mod migrate;
 mod purge;
@@ -204,7 +204,7 @@ mod postgres;
 mod sqlite;
 
 pub use builder::SqlStoreBuilder;
-pub use driver::{Dialect, Statements};
+pub use dialect::{Dialect, Statements};
 pub use purge::Purger;
 pub use store::SqlStore;
 

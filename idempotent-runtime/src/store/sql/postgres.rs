@@ -8,11 +8,11 @@ use sqlx::postgres::{PgConnection, Postgres};
 use sqlx::{AssertSqlSafe, Pool};
 
 use crate::database::SqlDatabase;
-use crate::store::sql::driver::{
-    settle_args, statement_fns, ticks, Driver, Statements, Templates, HEADROOM,
+use crate::store::sql::dialect::{
+    ending_args, statement_fns, ticks, DialectImpl, Statements, Templates, HEADROOM,
 };
 use crate::store::sql::record::{RecordRow, Step};
-use crate::store::{BoxFuture, ClaimRequest, Settlement};
+use crate::store::{BoxFuture, ClaimRequest, Ending};
 
 /// The database's clock in microseconds since the Unix epoch: the fence of a key that has no
 /// record ([`next_fence`](crate::store::next_fence)). `statement_timestamp()` is one instant
@@ -78,7 +78,7 @@ macro_rules! take_if_free {
 /// `ON CONFLICT DO UPDATE` locks the conflicting row and evaluates `WHERE` on its latest
 /// committed version, so exactly one of any number of concurrent claims takes a free record.
 /// When it does not take it, `taken` is empty and the second branch reports the record as
-/// of the statement's snapshot; `settle` sends the statement again in the rare case that
+/// of the statement's snapshot; `end` sends the statement again in the rare case that
 /// the snapshot shows a free record (it changed while the statement waited for the lock).
 /// The new record's state, `'in_progress'`, computed by a call that sets
 /// `synchronous_commit` to `off` for the current transaction only (`set_config(..., true)`,
@@ -132,7 +132,7 @@ const CLAIM_ASYNC: &str = claim_statement!(async_state!());
 
 /// The claim of a batch of distinct keys: [`CLAIM`] over the rows of six parallel arrays
 /// (key, prefix, token, lease, fingerprint, ttl), one statement whatever the outcomes. The
-/// rows are inserted in the arrays' order (the driver sorts them by key, so that concurrent
+/// rows are inserted in the arrays' order (the store sorts them by key, so that concurrent
 /// overlapping batches lock their rows in the same order). Each taken key is returned by
 /// `taken`; the live record of every other key is returned as of the statement's snapshot,
 /// as the single claim does. Rows come back in no particular order, `record_key` first.
@@ -225,13 +225,13 @@ LIMIT $4"
 );
 
 /// Completes and releases the items of five parallel arrays (key, token, result, ttl,
-/// complete?), each as [`COMPLETE`] or [`RELEASE`] would, and returns the keys it settled.
-/// An item whose record is already completed by its token is settled again (unchanged), as a
+/// complete?), each as [`COMPLETE`] or [`RELEASE`] would, and returns the keys it ended.
+/// An item whose record is already completed by its token is ended again (unchanged), as a
 /// retried completion is. `record_key = ANY($1)` makes the rows an index lookup of the
 /// batch's keys whatever the table's statistics, as in [`CLAIM_MANY`]: joined with `input`
 /// alone, the generic plan made on a new or truncated table scans the whole table. Expiry
 /// is tested with no index, as in [`CLAIM_MANY`].
-const SETTLE_MANY: &str = concat!(
+const COMPLETE_MANY: &str = concat!(
     "\
 WITH input AS (
     SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::int8[], $5::bool[])
@@ -324,7 +324,7 @@ WHERE record_key IN (SELECT record_key FROM idempotent_records
                      ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)
   AND expires_at <= statement_timestamp()";
 
-impl Driver for Postgres {
+impl DialectImpl for Postgres {
     const SQL: Templates = Templates {
         claim: CLAIM,
         seen: READ,
@@ -337,7 +337,7 @@ impl Driver for Postgres {
         scan: SCAN,
         delete: DELETE,
         delete_corrupt: DELETE_CORRUPT,
-        settle_many: SETTLE_MANY,
+        complete_many: COMPLETE_MANY,
         claim_async: CLAIM_ASYNC,
         claim_many_async: CLAIM_MANY_ASYNC,
         claim_many: CLAIM_MANY,
@@ -423,12 +423,12 @@ impl Driver for Postgres {
         })
     }
 
-    const SETTLE_BATCH: usize = 500;
+    const COMPLETE_BATCH: usize = 500;
 
-    fn settle_batch<'c>(
+    fn complete_batch<'c>(
         conn: &'c mut PgConnection,
         sql: &'c Statements,
-        items: &'c [&'c Settlement],
+        items: &'c [&'c Ending],
     ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
         Box::pin(async move {
             let keys: Vec<&[u8]> = items.iter().map(|item| item.key.as_bytes()).collect();
@@ -438,12 +438,12 @@ impl Driver for Postgres {
                 .collect();
             let (mut results, mut ttls, mut completes) = (Vec::new(), Vec::new(), Vec::new());
             for item in items {
-                let (result, ttl, complete) = settle_args(item, Self::TICK);
+                let (result, ttl, complete) = ending_args(item, Self::TICK);
                 results.push(result);
                 ttls.push(ttl);
                 completes.push(complete);
             }
-            let settled: Vec<Vec<u8>> = sqlx::query_scalar(AssertSqlSafe(sql.settle_many.clone()))
+            let ended: Vec<Vec<u8>> = sqlx::query_scalar(AssertSqlSafe(sql.complete_many.clone()))
                 .bind(&keys)
                 .bind(&tokens)
                 .bind(&results)
@@ -451,10 +451,10 @@ impl Driver for Postgres {
                 .bind(&completes)
                 .fetch_all(conn)
                 .await?;
-            let settled: HashSet<Vec<u8>> = settled.into_iter().collect();
+            let ended: HashSet<Vec<u8>> = ended.into_iter().collect();
             Ok(items
                 .iter()
-                .map(|item| settled.contains(item.key.as_bytes()))
+                .map(|item| ended.contains(item.key.as_bytes()))
                 .collect())
         })
     }

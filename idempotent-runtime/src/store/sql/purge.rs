@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use crate::error::StoreError;
 
-use crate::store::sql::driver::Arg;
-use crate::store::sql::driver::Dialect;
+use crate::store::sql::dialect::Arg;
+use crate::store::sql::dialect::Dialect;
 use crate::store::sql::exec::write;
 use crate::store::sql::store::SqlStore;
 

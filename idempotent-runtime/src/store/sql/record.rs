@@ -201,7 +201,7 @@ pub enum Step {
 /// Every other answer is what an atomic claim at the moment of the report returns, and the
 /// statement wrote nothing: a record that this token does not own and that is not free is
 /// never taken by a claim.
-pub(crate) fn settle(
+pub(crate) fn resolve(
     step: Step,
     req: &ClaimRequest,
     tick: Duration,
@@ -270,7 +270,7 @@ mod tests {
         let r = req(None);
         let seen = Step::Seen(Some(row("in_progress", &r.token, None, 10)));
         assert_eq!(
-            settle(seen, &r, TICK).unwrap(),
+            resolve(seen, &r, TICK).unwrap(),
             Some(Claim::Acquired { fence: 3 })
         );
     }
@@ -319,10 +319,10 @@ mod tests {
             (row("released", &other, different, 0), None),
         ];
         for (row, expected) in cases {
-            let got = settle(Step::Seen(Some(row.clone())), &r, TICK).unwrap();
+            let got = resolve(Step::Seen(Some(row.clone())), &r, TICK).unwrap();
             assert_eq!(got, expected, "{row:?}");
         }
-        assert_eq!(settle(Step::Seen(None), &r, TICK).unwrap(), None);
+        assert_eq!(resolve(Step::Seen(None), &r, TICK).unwrap(), None);
     }
 
     #[test]
@@ -337,7 +337,7 @@ mod tests {
         let mut fingerprint = row("in_progress", &r.token, Some(Fingerprint::of(&[&1u8])), 5);
         fingerprint.fingerprint = Some(vec![1]);
         for bad in [state, token, fence, fingerprint] {
-            let err = settle(Step::Seen(Some(bad.clone())), &r, TICK).unwrap_err();
+            let err = resolve(Step::Seen(Some(bad.clone())), &r, TICK).unwrap_err();
             assert_eq!(err.kind(), StoreErrorKind::Corrupt, "{bad:?}");
         }
     }

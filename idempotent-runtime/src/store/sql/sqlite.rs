@@ -10,12 +10,12 @@ use sqlx::sqlite::{Sqlite, SqliteConnectOptions, SqliteConnection};
 use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
-use crate::store::sql::driver::{
-    bind_claims, bind_settlements, in_request_order, statement_fns, ticks, Arg, Driver, Statements,
-    Templates, HEADROOM,
+use crate::store::sql::dialect::{
+    bind_claims, bind_endings, in_request_order, statement_fns, ticks, Arg, DialectImpl,
+    Statements, Templates, HEADROOM,
 };
 use crate::store::sql::record::{RecordRow, Step};
-use crate::store::{BoxFuture, ClaimRequest, Settlement};
+use crate::store::{BoxFuture, ClaimRequest, Ending};
 
 /// The database's clock in milliseconds since the Unix epoch. SQLite evaluates `'now'` once
 /// per statement step, so every use in one statement sees the same instant.
@@ -127,7 +127,7 @@ RETURNING state, token, fence, fingerprint, result, 0"
 );
 
 /// The claim of a batch of distinct keys: [`CLAIM`] over a `VALUES` list whose `{rows}`
-/// marker the driver replaces with one `(?, ?, ?, ?, ?, ?)` per key (key, prefix, token,
+/// marker the store replaces with one `(?, ?, ?, ?, ?, ?)` per key (key, prefix, token,
 /// lease, fingerprint, ttl). Returns the taken records, `record_key` first. (`WHERE true`
 /// keeps SQLite's parser from reading `ON CONFLICT` as a join constraint.)
 const CLAIM_MANY: &str = concat!(
@@ -152,7 +152,7 @@ FROM (VALUES {rows}) WHERE true
 RETURNING record_key, state, token, fence, fingerprint, result, 0"
 );
 
-/// Reads the live records of the keys a batch claim did not take; the driver replaces the
+/// Reads the live records of the keys a batch claim did not take; the store replaces the
 /// `{keys}` marker with one `?` per key.
 const SEEN_MANY: &str = concat!(
     "SELECT record_key, state, token, fence, fingerprint, result, MAX(0, lease_until - ",
@@ -203,9 +203,9 @@ LIMIT ?"
 );
 
 /// Completes and releases a batch, each item as [`COMPLETE`] or [`RELEASE`] would, and
-/// returns the keys it settled; the driver replaces the `{rows}` marker with one row of
+/// returns the keys it ended; the store replaces the `{rows}` marker with one row of
 /// `(key, token, result, ttl, complete?)` placeholders per item.
-const SETTLE_MANY: &str = concat!(
+const COMPLETE_MANY: &str = concat!(
     "UPDATE idempotent_records AS r SET
     result = CASE WHEN i.complete = 1 AND r.state = 'in_progress' THEN i.result ELSE r.result END,
     expires_at = CASE WHEN i.complete = 1 AND r.state = 'in_progress' THEN ",
@@ -315,7 +315,7 @@ const DEFAULT_MAX_LENGTH: usize = 1_000_000_000;
 /// How long a statement waits for another connection's lock before failing.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
-impl Driver for Sqlite {
+impl DialectImpl for Sqlite {
     const SQL: Templates = Templates {
         claim: CLAIM,
         seen: READ,
@@ -328,7 +328,7 @@ impl Driver for Sqlite {
         scan: SCAN,
         delete: DELETE,
         delete_corrupt: DELETE_CORRUPT,
-        settle_many: SETTLE_MANY,
+        complete_many: COMPLETE_MANY,
         claim_async: "",
         claim_many_async: "",
         claim_many: CLAIM_MANY,
@@ -436,24 +436,24 @@ impl Driver for Sqlite {
         })
     }
 
-    const SETTLE_BATCH: usize = 500;
+    const COMPLETE_BATCH: usize = 500;
 
-    fn settle_batch<'c>(
+    fn complete_batch<'c>(
         conn: &'c mut SqliteConnection,
         sql: &'c Statements,
-        items: &'c [&'c Settlement],
+        items: &'c [&'c Ending],
     ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
         Box::pin(async move {
             let rows = vec!["(?, ?, ?, ?, ?)"; items.len()].join(", ");
-            let settle = sql.settle_many.replace("{rows}", &rows);
-            let query = bind_settlements(sqlx::query(AssertSqlSafe(settle)), items, Self::TICK);
-            let mut settled = HashSet::with_capacity(items.len());
+            let end = sql.complete_many.replace("{rows}", &rows);
+            let query = bind_endings(sqlx::query(AssertSqlSafe(end)), items, Self::TICK);
+            let mut ended = HashSet::with_capacity(items.len());
             for row in query.fetch_all(&mut *conn).await? {
-                settled.insert(row.try_get::<Vec<u8>, _>(0)?);
+                ended.insert(row.try_get::<Vec<u8>, _>(0)?);
             }
             Ok(items
                 .iter()
-                .map(|item| settled.contains(item.key.as_bytes()))
+                .map(|item| ended.contains(item.key.as_bytes()))
                 .collect())
         })
     }

@@ -11,15 +11,15 @@ use crate::database::TableName;
 use crate::database::{store_error, Phase};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
-use crate::store::sql::driver::{ticks, Arg, Dialect, Statements};
+use crate::store::sql::dialect::{ticks, Arg, Dialect, Statements};
 use crate::store::sql::exec::{
     claim_many_on, claim_on, complete_many_on, complete_on, owned, refuse_oversized, release_on,
     reopen_on, spread, write,
 };
 use crate::store::sql::record::Stored;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Expect, OperatorStore, Record, ScanCursor,
-    ScanPage, Settlement, Store, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Ending, Expect, OperatorStore, Record, ScanCursor,
+    ScanPage, Store, Token,
 };
 
 /// An idempotency [`Store`] on a SQL database, through an sqlx connection pool. Use it as
@@ -157,7 +157,7 @@ impl<DB: Dialect> Store for SqlStore<DB> {
     /// docs.
     fn complete_many<'a>(
         &'a self,
-        items: &'a [Settlement],
+        items: &'a [Ending],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         Box::pin(async move {
             match self.acquire().await {

@@ -10,7 +10,7 @@ use crate::key::Key;
 use crate::store::Store;
 use crate::store::{Claim, ClaimRequest, Completion, Token};
 
-use crate::store::sql::driver::Dialect;
+use crate::store::sql::dialect::Dialect;
 use crate::store::sql::exec::{claim_on, complete_on, refuse_oversized, release_on};
 use crate::store::sql::store::SqlStore;
 

@@ -13,19 +13,19 @@ use sqlx::pool::PoolOptions;
 use sqlx::{AssertSqlSafe, Pool};
 
 use crate::database::SqlDatabase;
-use crate::store::sql::driver::{
-    bind_claims, bind_settlements, in_request_order, statement_fns, Arg, Driver, Statements,
+use crate::store::sql::dialect::{
+    bind_claims, bind_endings, in_request_order, statement_fns, Arg, DialectImpl, Statements,
     Templates, HEADROOM,
 };
 use crate::store::sql::record::{RecordRow, Step, Stored};
-use crate::store::{BoxFuture, ClaimRequest, Settlement};
+use crate::store::{BoxFuture, ClaimRequest, Ending};
 
 mod statements;
 
 use statements::{
     CLAIM, CLAIM_FRESH, CLAIM_MANY, CLAIM_MANY_REPORTING, CLAIM_REPORTING, CLAIM_ROW, COMPLETE,
-    DELETE, DELETE_CORRUPT, PURGE, READ, RELEASE, RENEW, REOPEN, SCAN, SEEN, SEEN_MANY,
-    SETTLE_MANY,
+    COMPLETE_MANY, DELETE, DELETE_CORRUPT, PURGE, READ, RELEASE, RENEW, REOPEN, SCAN, SEEN,
+    SEEN_MANY,
 };
 
 /// The capacity of the `result` column, `MEDIUMBLOB`.
@@ -34,7 +34,7 @@ const MEDIUMBLOB: usize = (1 << 24) - 1;
 // The migration's column sizes hold every key and prefix the key module can produce.
 const _: () = assert!(crate::key::MAX_KEY_LEN <= 512 && crate::key::MAX_PREFIX_LEN <= 128);
 
-impl Driver for MySql {
+impl DialectImpl for MySql {
     const SQL: Templates = Templates {
         claim: CLAIM,
         seen: SEEN,
@@ -47,11 +47,11 @@ impl Driver for MySql {
         scan: SCAN,
         delete: DELETE,
         delete_corrupt: DELETE_CORRUPT,
-        settle_many: SETTLE_MANY,
+        complete_many: COMPLETE_MANY,
         claim_async: "",
         claim_many_async: "",
         claim_many: CLAIM_MANY,
-        // Read after a batch claim, and after a batch settlement that did not settle every
+        // Read after a batch claim, and after a batch ending that did not resolve every
         // item.
         seen_many: SEEN_MANY,
         claim_fresh: CLAIM_FRESH,
@@ -160,21 +160,21 @@ impl Driver for MySql {
         })
     }
 
-    const SETTLE_BATCH: usize = 500;
+    const COMPLETE_BATCH: usize = 500;
 
     /// A multiple-table `UPDATE` does not say which rows it changed, and the read after it
     /// cannot tell a record this statement released from one its owner had released before
-    /// (a single release answers `false` for that one): releases, the rare settlement of a
+    /// (a single release answers `false` for that one): releases, the rare ending of a
     /// batch, go one by one.
     const BATCH_RELEASES: bool = false;
 
     /// One multiple-table `UPDATE`; when it changed fewer rows than it was given, the
-    /// records are read to tell which items it settled (a record of the item's token in the
+    /// records are read to tell which items it ended (a record of the item's token in the
     /// state the item leaves).
-    fn settle_batch<'c>(
+    fn complete_batch<'c>(
         conn: &'c mut MySqlConnection,
         sql: &'c Statements,
-        items: &'c [&'c Settlement],
+        items: &'c [&'c Ending],
     ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
         Box::pin(async move {
             let first = "SELECT ? AS k, ? AS t, ? AS res, ? AS ttl, ? AS c";
@@ -186,8 +186,8 @@ impl Driver for MySql {
                     " UNION ALL SELECT ?, ?, ?, ?, ?"
                 });
             }
-            let settle = sql.settle_many.replace("{rows}", &rows);
-            let query = bind_settlements(sqlx::query(AssertSqlSafe(settle)), items, Self::TICK);
+            let end = sql.complete_many.replace("{rows}", &rows);
+            let query = bind_endings(sqlx::query(AssertSqlSafe(end)), items, Self::TICK);
             let changed = query.execute(&mut *conn).await?.rows_affected();
             if changed == items.len() as u64 {
                 return Ok(vec![true; items.len()]);
@@ -212,7 +212,7 @@ impl Driver for MySql {
                 .iter()
                 .map(|item| {
                     let left = match item.action {
-                        crate::store::Settle::Complete(_) => "completed",
+                        crate::store::End::Complete(_) => "completed",
                         _ => "released",
                     };
                     records

@@ -102,11 +102,11 @@ pub(super) const CLAIM: &str = concat!(
     take_if_free!()
 );
 
-/// The claim of a batch of distinct keys: [`CLAIM`] with one row per key (the driver
+/// The claim of a batch of distinct keys: [`CLAIM`] with one row per key (the store
 /// replaces `{rows}` with [`CLAIM_ROW`] once per key). Each row's `ON DUPLICATE KEY UPDATE`
 /// makes its own "free" test with its first assignment, which sets `LAST_INSERT_ID()` for
 /// that row's later assignments, exactly as for a single claim. The statement reports
-/// nothing per row: the driver reads the batch's records after it ([`SEEN_MANY`]), and a
+/// nothing per row: the store reads the batch's records after it ([`SEEN_MANY`]), and a
 /// record that holds the item's token in progress is the item's acquisition.
 pub(super) const CLAIM_MANY: &str = concat!(
     insert_into!(),
@@ -126,7 +126,7 @@ macro_rules! claimed_columns {
     };
 }
 
-/// The first claim MariaDB gets (see [`MySql::claim`](super::super::driver::Driver::claim)): [`CLAIM`]'s row,
+/// The first claim MariaDB gets (see [`MySql::claim`](super::super::dialect::DialectImpl::claim)): [`CLAIM`]'s row,
 /// inserted when the key has no row; a row that exists is left exactly as it was (the
 /// assignment writes the value the column holds). The row's `LAST_INSERT_ID(fence)` is
 /// evaluated before the duplicate is found, so the assignment resets it to 0: the reply
@@ -201,12 +201,12 @@ ORDER BY record_key
 LIMIT ?"
 );
 
-/// Completes and releases a batch of in-progress records: the driver replaces the `{rows}`
+/// Completes and releases a batch of in-progress records: the store replaces the `{rows}`
 /// marker with one `SELECT ? ...` of `(key, token, result, ttl, complete?)` per item, joined
-/// by `UNION ALL`. Only in-progress records are settled (a multiple-table `UPDATE` assigns in
+/// by `UNION ALL`. Only in-progress records are ended (a multiple-table `UPDATE` assigns in
 /// no particular order, so no assignment may read a column another one writes): an item
-/// whose record is already settled is answered by reading its record.
-pub(super) const SETTLE_MANY: &str = "\
+/// whose record is already ended is answered by reading its record.
+pub(super) const COMPLETE_MANY: &str = "\
 UPDATE idempotent_records AS r
 JOIN ({rows}) AS i ON r.record_key = i.k AND r.token = i.t
 SET r.result = IF(i.c = 1, i.res, r.result),
@@ -215,7 +215,7 @@ SET r.result = IF(i.c = 1, i.res, r.result),
     r.state = IF(i.c = 1, 'completed', 'released')
 WHERE r.state = 'in_progress' AND r.fence >= 0 AND r.expires_at > UTC_TIMESTAMP(6)";
 
-/// The live records of a batch's keys, `record_key` first; the driver replaces `{keys}` with
+/// The live records of a batch's keys, `record_key` first; the store replaces `{keys}` with
 /// one `?` per key.
 pub(super) const SEEN_MANY: &str = concat!(
     "SELECT record_key, ",

@@ -295,7 +295,7 @@ pub async fn dropped_call_after_the_body_completes_its_outcome(b: impl Backend) 
     let inner = b.store();
     let faulty = Faulty::new(inner.clone());
     let store: SharedStore = faulty.clone();
-    let k = key(&unique_prefix(&b, "drop-settling"), &[&"order-11"]);
+    let k = key(&unique_prefix(&b, "drop-ending"), &[&"order-11"]);
     let runs = AtomicUsize::new(0);
 
     faulty.complete_sent.close();

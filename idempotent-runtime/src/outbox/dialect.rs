@@ -16,7 +16,7 @@ use crate::store::{clamped_millis, BoxFuture};
 
 /// A value bound to an outbox statement.
 #[derive(Debug, Clone, Copy)]
-#[allow(unreachable_pub)] // reachable through `OutboxDriver`, but not nameable
+#[allow(unreachable_pub)] // reachable through `OutboxDialectImpl`, but not nameable
 pub enum Arg<'a> {
     /// Text.
     Text(&'a str),
@@ -32,7 +32,7 @@ pub struct OutboxTemplates {
     /// Creates the table and its indexes when missing (may be several statements).
     pub(crate) create: &'static str,
     /// Inserts a row: `id, aggregate_type, aggregate_id, event_type, destination, payload,
-    /// headers` (and the channel to notify, where [`OutboxDriver::NOTIFIES`]).
+    /// headers` (and the channel to notify, where [`OutboxDialectImpl::NOTIFIES`]).
     pub(crate) enqueue: &'static str,
     /// Claims due rows: `token, lease (ticks), batch`. Returns the claimed rows in order
     /// where [`claimed`](OutboxTemplates::claimed) is empty.
@@ -135,16 +135,17 @@ impl OutboxStatements {
 
 /// Something that resolves when a transaction that enqueued has committed, in any process
 /// (PostgreSQL's `LISTEN`).
-#[allow(unreachable_pub)] // reachable through `OutboxDriver`, but not nameable
+#[allow(unreachable_pub)] // reachable through `OutboxDialectImpl`, but not nameable
 pub trait Listener: Send {
     /// Waits for the next notification; an error means notifications are lost for now.
     fn recv(&mut self) -> BoxFuture<'_, Result<(), sqlx::Error>>;
 }
 
-/// A database the outbox runs on. Sealed: implemented for sqlx's `Postgres`, `MySql` and
-/// `Sqlite` only.
+/// What makes a database an [`OutboxDialect`]: its outbox statements and the calls that
+/// differ between databases. One idea with [`OutboxDialect`], split in two only to seal it:
+/// this half is not nameable outside the crate, so no other type can implement it.
 #[allow(unreachable_pub)] // reachable as the supertrait of `OutboxDialect`, but not nameable
-pub trait OutboxDriver: SqlDatabase {
+pub trait OutboxDialectImpl: SqlDatabase {
     /// The statements.
     const OUTBOX: OutboxTemplates;
     /// Whether the enqueue statement notifies relays at commit itself (it then takes the
@@ -173,7 +174,7 @@ pub trait OutboxDriver: SqlDatabase {
         args: &'c [Arg<'c>],
     ) -> BoxFuture<'c, Result<Vec<ReadRow>, sqlx::Error>>;
 
-    /// Fetches rows as an operator sees them ([`OutboxDriver::OUTBOX`]'s `inspect`).
+    /// Fetches rows as an operator sees them ([`OutboxDialectImpl::OUTBOX`]'s `inspect`).
     fn stored<'c>(
         conn: &'c mut Self::Connection,
         sql: &'c str,
@@ -207,14 +208,14 @@ pub trait OutboxDriver: SqlDatabase {
 /// [`Postgres`](sqlx::Postgres), [`MySql`](sqlx::MySql) or [`Sqlite`](sqlx::Sqlite), as the
 /// database features enable them. Sealed. Each is also a [`Dialect`], so an outbox's pool
 /// serves a [`SqlStore`](crate::sql::SqlStore) too.
-pub trait OutboxDialect: OutboxDriver + Dialect {}
+pub trait OutboxDialect: OutboxDialectImpl + Dialect {}
 
-impl<DB: OutboxDriver + Dialect> OutboxDialect for DB {}
+impl<DB: OutboxDialectImpl + Dialect> OutboxDialect for DB {}
 
 /// A duration in a database's tick, by the rule every store follows (whole milliseconds,
 /// rounded up, clamped), except that zero stays zero: a zero backoff makes a row due at once,
 /// "published more than zero ago" means "published before now".
-pub(crate) fn ticks<DB: OutboxDriver>(duration: Duration) -> i64 {
+pub(crate) fn ticks<DB: OutboxDialectImpl>(duration: Duration) -> i64 {
     if duration.is_zero() {
         return 0;
     }
@@ -225,7 +226,7 @@ pub(crate) fn ticks<DB: OutboxDriver>(duration: Duration) -> i64 {
 /// producer: headers that are not a JSON object of strings, text that is not UTF-8). The
 /// fields that cannot be read are empty in `message`.
 #[derive(Debug)]
-#[allow(unreachable_pub)] // reachable through `OutboxDriver`, but not nameable
+#[allow(unreachable_pub)] // reachable through `OutboxDialectImpl`, but not nameable
 pub struct ReadRow {
     /// The message.
     pub message: OutboxMessage,
@@ -263,7 +264,7 @@ pub(crate) fn headers(
     })
 }
 
-/// The `OutboxDriver` methods that are the same text for every database (their types
+/// The `OutboxDialectImpl` methods that are the same text for every database (their types
 /// differ), for a database type. The message columns are read by name: `id`,
 /// `aggregate_type`, `aggregate_id`, `event_type`, `destination`, `payload`, `headers`
 /// (text), `attempts` (a 64-bit integer); dead rows add `last_error` and `age` (a double).
@@ -284,7 +285,7 @@ macro_rules! outbox_fns {
         fn exec<'c>(
             conn: &'c mut <$db as sqlx::Database>::Connection,
             sql: &'c str,
-            args: &'c [$crate::outbox::driver::Arg<'c>],
+            args: &'c [$crate::outbox::dialect::Arg<'c>],
         ) -> $crate::store::BoxFuture<'c, Result<u64, sqlx::Error>> {
             Box::pin(async move {
                 let query = outbox_fns!(@bind $db, sql, args);
@@ -295,10 +296,10 @@ macro_rules! outbox_fns {
         fn messages<'c>(
             conn: &'c mut <$db as sqlx::Database>::Connection,
             sql: &'c str,
-            args: &'c [$crate::outbox::driver::Arg<'c>],
+            args: &'c [$crate::outbox::dialect::Arg<'c>],
         ) -> $crate::store::BoxFuture<
             'c,
-            Result<Vec<$crate::outbox::driver::ReadRow>, sqlx::Error>,
+            Result<Vec<$crate::outbox::dialect::ReadRow>, sqlx::Error>,
         > {
             Box::pin(async move {
                 let query = outbox_fns!(@bind $db, sql, args);
@@ -310,7 +311,7 @@ macro_rules! outbox_fns {
         fn stored<'c>(
             conn: &'c mut <$db as sqlx::Database>::Connection,
             sql: &'c str,
-            args: &'c [$crate::outbox::driver::Arg<'c>],
+            args: &'c [$crate::outbox::dialect::Arg<'c>],
         ) -> $crate::store::BoxFuture<
             'c,
             Result<Vec<$crate::outbox::StoredMessage>, sqlx::Error>,
@@ -343,7 +344,7 @@ macro_rules! outbox_fns {
         fn dead<'c>(
             conn: &'c mut <$db as sqlx::Database>::Connection,
             sql: &'c str,
-            args: &'c [$crate::outbox::driver::Arg<'c>],
+            args: &'c [$crate::outbox::dialect::Arg<'c>],
         ) -> $crate::store::BoxFuture<'c, Result<Vec<$crate::outbox::DeadMessage>, sqlx::Error>>
         {
             Box::pin(async move {
@@ -389,17 +390,17 @@ macro_rules! outbox_fns {
         let mut query = sqlx::query::<$db>(sqlx::AssertSqlSafe($sql.to_owned()));
         for arg in $args {
             query = match *arg {
-                $crate::outbox::driver::Arg::Text(text) => query.bind(text),
-                $crate::outbox::driver::Arg::Bytes(bytes) => query.bind(bytes),
-                $crate::outbox::driver::Arg::Int(n) => query.bind(n),
+                $crate::outbox::dialect::Arg::Text(text) => query.bind(text),
+                $crate::outbox::dialect::Arg::Bytes(bytes) => query.bind(bytes),
+                $crate::outbox::dialect::Arg::Int(n) => query.bind(n),
             };
         }
         query
     }};
     (@message $row:expr) => {{
         use sqlx::Row as _;
-        use $crate::outbox::driver::{headers, readable};
-        (|| -> Result<$crate::outbox::driver::ReadRow, sqlx::Error> {
+        use $crate::outbox::dialect::{headers, readable};
+        (|| -> Result<$crate::outbox::dialect::ReadRow, sqlx::Error> {
             let row = $row;
             // The id and the attempts are the relay's to count a failure: without them the
             // row is not an outbox row at all.
@@ -422,7 +423,7 @@ macro_rules! outbox_fns {
             } else {
                 Some(problems.join("; "))
             };
-            Ok($crate::outbox::driver::ReadRow { message, unreadable })
+            Ok($crate::outbox::dialect::ReadRow { message, unreadable })
         })()
     }};
 }

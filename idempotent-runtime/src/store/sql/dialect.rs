@@ -14,7 +14,7 @@ use sqlx::{Database, Pool};
 use crate::database::{SqlDatabase, TableName};
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::sql::DEFAULT_TABLE;
-use crate::store::{clamped_millis, BoxFuture, ClaimRequest, Settle, Settlement};
+use crate::store::{clamped_millis, BoxFuture, ClaimRequest, End, Ending};
 
 /// A value bound to a statement parameter.
 #[derive(Debug, Clone, Copy)]
@@ -61,30 +61,30 @@ pub struct Templates {
     /// The batch claim statement committed asynchronously (PostgreSQL); empty otherwise.
     pub claim_many_async: &'static str,
     /// Completes and releases a batch of distinct keys in one statement; empty when the
-    /// dialect settles a batch one key at a time. It may hold a `{rows}` marker that the
-    /// driver replaces with one row of placeholders per item.
-    pub settle_many: &'static str,
+    /// dialect ends a batch one key at a time. It may hold a `{rows}` marker that the
+    /// store replaces with one row of placeholders per item.
+    pub complete_many: &'static str,
     /// The claim statement for a batch of distinct keys, returning `record_key` before the
     /// record columns; empty when the dialect claims a batch one key at a time. It may hold a
-    /// `{rows}` marker that the driver replaces with one row of placeholders per key.
+    /// `{rows}` marker that the store replaces with one row of placeholders per key.
     pub claim_many: &'static str,
     /// Reads the live records of keys a batch claim did not take (on MySQL, that a batch
-    /// settlement did not settle), `record_key` first; empty when not needed. It may hold a `{keys}` marker that the
-    /// driver replaces with one placeholder per key.
+    /// ending did not resolve), `record_key` first; empty when not needed. It may hold a `{keys}` marker that the
+    /// store replaces with one placeholder per key.
     pub seen_many: &'static str,
     /// A claim that only inserts: it takes an absent key and leaves any record alone, and
     /// is sent before [`claim_reporting`](Templates::claim_reporting), which answers the
     /// keys it did not take. Empty where the claim statement is sent alone; dropped when the
-    /// server cannot send `claim_reporting` ([`Driver::reports_claims`]).
+    /// server cannot send `claim_reporting` ([`DialectImpl::reports_claims`]).
     pub claim_fresh: &'static str,
     /// The claim statement, returning the record it leaves (the record columns, as
     /// [`seen`](Templates::seen) reads them). Empty where the claim reports its outcome
-    /// otherwise; dropped when the server cannot send it ([`Driver::reports_claims`]).
+    /// otherwise; dropped when the server cannot send it ([`DialectImpl::reports_claims`]).
     pub claim_reporting: &'static str,
     /// The batch claim statement, returning `record_key` and the record columns of every
     /// key it was given, so that no read follows it. Empty where the batch claim reports its
     /// records otherwise; dropped when the server cannot send it
-    /// ([`Driver::reports_claims`]).
+    /// ([`DialectImpl::reports_claims`]).
     pub claim_many_reporting: &'static str,
 }
 
@@ -104,7 +104,7 @@ pub struct Statements {
     pub(crate) scan: Arc<str>,
     pub(crate) delete: Arc<str>,
     pub(crate) delete_corrupt: Arc<str>,
-    pub(crate) settle_many: Arc<str>,
+    pub(crate) complete_many: Arc<str>,
     #[cfg_attr(
         not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
         allow(dead_code)
@@ -142,7 +142,7 @@ impl Statements {
             scan: render(templates.scan),
             delete: render(templates.delete),
             delete_corrupt: render(templates.delete_corrupt),
-            settle_many: render(templates.settle_many),
+            complete_many: render(templates.complete_many),
             claim_many: render(templates.claim_many),
             seen_many: render(templates.seen_many),
             claim_fresh: render(templates.claim_fresh),
@@ -152,7 +152,7 @@ impl Statements {
     }
 
     /// Drops the statements that return rows from a write, for a server that cannot send
-    /// them ([`Driver::reports_claims`]): the claims are then the plain statements, followed
+    /// them ([`DialectImpl::reports_claims`]): the claims are then the plain statements, followed
     /// by reads.
     pub(crate) fn without_reporting(mut self) -> Statements {
         let none: Arc<str> = Arc::from("");
@@ -208,17 +208,18 @@ impl Statements {
     }
 
     /// The statement that completes and releases a batch of keys at once (owner-checked), or
-    /// `None` when the database settles a batch one key at a time. On MySQL and SQLite it
+    /// `None` when the database ends a batch one key at a time. On MySQL and SQLite it
     /// holds a `{rows}` marker, replaced by one row of placeholders per item when it is sent.
-    pub fn settle_many(&self) -> Option<&str> {
-        Some(&*self.settle_many).filter(|sql| !sql.is_empty())
+    pub fn complete_many(&self) -> Option<&str> {
+        Some(&*self.complete_many).filter(|sql| !sql.is_empty())
     }
 }
 
-/// A database the SQL store speaks. Sealed: implemented for sqlx's `Postgres`, `MySql` and
-/// `Sqlite` only.
+/// What makes a database a [`Dialect`]: its statements and the calls that differ between
+/// databases. One idea with [`Dialect`], split in two only to seal it: this half is not
+/// nameable outside the crate, so no other type can implement it.
 #[allow(unreachable_pub)] // reachable as the supertrait of `Dialect`, but not nameable
-pub trait Driver: SqlDatabase {
+pub trait DialectImpl: SqlDatabase {
     /// The statements.
     const SQL: Templates;
     /// The migrations, oldest first: version, description, SQL for `idempotent_records`.
@@ -245,11 +246,11 @@ pub trait Driver: SqlDatabase {
         req: &'c ClaimRequest,
     ) -> BoxFuture<'c, Result<Step, sqlx::Error>>;
 
-    /// The most distinct keys [`claim_batch`](Driver::claim_batch) claims in one statement;
+    /// The most distinct keys [`claim_batch`](DialectImpl::claim_batch) claims in one statement;
     /// zero when the dialect claims a batch one key at a time.
     const BATCH: usize = 0;
 
-    /// Claims `reqs` (distinct keys, at most [`BATCH`](Driver::BATCH) of them) with one
+    /// Claims `reqs` (distinct keys, at most [`BATCH`](DialectImpl::BATCH) of them) with one
     /// statement and reports, for each request in order, what it did. The default claims
     /// them one after another.
     fn claim_batch<'c>(
@@ -266,29 +267,29 @@ pub trait Driver: SqlDatabase {
         })
     }
 
-    /// The most settlements [`settle_batch`](Driver::settle_batch) sends in one statement;
-    /// zero when the dialect settles a batch one key at a time.
-    const SETTLE_BATCH: usize = 0;
+    /// The most endings [`complete_batch`](DialectImpl::complete_batch) sends in one statement;
+    /// zero when the dialect ends a batch one key at a time.
+    const COMPLETE_BATCH: usize = 0;
 
-    /// Whether [`settle_batch`](Driver::settle_batch) takes releases too; when `false`, a
-    /// batch's releases (and every later settlement of their keys) are sent one by one, after
+    /// Whether [`complete_batch`](DialectImpl::complete_batch) takes releases too; when `false`, a
+    /// batch's releases (and every later ending of their keys) are sent one by one, after
     /// its completions.
     const BATCH_RELEASES: bool = true;
 
     /// Completes or releases `items` (distinct keys, at most
-    /// [`SETTLE_BATCH`](Driver::SETTLE_BATCH) of them, results within the statement's size)
-    /// with one statement, and reports for each item, in order, whether it settled its
+    /// [`COMPLETE_BATCH`](DialectImpl::COMPLETE_BATCH) of them, results within the statement's size)
+    /// with one statement, and reports for each item, in order, whether it ended its
     /// record (an item that did not is answered by reading its record). Only called when
-    /// `SETTLE_BATCH` is not zero.
-    fn settle_batch<'c>(
+    /// `COMPLETE_BATCH` is not zero.
+    fn complete_batch<'c>(
         conn: &'c mut Self::Connection,
         sql: &'c Statements,
-        items: &'c [&'c Settlement],
+        items: &'c [&'c Ending],
     ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
         let _ = (conn, sql, items);
         Box::pin(async {
             Err(sqlx::Error::Protocol(
-                "this database settles a batch one key at a time".into(),
+                "this database ends a batch one key at a time".into(),
             ))
         })
     }
@@ -333,9 +334,9 @@ pub trait Driver: SqlDatabase {
 /// A database a [`SqlStore`](super::SqlStore) runs on: sqlx's [`Postgres`](sqlx::Postgres),
 /// [`MySql`](sqlx::MySql) or [`Sqlite`](sqlx::Sqlite), as the database features enable them.
 /// Sealed.
-pub trait Dialect: Driver {}
+pub trait Dialect: DialectImpl {}
 
-impl<DB: Driver> Dialect for DB {}
+impl<DB: DialectImpl> Dialect for DB {}
 
 /// What a stored result leaves to the rest of a statement or row (the key, the token, the
 /// other columns, the protocol's framing) below a database's limit on one value or packet.
@@ -355,11 +356,11 @@ pub(crate) fn render(table: &TableName, template: &str) -> String {
     table.render_for(template, DEFAULT_TABLE, &["_expires_at"])
 }
 
-/// The values a batch settlement binds for `item`: its result (`None` for a release or a
+/// The values a batch ending binds for `item`: its result (`None` for a release or a
 /// completion without one), its ttl in `tick`s, and whether it completes.
-pub(crate) fn settle_args(item: &Settlement, tick: Duration) -> (Option<&[u8]>, i64, bool) {
+pub(crate) fn ending_args(item: &Ending, tick: Duration) -> (Option<&[u8]>, i64, bool) {
     match &item.action {
-        Settle::Complete(completion) => (
+        End::Complete(completion) => (
             completion.result.as_deref(),
             ticks(completion.ttl, tick),
             true,
@@ -369,12 +370,12 @@ pub(crate) fn settle_args(item: &Settlement, tick: Duration) -> (Option<&[u8]>, 
     }
 }
 
-/// Binds each settlement's `(key, token, result, ttl, complete?)` to `query`, in order: the
-/// rows of the batch settlement statements that take one row of placeholders per item.
+/// Binds each ending's `(key, token, result, ttl, complete?)` to `query`, in order: the
+/// rows of the batch ending statements that take one row of placeholders per item.
 #[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
-pub(crate) fn bind_settlements<'q, DB>(
+pub(crate) fn bind_endings<'q, DB>(
     mut query: sqlx::query::Query<'q, DB, DB::Arguments>,
-    items: &[&'q Settlement],
+    items: &[&'q Ending],
     tick: Duration,
 ) -> sqlx::query::Query<'q, DB, DB::Arguments>
 where
@@ -384,7 +385,7 @@ where
     i64: for<'t> sqlx::Encode<'t, DB> + sqlx::Type<DB>,
 {
     for item in items {
-        let (result, ttl, complete) = settle_args(item, tick);
+        let (result, ttl, complete) = ending_args(item, tick);
         query = query
             .bind(item.key.as_bytes())
             .bind(&item.token.as_bytes()[..])
@@ -460,17 +461,17 @@ where
     query
 }
 
-/// The `Driver` methods that are the same text for every database (their types differ):
+/// The `DialectImpl` methods that are the same text for every database (their types differ):
 /// `execute`, `fetch` and `migrate`, for a connection type.
 macro_rules! statement_fns {
     ($conn:ty) => {
         fn execute<'c>(
             conn: &'c mut $conn,
             sql: &'c std::sync::Arc<str>,
-            args: &'c [$crate::store::sql::driver::Arg<'c>],
+            args: &'c [$crate::store::sql::dialect::Arg<'c>],
         ) -> $crate::store::BoxFuture<'c, Result<u64, sqlx::Error>> {
             Box::pin(async move {
-                let query = $crate::store::sql::driver::bind(
+                let query = $crate::store::sql::dialect::bind(
                     sqlx::query(sqlx::AssertSqlSafe(sql.clone())),
                     args,
                 );
@@ -481,13 +482,13 @@ macro_rules! statement_fns {
         fn fetch<'c>(
             conn: &'c mut $conn,
             sql: &'c std::sync::Arc<str>,
-            args: &'c [$crate::store::sql::driver::Arg<'c>],
+            args: &'c [$crate::store::sql::dialect::Arg<'c>],
         ) -> $crate::store::BoxFuture<
             'c,
             Result<Option<$crate::store::sql::record::RecordRow>, sqlx::Error>,
         > {
             Box::pin(async move {
-                let query = $crate::store::sql::driver::bind(
+                let query = $crate::store::sql::dialect::bind(
                     sqlx::query(sqlx::AssertSqlSafe(sql.clone())),
                     args,
                 );
@@ -501,7 +502,7 @@ macro_rules! statement_fns {
         fn fetch_keyed<'c>(
             conn: &'c mut $conn,
             sql: &'c std::sync::Arc<str>,
-            args: &'c [$crate::store::sql::driver::Arg<'c>],
+            args: &'c [$crate::store::sql::dialect::Arg<'c>],
         ) -> $crate::store::BoxFuture<
             'c,
             Result<
@@ -513,7 +514,7 @@ macro_rules! statement_fns {
             >,
         > {
             Box::pin(async move {
-                let query = $crate::store::sql::driver::bind(
+                let query = $crate::store::sql::dialect::bind(
                     sqlx::query(sqlx::AssertSqlSafe(sql.clone())),
                     args,
                 );

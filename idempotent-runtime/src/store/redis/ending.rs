@@ -1,4 +1,4 @@
-//! Completions and releases: the `settle.lua` calls, alone and pipelined.
+//! Completions and releases: the `ending.lua` calls, alone and pipelined.
 
 use std::sync::atomic::Ordering;
 
@@ -11,10 +11,10 @@ use crate::store::redis::clock::fast_durations;
 use crate::store::redis::conn::{command_error, script_error};
 use crate::store::redis::store::RedisStore;
 use crate::store::redis::wire::{fast_completion, in_progress_head, int};
-use crate::store::{clamped_millis, Completion, Settle, Settlement, Store, Token};
+use crate::store::{clamped_millis, Completion, End, Ending, Store, Token};
 
 impl RedisStore {
-    /// The `settle.lua` call of a completion; a result larger than the store takes is
+    /// The `ending.lua` call of a completion; a result larger than the store takes is
     /// refused before it is sent.
     pub(super) fn complete_cmd(
         &self,
@@ -35,7 +35,7 @@ impl RedisStore {
             ));
         }
         let ttl = clamped_millis(completion.ttl);
-        let mut cmd = self.inner.settle.call(key.as_bytes());
+        let mut cmd = self.inner.ending.call(key.as_bytes());
         // A claim this store's fast claim may have written: the owner writes that record
         // again and the completed one, and the script compares and sets (three arguments).
         let fast = completion
@@ -66,24 +66,22 @@ impl RedisStore {
         Ok(cmd)
     }
 
-    /// Settles `items` in one pipeline (to the node of `slot` on a cluster). Items the
+    /// Ends `items` in one pipeline (to the node of `slot` on a cluster). Items the
     /// server answers `NOSCRIPT`, `MOVED` and the like are sent again one by one.
-    pub(super) async fn settle_pipelined(
+    pub(super) async fn end_pipelined(
         &self,
-        items: &[&Settlement],
+        items: &[&Ending],
         slot: u16,
     ) -> Vec<Result<bool, StoreError>> {
-        let mut settled: Vec<Option<Result<bool, StoreError>>> = Vec::with_capacity(items.len());
+        let mut ended: Vec<Option<Result<bool, StoreError>>> = Vec::with_capacity(items.len());
         let mut pipe = ::redis::pipe();
         pipe.ignore_errors();
         let mut sent = 0;
         for item in items {
             let cmd = match &item.action {
-                Settle::Complete(completion) => {
-                    self.complete_cmd(&item.key, &item.token, completion)
-                }
-                Settle::Release => {
-                    let mut cmd = self.inner.settle.call(item.key.as_bytes());
+                End::Complete(completion) => self.complete_cmd(&item.key, &item.token, completion),
+                End::Release => {
+                    let mut cmd = self.inner.ending.call(item.key.as_bytes());
                     cmd.arg("release").arg(item.token.as_bytes());
                     Ok(cmd)
                 }
@@ -92,9 +90,9 @@ impl RedisStore {
                 Ok(cmd) => {
                     pipe.add_command(cmd);
                     sent += 1;
-                    settled.push(None);
+                    ended.push(None);
                 }
-                Err(err) => settled.push(Some(Err(err))),
+                Err(err) => ended.push(Some(Err(err))),
             }
         }
         if sent > 0 {
@@ -108,7 +106,7 @@ impl RedisStore {
                 Ok(replies) => replies.into_iter().map(Ok).collect::<Vec<_>>().into_iter(),
                 Err(err) => vec![Err(err); sent].into_iter(),
             };
-            for (item, answer) in items.iter().zip(settled.iter_mut()) {
+            for (item, answer) in items.iter().zip(ended.iter_mut()) {
                 if answer.is_some() {
                     continue;
                 }
@@ -126,10 +124,10 @@ impl RedisStore {
                                 self.inner.slots.invalidate();
                             }
                             match &item.action {
-                                Settle::Complete(completion) => {
+                                End::Complete(completion) => {
                                     self.complete(&item.key, &item.token, completion).await
                                 }
-                                Settle::Release => self.release(&item.key, &item.token).await,
+                                End::Release => self.release(&item.key, &item.token).await,
                             }
                         }
                         (None, Value::ServerError(err)) => Err(script_error(&item.key, err.into())),
@@ -138,28 +136,28 @@ impl RedisStore {
                 });
             }
         }
-        settled
+        ended
             .into_iter()
             .map(|answer| {
                 answer.unwrap_or_else(|| {
                     Err(StoreError::new(
                         StoreErrorKind::Protocol,
-                        "no reply for a settlement",
+                        "no reply for an ending",
                     ))
                 })
             })
             .collect()
     }
 
-    /// Runs `settle.lua`'s token-only operation `op` (`release`, `reopen`) on `key`.
-    pub(super) async fn settle_by_token(
+    /// Runs `ending.lua`'s token-only operation `op` (`release`, `reopen`) on `key`.
+    pub(super) async fn by_token(
         &self,
         op: &'static str,
         key: &Key,
         token: &Token,
     ) -> Result<bool, StoreError> {
-        let mut cmd = self.inner.settle.call(key.as_bytes());
+        let mut cmd = self.inner.ending.call(key.as_bytes());
         cmd.arg(op).arg(token.as_bytes());
-        Ok(int(&self.call(key, &self.inner.settle, &cmd).await?)? == 1)
+        Ok(int(&self.call(key, &self.inner.ending, &cmd).await?)? == 1)
     }
 }
