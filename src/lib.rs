@@ -80,7 +80,7 @@
 //! | [`store::TieredStore`] | any two | Redis in front of SQL |
 //! | [`store::CombiningStore`] | any | concurrent single calls sent as batches (one commit for many on PostgreSQL) |
 //!
-//! [`connect`] builds any of them from a URL (`redis://`, `postgres://`, `mysql://`,
+//! [`connect`] builds any of them from a URL (`redis://`, `redis+sentinel://`, `postgres://`, `mysql://`,
 //! `sqlite:`, `memory:`). A store is a hint, not the truth: Redis loses acknowledged writes on
 //! failover and restart, so exactly-once *effects* also need a check at the effect (the `done`
 //! business check, a status compare-and-set, or the fence).

@@ -121,6 +121,31 @@ impl RedisServer {
         }
     }
 
+    /// The server's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Pauses the server (SIGSTOP): it keeps its connections and answers nothing, like a
+    /// server stalled by a long pause or cut off from the network.
+    pub fn pause(&self) {
+        self.signal("STOP");
+    }
+
+    /// Resumes a paused server (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.pid().expect("the server is not running");
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), pid.to_string()])
+            .status()
+            .expect("cannot run kill");
+        assert!(status.success(), "kill -{signal} {pid} failed");
+    }
+
     /// Starts the server again, empty, on the same port.
     pub fn restart(&mut self) {
         self.kill();
@@ -288,5 +313,218 @@ impl RedisCluster {
             .map(|n| format!("127.0.0.1:{}", n.port()))
             .collect();
         format!("redis+cluster://{}", nodes.join(","))
+    }
+}
+
+/// A primary, its replicas and three sentinels monitoring it as the service `name`, on free
+/// loopback ports; everything is killed on drop.
+pub struct SentinelGroup {
+    pub name: String,
+    pub servers: Vec<RedisServer>,
+    pub sentinels: Vec<Sentinel>,
+}
+
+/// One `redis-server --sentinel` process.
+pub struct Sentinel {
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl SentinelGroup {
+    /// Starts a primary with `replicas` replicas (each with the extra `redis-server`
+    /// arguments `extra`) and three sentinels (quorum 2, a primary is down after 1 s without
+    /// a reply), and waits until every sentinel knows every replica and the other sentinels.
+    pub fn start(replicas: usize, extra: &[&str]) -> SentinelGroup {
+        let name = format!("svc{}", free_port());
+        let primary = RedisServer::start(extra);
+        let primary_port = primary.port().to_string();
+        let mut servers = vec![primary];
+        for _ in 0..replicas {
+            let mut args = vec!["--replicaof", "127.0.0.1", primary_port.as_str()];
+            args.extend_from_slice(extra);
+            servers.push(RedisServer::start(&args));
+        }
+        let sentinels = (0..3)
+            .map(|_| Sentinel::start(&name, servers[0].port()))
+            .collect();
+        let group = SentinelGroup {
+            name,
+            servers,
+            sentinels,
+        };
+        group.wait_known(replicas);
+        group
+    }
+
+    fn wait_known(&self, replicas: usize) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for s in &self.sentinels {
+            loop {
+                let known_replicas = s
+                    .cli(&["sentinel", "replicas", &self.name])
+                    .matches("flags")
+                    .count();
+                let known_sentinels = s
+                    .cli(&["sentinel", "sentinels", &self.name])
+                    .matches("flags")
+                    .count();
+                let linked = self.servers[1..].iter().all(|r| {
+                    r.cli(&["info", "replication"])
+                        .contains("master_link_status:up")
+                });
+                if known_replicas >= replicas && known_sentinels >= 2 && linked {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "the sentinels never saw the whole group ({known_replicas} replicas, {known_sentinels} sentinels)"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+
+    /// A `redis+sentinel://` URL naming every sentinel and the service.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port))
+            .collect();
+        format!("redis+sentinel://{}/{}", hosts.join(","), self.name)
+    }
+
+    /// The port of the node the sentinels name as the primary now (the first sentinel that
+    /// answers).
+    pub fn primary_port(&self) -> Option<u16> {
+        self.sentinels.iter().find_map(|s| {
+            let out = s.cli(&["sentinel", "get-master-addr-by-name", &self.name]);
+            out.lines().nth(1)?.trim().parse().ok()
+        })
+    }
+
+    /// The server on `port`.
+    pub fn server(&self, port: u16) -> &RedisServer {
+        self.servers
+            .iter()
+            .find(|s| s.port() == port)
+            .expect("no server of the group on this port")
+    }
+
+    /// The server on `port`, to kill, pause or resume.
+    pub fn server_mut(&mut self, port: u16) -> &mut RedisServer {
+        self.servers
+            .iter_mut()
+            .find(|s| s.port() == port)
+            .expect("no server of the group on this port")
+    }
+
+    /// Waits until the sentinels name a primary other than `old` that answers as a master,
+    /// and returns its port.
+    pub fn wait_promoted(&self, old: u16) -> u16 {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(port) = self.primary_port().filter(|&p| p != old) {
+                if redis_cli(port, &["role"]).starts_with("master") {
+                    return port;
+                }
+            }
+            assert!(Instant::now() < deadline, "no replica was promoted");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Asks the sentinels for a failover now (`SENTINEL FAILOVER`: the primary is demoted to
+    /// a replica, a replica promoted) and waits for it; returns the new primary's port.
+    pub fn failover(&self) -> u16 {
+        let old = self.primary_port().expect("no sentinel names a primary");
+        let out = self.sentinels[0].cli(&["sentinel", "failover", &self.name]);
+        assert!(out.contains("OK"), "SENTINEL FAILOVER refused: {out}");
+        let new = self.wait_promoted(old);
+        // The old primary is demoted once the sentinels reconfigure it.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !redis_cli(old, &["role"]).starts_with("slave") {
+            assert!(
+                Instant::now() < deadline,
+                "the old primary was never demoted"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        new
+    }
+}
+
+impl Sentinel {
+    fn start(service: &str, primary: u16) -> Sentinel {
+        let port = free_port();
+        let dir =
+            std::env::temp_dir().join(format!("idempotent-sentinel-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("cannot create the sentinel's directory");
+        let conf = dir.join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {dir}\nlogfile {dir}/sentinel.log\n\
+                 sentinel monitor {service} 127.0.0.1 {primary} 2\n\
+                 sentinel down-after-milliseconds {service} 1000\n\
+                 sentinel failover-timeout {service} 10000\n\
+                 sentinel parallel-syncs {service} 1\n",
+                dir = dir.display()
+            ),
+        )
+        .expect("cannot write the sentinel's configuration");
+        let child = Command::new("redis-server")
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start redis-server --sentinel ({e})"));
+        let _ = Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "while kill -0 {parent} 2>/dev/null && kill -0 {child} 2>/dev/null; do sleep 0.5; done; kill -9 {child} 2>/dev/null",
+                parent = std::process::id(),
+                child = child.id()
+            ))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let sentinel = Sentinel {
+            port,
+            dir,
+            child: Some(child),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !ping(port) {
+            if Instant::now() > deadline {
+                let log =
+                    std::fs::read_to_string(sentinel.dir.join("sentinel.log")).unwrap_or_default();
+                panic!("the sentinel on port {port} did not start; its log:\n{log}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        sentinel
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn cli(&self, args: &[&str]) -> String {
+        redis_cli(self.port, args)
+    }
+}
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

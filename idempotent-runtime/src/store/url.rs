@@ -9,7 +9,7 @@ use crate::store::SharedOperatorStore;
 #[non_exhaustive]
 pub enum ConnectError {
     /// The URL's scheme names no backend.
-    #[error("unsupported store URL `{url}`: expected `memory:`, `redis://`, `rediss://`, `redis+cluster://`, `postgres://`, `mysql://` or `sqlite:`")]
+    #[error("unsupported store URL `{url}`: expected `memory:`, `redis://`, `rediss://`, `redis+cluster://`, `redis+sentinel://`, `postgres://`, `mysql://` or `sqlite:`")]
     UnknownScheme {
         /// The URL, without credentials.
         url: String,
@@ -37,6 +37,7 @@ pub enum ConnectError {
 /// | `memory:` | [`MemoryStore`](crate::MemoryStore) | `memory` |
 /// | `redis://host:6379/0`, `rediss://...` | `RedisStore` | `redis` |
 /// | `redis+cluster://host:7000,host:7001` | `RedisStore` on a cluster | `redis` |
+/// | `redis+sentinel://host:26379,host:26380/service` | `RedisStore` on the primary Sentinel names | `redis` |
 /// | `postgres://user@host/db` | `PostgresStore` | `postgres` |
 /// | `mysql://user@host/db` | `MySqlStore` | `mysql` |
 /// | `sqlite:path.db`, `sqlite::memory:` | `SqliteStore` | `sqlite` |
@@ -65,7 +66,9 @@ pub async fn connect(url: &str) -> Result<SharedOperatorStore, ConnectError> {
     let scheme = url.split(':').next().unwrap_or_default();
     match scheme {
         "memory" => memory(),
-        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" => redis(url).await,
+        "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redis+sentinel" => {
+            redis(url).await
+        }
         "postgres" | "postgresql" => postgres(url).await,
         "mysql" | "mariadb" => mysql(url).await,
         "sqlite" => sqlite(url).await,

@@ -163,6 +163,7 @@ impl Conn {
     ) -> Result<Vec<Value>, RedisError> {
         match self.clone() {
             Conn::Single(mut conn) => pipe.query_async(&mut conn).await,
+            Conn::Sentinel(primary) => primary.pipeline(&pipe).await,
             Conn::Cluster(mut conn) => {
                 let count = pipe.len();
                 let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));

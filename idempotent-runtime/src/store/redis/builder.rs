@@ -17,6 +17,7 @@ use crate::store::DEFAULT_MAX_RESULT_SIZE;
 use crate::store::redis::batch::SlotMap;
 use crate::store::redis::clock::ServerClock;
 use crate::store::redis::conn::{command_error, connect_error, Conn, Lua};
+use crate::store::redis::sentinel::{sentinel_target, Primary, SentinelTarget};
 use crate::store::redis::store::{Inner, RedisStore, ENDING, SCRIPT};
 use crate::store::redis::wire::text;
 
@@ -160,17 +161,24 @@ impl RedisStoreBuilder {
     ///
     /// `redis://` and `rediss://` URLs name a standalone server; `redis+cluster://` and
     /// `rediss+cluster://` URLs list cluster nodes separated by commas
-    /// (`redis+cluster://10.0.0.1:7000,10.0.0.2:7000`).
+    /// (`redis+cluster://10.0.0.1:7000,10.0.0.2:7000`); a `redis+sentinel://` URL lists
+    /// sentinels and names the service whose primary the store uses, with an optional
+    /// database and credentials for the primary:
+    /// `redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]`
+    /// (`redis+sentinel://10.0.0.1:26379,10.0.0.2:26379,10.0.0.3:26379/orders`; a host
+    /// without a port is on 26379). See [`RedisStore::sentinel`].
     ///
     /// # Errors
     ///
-    /// [`StoreErrorKind::Unavailable`] when the server cannot be reached,
-    /// [`StoreErrorKind::Unsafe`] when its configuration is refused.
+    /// [`StoreErrorKind::Unavailable`] when the server cannot be reached (for Sentinel: no
+    /// sentinel answers, none knows the service, or the node they name is not a writable
+    /// primary), [`StoreErrorKind::Unsafe`] when its configuration is refused,
+    /// [`StoreErrorKind::Rejected`] for a malformed Sentinel URL.
     pub async fn build(self) -> Result<RedisStore, StoreError> {
         let name = self.name.as_str();
         let cluster = match &self.target {
             Target::Url(url) => cluster_nodes(url).is_some(),
-            Target::Client(_) => false,
+            Target::Client(_) | Target::Sentinel(_) => false,
             Target::Cluster(_) => true,
         };
         if cluster && self.wait_for_replicas.is_some() {
@@ -180,6 +188,16 @@ impl RedisStoreBuilder {
             ));
         }
         let conn = match self.target.clone() {
+            Target::Url(url) if url.starts_with("redis+sentinel://") => {
+                let target = sentinel_target(&url).unwrap_or_else(|| {
+                    Err(StoreError::new(
+                        StoreErrorKind::Rejected,
+                        "not a Sentinel URL",
+                    ))
+                })?;
+                self.sentinel(target).await?
+            }
+            Target::Sentinel(target) => self.sentinel(*target).await?,
             Target::Url(url) => match cluster_nodes(&url) {
                 Some(nodes) => {
                     let client = ClusterClient::builder(nodes)
@@ -237,7 +255,7 @@ impl RedisStoreBuilder {
         if let Ok(mut run_id) = store.inner.run_id.lock() {
             *run_id = health.run_id.clone();
         }
-        let standalone = matches!(store.inner.conn, Conn::Single(_));
+        let standalone = !store.inner.conn.is_cluster();
         let set_nx_get = health
             .version
             .as_deref()
@@ -260,15 +278,25 @@ impl RedisStoreBuilder {
         Ok(store)
     }
 
-    async fn single(&self, client: Client) -> Result<Conn, StoreError> {
-        let config = ConnectionManagerConfig::new()
+    fn manager_config(&self) -> ConnectionManagerConfig {
+        ConnectionManagerConfig::new()
             .set_response_timeout(Some(self.response_timeout))
             .set_connection_timeout(Some(self.connection_timeout))
-            .set_number_of_retries(2);
-        let conn = ConnectionManager::new_with_config(client, config)
+            .set_number_of_retries(2)
+    }
+
+    async fn single(&self, client: Client) -> Result<Conn, StoreError> {
+        let conn = ConnectionManager::new_with_config(client, self.manager_config())
             .await
             .map_err(|e| connect_error(&self.name, e))?;
         Ok(Conn::Single(conn))
+    }
+
+    async fn sentinel(&self, target: SentinelTarget) -> Result<Conn, StoreError> {
+        // Each sentinel is asked, and the primary it names is checked with `ROLE`.
+        let lookup = 2 * (self.connection_timeout + self.response_timeout);
+        let primary = Primary::connect(target, self.manager_config(), lookup, &self.name).await?;
+        Ok(Conn::Sentinel(Arc::new(primary)))
     }
 
     async fn cluster(&self, client: &ClusterClient) -> Result<Conn, StoreError> {
@@ -284,6 +312,7 @@ impl RedisStoreBuilder {
 #[derive(Debug, Clone)]
 enum Target {
     Url(String),
+    Sentinel(Box<SentinelTarget>),
     Client(Box<Client>),
     Cluster(Box<ClusterClient>),
 }
@@ -311,6 +340,42 @@ impl RedisStore {
     /// A builder for non-default settings.
     pub fn builder(url: &str) -> RedisStoreBuilder {
         RedisStoreBuilder::new(Target::Url(url.to_string()), redact(url))
+    }
+
+    /// A builder for the primary of `service`, found through the Redis Sentinels at
+    /// `sentinels` (`host:port` each) and followed across failovers: after a failover the
+    /// store moves to the new primary by itself, and never sends a write to a replica. The
+    /// same as a `redis+sentinel://` URL ([`builder`](Self::builder)).
+    ///
+    /// ```no_run
+    /// use idempotent_runtime::RedisStore;
+    ///
+    /// # async fn f() -> Result<(), idempotent_runtime::StoreError> {
+    /// let store = RedisStore::sentinel(["10.0.0.1:26379", "10.0.0.2:26379", "10.0.0.3:26379"], "orders")
+    ///     .build()
+    ///     .await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn sentinel<I, S>(sentinels: I, service: &str) -> RedisStoreBuilder
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let sentinels: Vec<String> = sentinels
+            .into_iter()
+            .map(|s| format!("redis://{}", s.as_ref().trim_start_matches("redis://")))
+            .collect();
+        let name = format!("the Sentinel service `{service}` ({})", sentinels.join(","));
+        RedisStoreBuilder::new(
+            Target::Sentinel(Box::new(SentinelTarget {
+                sentinels,
+                service: service.to_string(),
+                db: 0,
+                username: None,
+                password: None,
+            })),
+            redact(&name),
+        )
     }
 
     /// A builder on a redis-rs client the application already has (its TLS, credentials
@@ -380,6 +445,9 @@ impl RedisStore {
                 .unsafe_config
                 .push(format!("the server is a {role}: connect to the primary")),
         }
+        if let Conn::Sentinel(primary) = &self.inner.conn {
+            self.check_replicas(primary.service(), &mut health).await;
+        }
         let aof = field("aof_enabled") == Some("1");
         if !aof {
             match self
@@ -402,6 +470,33 @@ impl RedisStore {
             }
         }
         Ok(health)
+    }
+}
+
+impl RedisStore {
+    /// Behind Sentinel: warns when the primary takes writes that no replica has (a write
+    /// acknowledged just before a failover is then lost with the old primary).
+    async fn check_replicas(&self, service: &str, health: &mut Health) {
+        let mut cmd = ::redis::cmd("CONFIG");
+        cmd.arg("GET").arg("min-replicas-to-write");
+        match self.inner.conn.query(&cmd).await {
+            Ok(value) => {
+                let min = config_value(&value).and_then(|v| v.trim().parse::<u32>().ok());
+                if min == Some(0) {
+                    health.warnings.push(format!(
+                        "the primary of `{service}` accepts writes with no replica attached \
+                         (min-replicas-to-write 0): Redis replicates asynchronously, so a claim \
+                         or completion acknowledged just before a failover can be lost, and the \
+                         next delivery then runs again; use `wait_for_replicas` and a `done` \
+                         check, or set min-replicas-to-write"
+                    ));
+                }
+            }
+            Err(_) => health.warnings.push(
+                "cannot verify min-replicas-to-write: CONFIG GET is not allowed on this server"
+                    .into(),
+            ),
+        }
     }
 }
 

@@ -55,6 +55,7 @@ impl RedisStore {
         }
         let now = std::time::Instant::now();
         self.refresh_clock(now);
+        self.inner.clock.of_server(self.inner.conn.generation());
         let at = self.inner.clock.estimate(now)?;
         let mut pipe = ::redis::pipe();
         pipe.ignore_errors();
@@ -186,6 +187,8 @@ impl RedisStore {
 impl RedisStore {
     /// Reads the server's clock (`TIME`) for the fast claim's estimate.
     pub(super) async fn read_clock(&self) -> Result<(), StoreError> {
+        let server = self.inner.conn.generation();
+        self.inner.clock.of_server(server);
         let sent = std::time::Instant::now();
         let reply = self
             .inner
@@ -202,10 +205,12 @@ impl RedisStore {
             _ => None,
         };
         match (field(0), field(1)) {
-            (Some(seconds), Some(micros)) => {
+            // A reading of a primary the store has since left is dropped.
+            (Some(seconds), Some(micros)) if self.inner.conn.generation() == server => {
                 self.inner.clock.record(seconds, micros, sent, received);
                 Ok(())
             }
+            (Some(_), Some(_)) => Ok(()),
             _ => Err(StoreError::new(
                 StoreErrorKind::Protocol,
                 format!("unexpected TIME reply: {reply:?}"),
@@ -248,6 +253,7 @@ impl RedisStore {
         }
         let now = std::time::Instant::now();
         self.refresh_clock(now);
+        self.inner.clock.of_server(self.inner.conn.generation());
         let Some(at) = self.inner.clock.estimate(now) else {
             return Ok(None);
         };

@@ -6,7 +6,7 @@
 //! script. It is used only while the bound is small against the claim's durations (see
 //! [`FastClaim`]); otherwise claims go through the script, on the server's own clock.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 // The real monotonic clock, also in tests that pause tokio's time: the server's clock does
 // not pause.
@@ -41,6 +41,9 @@ struct Reading {
 pub(super) struct ServerClock {
     reading: Mutex<Option<Reading>>,
     refreshing: AtomicBool,
+    /// Which server the reading is of: the primary's generation behind Sentinel (0 for a
+    /// server reached directly). Another server's clock is another clock.
+    server: AtomicU64,
 }
 
 /// What the fast claim writes: the estimated server time (the fence of a key without a
@@ -84,6 +87,16 @@ impl ServerClock {
 
     /// The estimate at `now`, when a reading is fresh enough and precise enough for a fast
     /// claim; `None` otherwise.
+    /// Forgets the reading when it is not of the server `generation` names (the primary
+    /// changed): claims use the script until the new server's clock is read.
+    pub(super) fn of_server(&self, generation: u64) {
+        if self.server.swap(generation, Ordering::AcqRel) != generation {
+            if let Ok(mut reading) = self.reading.lock() {
+                *reading = None;
+            }
+        }
+    }
+
     pub(super) fn estimate(&self, now: Instant) -> Option<Estimate> {
         let reading = (*self.reading.lock().ok()?)?;
         let age = now.checked_duration_since(reading.at)?;

@@ -6,6 +6,7 @@ use ::redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind, Value};
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
+use crate::store::redis::sentinel::SharedPrimary;
 
 /// The error code of the script's reply about a value it cannot read as a record.
 const CORRUPT: &str = "IDEMPOTENT_CORRUPT";
@@ -13,6 +14,8 @@ const CORRUPT: &str = "IDEMPOTENT_CORRUPT";
 #[derive(Clone)]
 pub(super) enum Conn {
     Single(ConnectionManager),
+    /// The primary Sentinel names, followed across failovers.
+    Sentinel(SharedPrimary),
     Cluster(ClusterConnection),
 }
 
@@ -20,7 +23,22 @@ impl Conn {
     pub(super) async fn query(&self, cmd: &::redis::Cmd) -> Result<Value, RedisError> {
         match self.clone() {
             Conn::Single(mut c) => c.req_packed_command(cmd).await,
+            Conn::Sentinel(primary) => primary.query(cmd).await,
             Conn::Cluster(mut c) => c.req_packed_command(cmd).await,
+        }
+    }
+
+    /// Whether keys are spread over a cluster's nodes (otherwise one server has them all).
+    pub(super) fn is_cluster(&self) -> bool {
+        matches!(self, Conn::Cluster(_))
+    }
+
+    /// Counts the primaries followed behind Sentinel (0 for a server reached directly, and
+    /// before the first failover).
+    pub(super) fn generation(&self) -> u64 {
+        match self {
+            Conn::Sentinel(primary) => primary.generation(),
+            Conn::Single(_) | Conn::Cluster(_) => 0,
         }
     }
 

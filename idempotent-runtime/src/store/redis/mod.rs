@@ -86,6 +86,7 @@ mod clock;
 mod conn;
 mod ending;
 mod scan;
+mod sentinel;
 mod store;
 mod wire;
 

@@ -54,7 +54,7 @@ impl OperatorStore for RedisStore {
                 .arg("COUNT")
                 .arg(limit.clamp(1, 10_000));
             let (reply, nodes) = match &self.inner.conn {
-                Conn::Single(_) => (self.inner.conn.query(&scan).await, 1),
+                Conn::Single(_) | Conn::Sentinel(_) => (self.inner.conn.query(&scan).await, 1),
                 Conn::Cluster(cluster) => {
                     let primaries = primaries(&self.inner.conn).await?;
                     let Some((host, port)) = primaries.get(node).cloned() else {

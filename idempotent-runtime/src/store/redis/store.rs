@@ -58,6 +58,7 @@ impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.inner.conn {
             Conn::Single(_) => "standalone",
+            Conn::Sentinel(_) => "sentinel",
             Conn::Cluster(_) => "cluster",
         };
         f.debug_struct("RedisStore").field("kind", &kind).finish()
@@ -171,7 +172,7 @@ impl Store for RedisStore {
         Box::pin(async move {
             let all: Vec<&ClaimRequest> = reqs.iter().collect();
             match &self.inner.conn {
-                Conn::Single(_) => self.claim_pipelined(&all, 0).await,
+                Conn::Single(_) | Conn::Sentinel(_) => self.claim_pipelined(&all, 0).await,
                 Conn::Cluster(_) => {
                     let groups = self
                         .inner
@@ -218,7 +219,7 @@ impl Store for RedisStore {
         Box::pin(async move {
             let all: Vec<&Ending> = items.iter().collect();
             match &self.inner.conn {
-                Conn::Single(_) => self.end_pipelined(&all, 0).await,
+                Conn::Single(_) | Conn::Sentinel(_) => self.end_pipelined(&all, 0).await,
                 Conn::Cluster(_) => {
                     let groups = self
                         .inner
@@ -265,7 +266,7 @@ impl Store for RedisStore {
 
     fn name(&self) -> &'static str {
         match self.inner.conn {
-            Conn::Single(_) => "redis",
+            Conn::Single(_) | Conn::Sentinel(_) => "redis",
             Conn::Cluster(_) => "redis_cluster",
         }
     }

@@ -1,0 +1,267 @@
+//! The Redis store behind Sentinel, on topologies the tests start themselves: a primary, a
+//! replica and three sentinels on free loopback ports (`redis-server --sentinel`), torn down
+//! at the end of each case. A `redis+sentinel://` URL reaches the primary; a graceful
+//! failover (the old primary demoted to a replica), a killed primary and a paused primary are
+//! each followed to the new primary without a restart, with every handler run once; bad
+//! Sentinel settings are typed errors at build time or fail-closed calls, never a hang.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "support/redis_server.rs"]
+mod redis_server;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency::redis::{RedisStore, UnsafeConfig};
+use idempotency::store::{RecordState, Store, StoreErrorKind};
+use idempotency::{Error, Idempotency, Key, SharedStore};
+use redis_server::{free_port, redis_cli, SentinelGroup};
+
+/// Bounds every build and call: a case that hangs fails instead.
+const NO_HANG: Duration = Duration::from_secs(60);
+
+async fn build(url: &str) -> RedisStore {
+    tokio::time::timeout(
+        NO_HANG,
+        RedisStore::builder(url)
+            .on_unsafe_config(UnsafeConfig::Warn)
+            .build(),
+    )
+    .await
+    .expect("building the store hung")
+    .expect("the store could not reach the primary through Sentinel")
+}
+
+fn key(name: &str) -> Key {
+    Key::new("sentinel", 1, &[&name]).unwrap()
+}
+
+/// Runs `name`'s operation once on `store`, counting the handler's runs in `runs`.
+async fn run(store: &SharedStore, name: &str, runs: &AtomicUsize) -> Result<u32, Error> {
+    tokio::time::timeout(
+        NO_HANG,
+        Idempotency::new(Duration::from_secs(600))
+            .store(store.clone())
+            .run(key(name), async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<u32, Error>(7)
+            }),
+    )
+    .await
+    .expect("the call hung")
+}
+
+/// Whether the record of `name` is on the server at `port`.
+fn on_server(port: u16, name: &str) -> bool {
+    let pattern = format!("*sentinel*{name}*");
+    !redis_cli(port, &["--scan", "--pattern", &pattern])
+        .trim()
+        .is_empty()
+}
+
+/// A `redis+sentinel://` URL reaches the primary the sentinels name; the store warns that the
+/// primary takes writes no replica has acknowledged (`min-replicas-to-write 0`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_url_reaches_the_primary() {
+    let group = SentinelGroup::start(1, &[]);
+    let primary = group.primary_port().unwrap();
+    let store: SharedStore = Arc::new(build(&group.url()).await);
+    let runs = AtomicUsize::new(0);
+    assert_eq!(run(&store, "first", &runs).await.unwrap(), 7);
+    assert!(
+        on_server(primary, "first"),
+        "the record is not on the primary"
+    );
+
+    let again = run(&store, "first", &runs).await;
+    assert!(matches!(again, Err(Error::Duplicate { .. })), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let direct = build(&group.url()).await;
+    let health = direct.check().await.unwrap();
+    assert!(
+        health
+            .warnings
+            .iter()
+            .any(|w| w.contains("min-replicas-to-write 0")),
+        "{:?}",
+        health.warnings
+    );
+
+    // `connect` takes the same URL.
+    let connected = tokio::time::timeout(NO_HANG, idempotency::connect(&group.url()))
+        .await
+        .expect("connect hung");
+    if let Err(err) = connected {
+        panic!("connect refused the Sentinel URL: {err}");
+    }
+}
+
+/// A graceful failover (`SENTINEL FAILOVER`): the old primary becomes a replica and refuses
+/// writes with `READONLY`; the store asks the sentinels again, moves to the new primary and
+/// sends the refused claim there, so the next call succeeds at once. Records written before
+/// the failover were replicated and still filter duplicates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demoted_primary_is_left_for_the_new_one() {
+    let group = SentinelGroup::start(1, &[]);
+    let old = group.primary_port().unwrap();
+    let store: SharedStore = Arc::new(build(&group.url()).await);
+    let runs = AtomicUsize::new(0);
+    run(&store, "before", &runs).await.unwrap();
+    // Replicated before the failover is asked for.
+    redis_cli(old, &["wait", "1", "5000"]);
+
+    let new = group.failover();
+    assert_ne!(new, old);
+
+    assert_eq!(run(&store, "after", &runs).await.unwrap(), 7);
+    assert!(
+        on_server(new, "after"),
+        "the record is not on the new primary"
+    );
+    let dup = run(&store, "before", &runs).await;
+    assert!(matches!(dup, Err(Error::Duplicate { .. })), "{dup:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    // A batch after the move goes to the new primary too.
+    let record = store.read(&key("after")).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Completed);
+}
+
+/// Calls `name`-prefixed operations on fresh keys until one succeeds, and returns how many
+/// failed first. Each failure is a store error (fail closed: the handler did not run).
+async fn until_served(store: &SharedStore, name: &str, runs: &AtomicUsize) -> usize {
+    let deadline = tokio::time::Instant::now() + NO_HANG;
+    let mut failed = 0;
+    loop {
+        let before = runs.load(Ordering::SeqCst);
+        match run(store, &format!("{name}-{failed}"), runs).await {
+            Ok(7) => return failed,
+            Ok(other) => panic!("unexpected value {other}"),
+            Err(Error::Store(err)) => {
+                assert_eq!(
+                    runs.load(Ordering::SeqCst),
+                    before,
+                    "a handler ran although its call failed: {err:?}"
+                );
+                failed += 1;
+            }
+            Err(other) => panic!("unexpected error {other:?}"),
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the store never reached a primary again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A primary killed (SIGKILL): calls fail closed while no primary answers, and once the
+/// sentinels promote the replica the store finds it by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_primary_is_replaced_by_the_promoted_replica() {
+    let mut group = SentinelGroup::start(1, &[]);
+    let old = group.primary_port().unwrap();
+    let store: SharedStore = Arc::new(build(&group.url()).await);
+    let runs = AtomicUsize::new(0);
+    run(&store, "before", &runs).await.unwrap();
+
+    group.server_mut(old).kill();
+    let new = group.wait_promoted(old);
+    until_served(&store, "after", &runs).await;
+    let served = runs.load(Ordering::SeqCst);
+    assert!(served >= 2);
+    assert!(
+        on_server(new, &format!("after-{}", served - 2)),
+        "the served call's record is not on the promoted replica"
+    );
+}
+
+/// A primary paused (SIGSTOP) long enough for the sentinels to promote the replica: the
+/// store stops waiting on it (its commands time out), moves to the new primary, and when the
+/// old one resumes it is demoted, not written to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_primary_is_left_and_demoted_when_it_resumes() {
+    let group = SentinelGroup::start(1, &[]);
+    let old = group.primary_port().unwrap();
+    let store: SharedStore = Arc::new(build(&group.url()).await);
+    let runs = AtomicUsize::new(0);
+    run(&store, "before", &runs).await.unwrap();
+
+    group.server(old).pause();
+    let new = group.wait_promoted(old);
+    until_served(&store, "after", &runs).await;
+    group.server(old).resume();
+    let deadline = std::time::Instant::now() + NO_HANG;
+    while !redis_cli(old, &["role"]).starts_with("slave") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the old primary was never demoted"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Served by the new primary from now on.
+    let runs_before = runs.load(Ordering::SeqCst);
+    run(&store, "resumed", &runs).await.unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), runs_before + 1);
+    assert!(on_server(new, "resumed"));
+}
+
+/// No sentinel answers: a typed error at build time, not a hang.
+#[tokio::test]
+async fn no_reachable_sentinel_is_a_typed_error() {
+    let url = format!(
+        "redis+sentinel://127.0.0.1:{},127.0.0.1:{}/orders",
+        free_port(),
+        free_port()
+    );
+    let built = tokio::time::timeout(NO_HANG, RedisStore::connect(&url))
+        .await
+        .expect("building hung");
+    let err = built.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
+}
+
+/// Sentinels that do not know the service: a typed error that says so.
+#[tokio::test]
+async fn an_unknown_service_is_a_typed_error() {
+    let group = SentinelGroup::start(0, &[]);
+    let url = group.url().replace(&group.name, "no-such-service");
+    let built = tokio::time::timeout(NO_HANG, RedisStore::connect(&url))
+        .await
+        .expect("building hung");
+    let err = built.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
+    assert!(err.to_string().contains("no-such-service"), "{err}");
+}
+
+/// A malformed Sentinel URL: rejected before anything is sent.
+#[tokio::test]
+async fn a_malformed_sentinel_url_is_rejected() {
+    for url in [
+        "redis+sentinel://127.0.0.1:26379",
+        "redis+sentinel://127.0.0.1:1/svc/x",
+    ] {
+        let err = RedisStore::connect(url).await.unwrap_err();
+        assert_eq!(err.kind(), StoreErrorKind::Rejected, "{url}: {err:?}");
+    }
+}
+
+/// A primary that refuses writes (`min-replicas-to-write 1` with no replica attached): the
+/// call fails closed with a store error and the handler does not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_that_refuses_writes_fails_closed() {
+    let group = SentinelGroup::start(0, &["--min-replicas-to-write", "1"]);
+    let store: SharedStore = Arc::new(build(&group.url()).await);
+    let runs = AtomicUsize::new(0);
+    let out = run(&store, "refused", &runs).await;
+    match out {
+        Err(Error::Store(err)) => {
+            assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}")
+        }
+        other => panic!("expected a store error, got {other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
