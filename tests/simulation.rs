@@ -348,7 +348,9 @@ impl SimStore {
     /// Ends in-flight command number `index` with `fault`: 0 applied and answered, 1 refused
     /// before being applied, 2 applied with its reply lost, 3 never answered and never applied
     /// (a request lost on a silent connection), 4 applied and never answered (a silent
-    /// connection after the server applied it).
+    /// connection after the server applied it), 5 applied and answered "unavailable" (a
+    /// durable Redis write its replicas did not acknowledge: a claim it acquired is given
+    /// back by its token before the answer, any other write stays applied).
     fn end(&self, index: usize, fault: u32) {
         let mut world = self.world.lock().unwrap();
         let command = world.in_flight[index].command.clone();
@@ -359,6 +361,23 @@ impl SimStore {
                 Some(fail(&command, StoreErrorKind::OutcomeUnknown))
             }
             3 => None,
+            5 => {
+                let reply = self.apply(&command, &mut world);
+                let acquired: Vec<&ClaimRequest> = match (&command, &reply) {
+                    (Command::Claim(req), Reply::Claim(Ok(Claim::Acquired { .. }))) => vec![req],
+                    (Command::ClaimMany(reqs), Reply::Claims(claims)) => reqs
+                        .iter()
+                        .zip(claims)
+                        .filter(|(_, c)| matches!(c, Ok(Claim::Acquired { .. })))
+                        .map(|(req, _)| req)
+                        .collect(),
+                    _ => Vec::new(),
+                };
+                for req in acquired {
+                    let _ = ready(self.inner.release(&req.key, &req.token));
+                }
+                Some(fail(&command, StoreErrorKind::Unavailable))
+            }
             4 => {
                 self.apply(&command, &mut world);
                 let claimed: Vec<usize> = match &command {
@@ -382,7 +401,8 @@ impl SimStore {
                     "refused",
                     "applied, reply lost",
                     "never answered",
-                    "applied, never answered"
+                    "applied, never answered",
+                    "applied, answered unavailable"
                 ][fault as usize]
             )
         });
@@ -1109,6 +1129,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                         2 | 3 => 2,
                         4 => 3,
                         5 => 4,
+                        6 => 5,
                         _ => 0,
                     };
                     store.end(index, fault);

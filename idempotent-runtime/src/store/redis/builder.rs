@@ -115,10 +115,28 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// After every acquired claim, `WAIT` until `replicas` replicas acknowledged it, for at
-    /// most `timeout`; fewer acknowledgements fail the call closed (the claim stays until its
-    /// lease runs out). Costs one round trip per first delivery (duplicates are unaffected).
-    /// Standalone servers only.
+    /// Durable claims, renewals and completions: each counts only once `replicas` replicas
+    /// acknowledged it, waiting at most `timeout` (`WAIT`, sent in one pipeline with the
+    /// write, so it costs no extra round trip). A claim that is not replicated in time is
+    /// given back and the call fails closed (the handler does not run); a completion that is
+    /// not is retried in the background until it is, and never released; a renewal that is
+    /// not counts as failed. With `replicas` equal to the number of replicas Sentinel may
+    /// promote, a failover keeps every claim and completion the store reported; with fewer,
+    /// it keeps them when the promoted replica is one that acknowledged. The reply timeout
+    /// grows by `timeout`. A batch's items are sent as single calls (concurrently on the one
+    /// connection). Standalone servers and Sentinel only.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use idempotent_runtime::RedisStore;
+    ///
+    /// # async fn f() -> Result<(), idempotent_runtime::StoreError> {
+    /// let store = RedisStore::builder("redis+sentinel://10.0.0.1:26379,10.0.0.2:26379,10.0.0.3:26379/orders")
+    ///     .wait_for_replicas(1, Duration::from_millis(200))
+    ///     .build()
+    ///     .await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait_for_replicas = Some((replicas, timeout));
         self
@@ -279,8 +297,10 @@ impl RedisStoreBuilder {
     }
 
     fn manager_config(&self) -> ConnectionManagerConfig {
+        // A durable write's reply waits for its `WAIT` too.
+        let waited = self.wait_for_replicas.map_or(Duration::ZERO, |(_, t)| t);
         ConnectionManagerConfig::new()
-            .set_response_timeout(Some(self.response_timeout))
+            .set_response_timeout(Some(self.response_timeout + waited))
             .set_connection_timeout(Some(self.connection_timeout))
             .set_number_of_retries(2)
     }

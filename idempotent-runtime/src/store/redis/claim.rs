@@ -24,24 +24,10 @@ impl RedisStore {
         reqs: &[&ClaimRequest],
         slot: u16,
     ) -> Vec<Result<Claim, StoreError>> {
-        let mut claims = match self.claim_fast_pipelined(reqs).await {
+        match self.claim_fast_pipelined(reqs).await {
             Some(claims) => claims,
             None => self.claim_scripted(reqs, slot).await,
-        };
-        if claims
-            .iter()
-            .any(|claim| matches!(claim, Ok(Claim::Acquired { .. })))
-        {
-            if let Err(err) = self.wait_for_replicas().await {
-                let message = err.to_string();
-                for claim in &mut claims {
-                    if let Ok(Claim::Acquired { .. }) = claim {
-                        *claim = Err(StoreError::new(err.kind(), message.clone()));
-                    }
-                }
-            }
         }
-        claims
     }
 
     /// The fast claims of a batch, as one pipeline of `SET ... NX GET`s, then the script for
@@ -180,7 +166,15 @@ impl RedisStore {
         req: &ClaimRequest,
     ) -> Result<Claim, StoreError> {
         let cmd = claim_cmd(&self.inner.script, req);
-        decode_claim(self.call(&req.key, &self.inner.script, &cmd).await?)
+        let written = match self.write(Some(&self.inner.script), &cmd).await {
+            Ok(written) => written,
+            Err(err) => return Err(self.claim_unknown(req, err).await),
+        };
+        let claim = decode_claim(written.reply)?;
+        if matches!(claim, Claim::Acquired { .. }) && !written.replicated {
+            return Err(self.give_back(req, self.short("claim")).await);
+        }
+        Ok(claim)
     }
 }
 
@@ -260,18 +254,17 @@ impl RedisStore {
         let Some(cmd) = fast_claim_cmd(req, at) else {
             return Ok(None);
         };
-        let reply = match self.inner.conn.query(&cmd).await {
-            Ok(reply) => reply,
+        let written = match self.write(None, &cmd).await {
+            Ok(written) => written,
             // WRONGTYPE and the like: the script reports what the key holds.
             Err(err) if err.code() == Some("WRONGTYPE") => return Ok(None),
-            Err(err) => {
-                if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
-                    self.inner.recheck.store(true, Ordering::Release);
-                }
-                return Err(script_error(&req.key, err));
-            }
+            Err(err) => return Err(self.claim_unknown(req, err).await),
         };
-        Ok(fast_claim_reply(req, at, reply))
+        let claim = fast_claim_reply(req, at, written.reply);
+        if matches!(claim, Some(Claim::Acquired { .. })) && !written.replicated {
+            return Err(self.give_back(req, self.short("claim")).await);
+        }
+        Ok(claim)
     }
 }
 

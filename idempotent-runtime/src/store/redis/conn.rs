@@ -67,6 +67,11 @@ pub(super) struct Lua {
 }
 
 impl Lua {
+    /// The script's source, for `SCRIPT LOAD`.
+    pub(super) fn code(&self) -> &'static str {
+        self.code
+    }
+
     pub(super) fn new(code: &'static str) -> Lua {
         Lua {
             script: Script::new(code),

@@ -50,8 +50,20 @@
 //! failover to a replica that had not received the write, or an eviction loses records. A
 //! lost record makes the next duplicate run again. Keep effects exactly-once with a check at
 //! the effect: the `done` fallback (asked whenever a claim is acquired), a status
-//! compare-and-set, or the fence. [`RedisStoreBuilder::wait_for_replicas`] adds a `WAIT`
-//! after each acquired claim, which narrows (does not close) the failover window.
+//! compare-and-set, or the fence. [`RedisStoreBuilder::wait_for_replicas`] makes claims,
+//! renewals and completions count only once replicas have them (a `WAIT` pipelined with each
+//! write); what a write that is not replicated in time means on each path is said on that
+//! method.
+//!
+//! # Sentinel
+//!
+//! A `redis+sentinel://` URL ([`RedisStore::sentinel`]) reaches the primary the sentinels
+//! name and follows it across failovers: `READONLY` (a demoted primary), a refused, dropped
+//! or silent connection make the store ask the sentinels again and move to the node they now
+//! name; a command refused with `READONLY` or a refused connection (not applied) is sent once
+//! more there, one whose connection failed under it (maybe applied) is resolved as every
+//! unknown outcome is. The safety checks run on the primary, with a warning when it takes
+//! writes no replica has (`min-replicas-to-write 0`).
 //!
 //! An `OOM` reply (memory full under `noeviction`) is a store error: the call fails closed.
 //!
@@ -84,6 +96,7 @@ mod builder;
 mod claim;
 mod clock;
 mod conn;
+mod durable;
 mod ending;
 mod scan;
 mod sentinel;

@@ -11,7 +11,7 @@ use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::redis::batch::SlotMap;
 use crate::store::redis::clock::ServerClock;
-use crate::store::redis::conn::{command_error, script_error, Conn, Lua};
+use crate::store::redis::conn::{script_error, Conn, Lua};
 use crate::store::redis::wire::{decode_record, int, text};
 use crate::store::{
     clamped_millis, BoxFuture, Claim, ClaimRequest, Completion, Ending, Record, Store, Token,
@@ -81,22 +81,33 @@ impl RedisStore {
         lua: &Lua,
         cmd: &::redis::Cmd,
     ) -> Result<Value, StoreError> {
-        match self.inner.conn.eval(lua, cmd).await {
-            Ok(value) => {
+        let reply = self.inner.conn.eval(lua, cmd).await;
+        self.answered(reply)
+            .await
+            .map_err(|err| script_error(key, err))
+    }
+
+    /// Notes what a command's answer says of the connection: after a failed connection the
+    /// next success checks whether the server is still the same one (its `run_id`).
+    pub(super) async fn answered<T>(
+        &self,
+        reply: Result<T, ::redis::RedisError>,
+    ) -> Result<T, ::redis::RedisError> {
+        match &reply {
+            Ok(_) => {
                 if self.inner.recheck.load(Ordering::Relaxed)
                     && self.inner.recheck.swap(false, Ordering::AcqRel)
                 {
                     self.recheck_run_id().await;
                 }
-                Ok(value)
             }
             Err(err) => {
                 if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
                     self.inner.recheck.store(true, Ordering::Release);
                 }
-                Err(script_error(key, err))
             }
         }
+        reply
     }
 
     /// After a reconnection: a new `run_id` means a restarted or failed-over server.
@@ -132,36 +143,15 @@ impl RedisStore {
         }
         *known = Some(now);
     }
-
-    pub(super) async fn wait_for_replicas(&self) -> Result<(), StoreError> {
-        let Some((replicas, timeout)) = self.inner.wait_for_replicas else {
-            return Ok(());
-        };
-        let mut cmd = ::redis::cmd("WAIT");
-        cmd.arg(replicas)
-            .arg(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
-        let acked = self.inner.conn.query(&cmd).await.map_err(command_error)?;
-        match acked {
-            Value::Int(n) if n >= i64::from(replicas) => Ok(()),
-            other => Err(StoreError::new(
-                StoreErrorKind::Unavailable,
-                format!("WAIT: {other:?} of {replicas} replicas acknowledged the claim"),
-            )),
-        }
-    }
 }
 
 impl Store for RedisStore {
     fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
-            let claim = match self.fast_claim(req).await? {
-                Some(claim) => claim,
-                None => self.claim_one_by_script(req).await?,
-            };
-            if let Claim::Acquired { .. } = claim {
-                self.wait_for_replicas().await?;
+            match self.fast_claim(req).await? {
+                Some(claim) => Ok(claim),
+                None => self.claim_one_by_script(req).await,
             }
-            Ok(claim)
         })
     }
 
@@ -170,6 +160,11 @@ impl Store for RedisStore {
         reqs: &'a [ClaimRequest],
     ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
         Box::pin(async move {
+            if self.durable().is_some() {
+                // Each with its `WAIT`, concurrently on the one connection.
+                let each = reqs.iter().map(|req| self.claim(req));
+                return futures_util::future::join_all(each).await;
+            }
             let all: Vec<&ClaimRequest> = reqs.iter().collect();
             match &self.inner.conn {
                 Conn::Single(_) | Conn::Sentinel(_) => self.claim_pipelined(&all, 0).await,
@@ -199,7 +194,18 @@ impl Store for RedisStore {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let cmd = self.complete_cmd(key, token, completion)?;
-            Ok(int(&self.call(key, &self.inner.ending, &cmd).await?)? == 1)
+            let written = match self.write(Some(&self.inner.ending), &cmd).await {
+                Ok(written) => written,
+                Err(err) => return Err(self.write_unknown(key, err)),
+            };
+            let completed = int(&written.reply)? == 1;
+            if completed && !written.replicated {
+                return Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    self.short("completion"),
+                ));
+            }
+            Ok(completed)
         })
     }
 
@@ -217,6 +223,11 @@ impl Store for RedisStore {
         items: &'a [Ending],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         Box::pin(async move {
+            if self.durable().is_some() {
+                // Each with its `WAIT`, concurrently on the one connection.
+                let each = items.iter().map(|item| item.send_alone(self));
+                return futures_util::future::join_all(each).await;
+            }
             let all: Vec<&Ending> = items.iter().collect();
             match &self.inner.conn {
                 Conn::Single(_) | Conn::Sentinel(_) => self.end_pipelined(&all, 0).await,
@@ -248,7 +259,18 @@ impl Store for RedisStore {
             cmd.arg("renew")
                 .arg(token.as_bytes())
                 .arg(clamped_millis(lease));
-            Ok(int(&self.call(key, &self.inner.script, &cmd).await?)? == 1)
+            let written = match self.write(Some(&self.inner.script), &cmd).await {
+                Ok(written) => written,
+                Err(err) => return Err(self.write_unknown(key, err)),
+            };
+            let renewed = int(&written.reply)? == 1;
+            if renewed && !written.replicated {
+                return Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    self.short("renewal"),
+                ));
+            }
+            Ok(renewed)
         })
     }
 

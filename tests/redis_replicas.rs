@@ -1,9 +1,15 @@
-//! The Redis store behind Sentinel, on topologies the tests start themselves: a primary, a
-//! replica and three sentinels on free loopback ports (`redis-server --sentinel`), torn down
-//! at the end of each case. A `redis+sentinel://` URL reaches the primary; a graceful
-//! failover (the old primary demoted to a replica), a killed primary and a paused primary are
-//! each followed to the new primary without a restart, with every handler run once; bad
-//! Sentinel settings are typed errors at build time or fail-closed calls, never a hang.
+//! The Redis store with replicas, on topologies the tests start themselves on free loopback
+//! ports and tear down at the end of each case.
+//!
+//! Behind Sentinel (a primary, a replica and three `redis-server --sentinel`): a
+//! `redis+sentinel://` URL reaches the primary; a graceful failover (the old primary demoted
+//! to a replica), a killed primary and a paused primary are each followed to the new primary
+//! without a restart, with every handler run once; bad Sentinel settings are typed errors at
+//! build time or fail-closed calls, never a hang.
+//!
+//! Durable writes (`wait_for_replicas`, a primary and a replica): with the replica paused
+//! (SIGSTOP, so it acknowledges nothing), a claim is given back and the call fails closed, a
+//! renewal fails, and a completion is retried, never released, until the replica is back.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -15,9 +21,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::redis::{RedisStore, UnsafeConfig};
-use idempotency::store::{RecordState, Store, StoreErrorKind};
+use idempotency::store::{
+    Claim, ClaimRequest, Completion, RecordState, Store, StoreErrorKind, Token,
+};
 use idempotency::{Error, Idempotency, Key, SharedStore};
-use redis_server::{free_port, redis_cli, SentinelGroup};
+use redis_server::{free_port, redis_cli, RedisServer, SentinelGroup};
 
 /// Bounds every build and call: a case that hangs fails instead.
 const NO_HANG: Duration = Duration::from_secs(60);
@@ -264,4 +272,195 @@ async fn a_primary_that_refuses_writes_fails_closed() {
         other => panic!("expected a store error, got {other:?}"),
     }
     assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+/// A primary and one replica, linked.
+fn primary_and_replica() -> (RedisServer, RedisServer) {
+    let primary = RedisServer::start(&[]);
+    let port = primary.port().to_string();
+    let replica = RedisServer::start(&["--replicaof", "127.0.0.1", &port]);
+    let deadline = std::time::Instant::now() + NO_HANG;
+    while !replica
+        .cli(&["info", "replication"])
+        .contains("master_link_status:up")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replica never linked"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (primary, replica)
+}
+
+/// A store on `primary` whose writes wait for one replica, at most 300 ms.
+async fn durable(primary: &RedisServer, fast_claims: bool) -> RedisStore {
+    RedisStore::builder(&primary.url())
+        .on_unsafe_config(UnsafeConfig::Warn)
+        .fast_claims(fast_claims)
+        .wait_for_replicas(1, Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap()
+}
+
+/// A claim the replica did not acknowledge is given back and the call fails closed; once the
+/// replica is back the same key is claimed, and a reported claim is on the replica. For the
+/// fast claim (`SET ... NX GET`) and the script.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreplicated_claim_is_given_back_and_fails_closed() {
+    let (primary, replica) = primary_and_replica();
+    for fast in [true, false] {
+        let raw = durable(&primary, fast).await;
+        let store: SharedStore = Arc::new(raw.clone());
+        let name = format!("unreplicated-claim-{fast}");
+        let runs = AtomicUsize::new(0);
+
+        replica.pause();
+        let out = run(&store, &name, &runs).await;
+        replica.resume();
+        match out {
+            Err(Error::Store(err)) => {
+                assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}")
+            }
+            other => panic!("expected a fail-closed store error, got {other:?}"),
+        }
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            0,
+            "the handler ran on an unreplicated claim"
+        );
+        let record = raw.read(&key(&name)).await.unwrap();
+        assert!(
+            !matches!(record, Some(ref r) if matches!(r.state, RecordState::InProgress { .. })),
+            "the claim was not given back: {record:?}"
+        );
+
+        assert_eq!(run(&store, &name, &runs).await.unwrap(), 7);
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert!(
+            on_server(replica.port(), &name),
+            "a reported claim is not on the replica"
+        );
+    }
+}
+
+/// A batch's claims with the replica paused: every item fails closed and is given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreplicated_batch_claim_fails_every_item_closed() {
+    let (primary, replica) = primary_and_replica();
+    let store = durable(&primary, true).await;
+    let minute = Duration::from_secs(60);
+    let reqs: Vec<ClaimRequest> = (0..5)
+        .map(|i| {
+            ClaimRequest::new(
+                key(&format!("batch-{i}")),
+                Token::generate(),
+                minute,
+                minute,
+            )
+        })
+        .collect();
+    replica.pause();
+    let claims = store.claim_many(&reqs).await;
+    replica.resume();
+    for (req, claim) in reqs.iter().zip(&claims) {
+        match claim {
+            Err(err) => assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}"),
+            Ok(other) => panic!("{}: expected an error, got {other:?}", req.key),
+        }
+        let record = store.read(&req.key).await.unwrap();
+        assert!(
+            !matches!(record, Some(ref r) if matches!(r.state, RecordState::InProgress { .. })),
+            "{record:?}"
+        );
+    }
+    let again = store.claim_many(&reqs).await;
+    assert!(
+        again
+            .iter()
+            .all(|c| matches!(c, Ok(Claim::Acquired { .. }))),
+        "{again:?}"
+    );
+}
+
+/// A renewal the replica did not acknowledge fails (the watchdog treats it as a failed
+/// renewal); with the replica back it succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreplicated_renewal_fails() {
+    let (primary, replica) = primary_and_replica();
+    let store = durable(&primary, true).await;
+    let minute = Duration::from_secs(60);
+    let req = ClaimRequest::new(key("renewal"), Token::generate(), minute, minute);
+    assert!(matches!(
+        store.claim(&req).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+    replica.pause();
+    let renewed = store.renew(&req.key, &req.token, minute).await;
+    replica.resume();
+    assert_eq!(renewed.unwrap_err().kind(), StoreErrorKind::Unavailable);
+    assert!(store.renew(&req.key, &req.token, minute).await.unwrap());
+}
+
+/// A completion the replica did not acknowledge is not counted: `complete` fails (the engine
+/// then retries it in the background, never releasing the key), and the same completion sent
+/// again once the replica is back succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreplicated_completion_fails_until_replicated() {
+    let (primary, replica) = primary_and_replica();
+    let store = durable(&primary, true).await;
+    let minute = Duration::from_secs(60);
+    let req = ClaimRequest::new(key("store-completion"), Token::generate(), minute, minute);
+    assert!(matches!(
+        store.claim(&req).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+    let done = Completion::new(Some(b"7".to_vec()), minute);
+    replica.pause();
+    let completed = store.complete(&req.key, &req.token, &done).await;
+    replica.resume();
+    assert_eq!(completed.unwrap_err().kind(), StoreErrorKind::Unavailable);
+    assert!(store.complete(&req.key, &req.token, &done).await.unwrap());
+}
+
+/// Through the engine: the caller has its result although the completion was not
+/// replicated; the completion is retried in the background until it is, and the key is never
+/// released, so no duplicate runs the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreplicated_completion_is_retried_and_never_released() {
+    let (primary, replica) = primary_and_replica();
+    let raw = durable(&primary, true).await;
+    let store: SharedStore = Arc::new(raw.clone());
+    let runs = AtomicUsize::new(0);
+    let idem = Idempotency::new(Duration::from_secs(600)).store(store.clone());
+    let first = idem
+        .run(key("completion"), async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            // The effect is done; the replica stops acknowledging before the completion.
+            replica.pause();
+            Ok::<u32, Error>(7)
+        })
+        .await;
+    assert_eq!(first.unwrap(), 7);
+    let dup = run(&store, "completion", &runs).await;
+    assert!(dup.is_err(), "{dup:?}");
+    replica.resume();
+
+    // The background retry goes through once the replica acknowledges.
+    let deadline = tokio::time::Instant::now() + NO_HANG;
+    loop {
+        let record = raw.read(&key("completion")).await.unwrap().unwrap();
+        if record.state == RecordState::Completed && on_server(replica.port(), "completion") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the completion was never recorded: {record:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let dup = run(&store, "completion", &runs).await;
+    assert!(matches!(dup, Err(Error::Duplicate { .. })), "{dup:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
