@@ -313,9 +313,11 @@ impl RedisStoreBuilder {
     }
 
     async fn sentinel(&self, target: SentinelTarget) -> Result<Conn, StoreError> {
-        // Each sentinel is asked, and the primary it names is checked with `ROLE`.
+        // The sentinels are asked at once, then the primary they name is checked with `ROLE`.
+        let probe = self.connection_timeout.max(self.response_timeout);
         let lookup = 2 * (self.connection_timeout + self.response_timeout);
-        let primary = Primary::connect(target, self.manager_config(), lookup, &self.name).await?;
+        let primary =
+            Primary::connect(target, self.manager_config(), probe, lookup, &self.name).await?;
         Ok(Conn::Sentinel(Arc::new(primary)))
     }
 

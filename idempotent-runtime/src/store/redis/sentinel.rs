@@ -1,22 +1,31 @@
 //! A primary found through Redis Sentinel, followed across failovers.
 //!
-//! The store asks the sentinels for the service's primary (redis-rs checks that the node it
-//! names answers `ROLE` as a master) and talks to it through one auto-reconnecting
-//! connection, as to a standalone server. A reply that says the node is no longer the primary
-//! (`READONLY`, a demoted server) and a connection that fails (refused, dropped, no reply in
-//! time: a dead or paused primary) make it ask the sentinels again; when they name another
-//! node, later commands go there. A command refused with `READONLY` or by a refused
-//! connection was not applied, so it is sent once more to the new primary; a command whose
-//! connection dropped or timed out may have been applied, so its error goes back to the
-//! caller, which resolves it as every unknown outcome is resolved (by reading the record).
-//! No write is ever sent to a node the sentinels did not name as the primary at the time.
+//! **Finding the primary.** Every sentinel is asked (`SENTINEL MASTER <service>`, all at
+//! once, each within the lookup timeout). Sentinels that see the primary down or a failover
+//! in progress do not count; of the others, the answer with the highest configuration epoch
+//! wins (a sentinel that has not yet heard of the last failover names the old primary with an
+//! older epoch), and the node it names must answer `ROLE` as a master. The store never moves
+//! to a primary of an older epoch than the one it uses.
+//!
+//! **Following it.** Commands go to that primary through one auto-reconnecting connection,
+//! as to a standalone server. `READONLY` (a demoted primary) or a refused connection (the
+//! command was not applied) makes the store look the primary up again and, if it moved, send
+//! the command once more to the new one. A connection that drops or does not answer in time
+//! (the command may have been applied) makes the primary *suspect*: the error goes back to
+//! the caller, which resolves it as every unknown outcome is resolved, and no further command
+//! is sent until a lookup confirms a primary. A primary that stalled, lost its role to a
+//! replica, and then came back is therefore never written to in the moment before the
+//! sentinels demote it (writes it took then would be lost with its data).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use ::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use ::redis::sentinel::{Sentinel, SentinelNodeConnectionInfo};
-use ::redis::{Cmd, ErrorKind, Pipeline, RedisConnectionInfo, RedisError, ServerErrorKind, Value};
+use ::redis::{
+    AsyncConnectionConfig, Client, Cmd, ConnectionAddr, ConnectionInfo, ErrorKind,
+    IntoConnectionInfo, Pipeline, RedisConnectionInfo, RedisError, ServerErrorKind, Value,
+};
 
 use crate::error::{StoreError, StoreErrorKind};
 
@@ -124,6 +133,9 @@ pub(super) struct Primary {
     current: RwLock<Current>,
     /// Held while the sentinels are asked after a failed command; when they were last asked.
     following: tokio::sync::Mutex<Option<Instant>>,
+    /// Set when a command's connection failed under it: nothing is sent until a lookup
+    /// confirms a primary.
+    suspect: AtomicBool,
 }
 
 /// The least time between two lookups after failed commands: while the sentinels still name
@@ -133,21 +145,34 @@ const MIN_LOOKUP_INTERVAL: Duration = Duration::from_millis(100);
 /// The sentinels, and how to connect to the primary they name.
 struct Finder {
     target: SentinelTarget,
-    node: SentinelNodeConnectionInfo,
+    sentinels: Vec<Client>,
+    /// The primary's database and credentials.
+    node: RedisConnectionInfo,
     config: ConnectionManagerConfig,
-    /// How long one lookup through the sentinels may take.
+    /// Timeouts of the connections a lookup opens.
+    probe: AsyncConnectionConfig,
+    /// How long one lookup may take in all.
     lookup_timeout: Duration,
-    /// Asked one lookup at a time.
-    sentinel: tokio::sync::Mutex<Sentinel>,
 }
 
 #[derive(Clone)]
 struct Current {
     conn: ConnectionManager,
     /// The primary's address, as the sentinels gave it.
-    addr: String,
+    addr: (String, u16),
+    /// The configuration epoch the sentinels named it with.
+    epoch: u64,
     /// Counts the primaries followed: 0 for the first.
     generation: u64,
+}
+
+/// What one sentinel says of the service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Named {
+    addr: (String, u16),
+    epoch: u64,
+    /// The sentinel sees the primary down, or a failover under way.
+    doubtful: bool,
 }
 
 impl Primary {
@@ -155,40 +180,51 @@ impl Primary {
     pub(super) async fn connect(
         target: SentinelTarget,
         config: ConnectionManagerConfig,
+        probe_timeout: Duration,
         lookup_timeout: Duration,
         name: &str,
     ) -> Result<Primary, StoreError> {
-        let sentinel = Sentinel::build(target.sentinels.clone()).map_err(|err| {
-            StoreError::new(
-                StoreErrorKind::Rejected,
-                format!("invalid sentinel addresses in {name}"),
-            )
-            .with_source(err)
-        })?;
-        let mut info = RedisConnectionInfo::default().set_db(target.db);
+        let sentinels = target
+            .sentinels
+            .iter()
+            .map(|url| Client::open(url.as_str()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|err| {
+                StoreError::new(
+                    StoreErrorKind::Rejected,
+                    format!("invalid sentinel addresses in {name}"),
+                )
+                .with_source(err)
+            })?;
+        let mut node = RedisConnectionInfo::default().set_db(target.db);
         if let Some(user) = &target.username {
-            info = info.set_username(user);
+            node = node.set_username(user);
         }
         if let Some(password) = &target.password {
-            info = info.set_password(password);
+            node = node.set_password(password);
         }
-        let node = SentinelNodeConnectionInfo::default().set_redis_connection_info(info);
         let finder = Finder {
             target,
+            sentinels,
             node,
             config,
+            probe: AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(probe_timeout))
+                .set_response_timeout(Some(probe_timeout)),
             lookup_timeout,
-            sentinel: tokio::sync::Mutex::new(sentinel),
         };
-        let (conn, addr) = finder.lookup(name).await?;
+        let (named, client) = finder.find(name).await?;
+        let conn = finder.connect(client).await?;
         Ok(Primary {
             finder,
             current: RwLock::new(Current {
                 conn,
-                addr,
+                addr: named.addr,
+                epoch: named.epoch,
                 generation: 0,
             }),
             following: tokio::sync::Mutex::new(None),
+            suspect: AtomicBool::new(false),
         })
     }
 
@@ -199,7 +235,8 @@ impl Primary {
 
     /// The address of the primary commands go to now.
     pub(super) fn address(&self) -> String {
-        self.current().addr
+        let (host, port) = self.current().addr;
+        format!("{host}:{port}")
     }
 
     /// How many times the store moved to another primary.
@@ -216,45 +253,136 @@ impl Primary {
 }
 
 impl Finder {
-    /// Asks the sentinels for the primary and connects to it.
-    async fn lookup(&self, name: &str) -> Result<(ConnectionManager, String), StoreError> {
-        let client = self.find(name).await?;
-        self.connect(client).await
-    }
-
-    /// Asks the sentinels which node is the primary (checked to answer `ROLE` as a master).
-    async fn find(&self, name: &str) -> Result<::redis::Client, StoreError> {
+    /// Asks every sentinel, and returns the primary of the highest epoch among those no
+    /// sentinel doubts, checked to answer `ROLE` as a master.
+    async fn find(&self, name: &str) -> Result<(Named, Client), StoreError> {
         let service = &self.target.service;
         let unavailable = |why: String| StoreError::new(StoreErrorKind::Unavailable, why);
-        let mut sentinel = self.sentinel.lock().await;
-        let asked = sentinel.async_master_for(service, Some(&self.node));
-        match tokio::time::timeout(self.lookup_timeout, asked).await {
-            Ok(Ok(client)) => Ok(client),
-            Ok(Err(err)) if err.kind() == ErrorKind::MasterNameNotFoundBySentinel => {
-                Err(unavailable(format!(
-                    "no sentinel of {name} names a writable primary for the service `{service}` \
-                     (an unknown service name, or a primary that is not a master)"
+        let asked = futures_util::future::join_all(
+            self.sentinels.iter().map(|sentinel| self.ask(sentinel)),
+        );
+        let answers = tokio::time::timeout(self.lookup_timeout, asked)
+            .await
+            .map_err(|_| {
+                unavailable(format!(
+                    "the sentinels of {name} did not answer within {:?}",
+                    self.lookup_timeout
                 ))
-                .with_source(err))
+            })?;
+        let mut unknown = 0;
+        let mut last_error = None;
+        let mut best: Option<Named> = None;
+        for answer in answers {
+            match answer {
+                Ok(Some(named)) if !named.doubtful => {
+                    if best.as_ref().is_none_or(|b| named.epoch > b.epoch) {
+                        best = Some(named);
+                    }
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => unknown += 1,
+                Err(err) => last_error = Some(err),
             }
+        }
+        let Some(named) = best else {
+            if unknown == self.sentinels.len() {
+                return Err(unavailable(format!(
+                    "no sentinel of {name} knows the service `{service}`"
+                )));
+            }
+            let err = unavailable(format!(
+                "no sentinel of {name} names a primary for `{service}` that it does not doubt"
+            ));
+            return Err(match last_error {
+                Some(source) => err.with_source(source),
+                None => err,
+            });
+        };
+        let client = ConnectionAddr::Tcp(named.addr.0.clone(), named.addr.1)
+            .into_connection_info()
+            .map(|info: ConnectionInfo| info.set_redis_settings(self.node.clone()))
+            .and_then(Client::open)
+            .map_err(|err| {
+                unavailable(format!("cannot address the primary of `{service}`")).with_source(err)
+            })?;
+        let role = async {
+            let mut conn = client
+                .get_multiplexed_async_connection_with_config(&self.probe)
+                .await?;
+            ::redis::cmd("ROLE").query_async::<Value>(&mut conn).await
+        };
+        match tokio::time::timeout(self.lookup_timeout, role).await {
+            Ok(Ok(Value::Array(items)))
+                if items.first().is_some_and(|r| text(r) == "master") =>
+            {
+                Ok((named, client))
+            }
+            Ok(Ok(other)) => Err(unavailable(format!(
+                "the node {}:{} the sentinels name for `{service}` is not a writable primary (ROLE {other:?})",
+                named.addr.0, named.addr.1
+            ))),
             Ok(Err(err)) => Err(unavailable(format!(
-                "cannot find the primary of `{service}` through {name}"
+                "the primary {}:{} of `{service}` does not answer",
+                named.addr.0, named.addr.1
             ))
             .with_source(err)),
             Err(_) => Err(unavailable(format!(
-                "the sentinels of {name} did not name a primary for `{service}` within {:?}",
-                self.lookup_timeout
+                "the primary {}:{} of `{service}` did not answer ROLE within {:?}",
+                named.addr.0, named.addr.1, self.lookup_timeout
             ))),
         }
     }
 
+    /// One sentinel's view of the service: `None` when it does not know it.
+    async fn ask(&self, sentinel: &Client) -> Result<Option<Named>, RedisError> {
+        let mut conn = sentinel
+            .get_multiplexed_async_connection_with_config(&self.probe)
+            .await?;
+        let reply = ::redis::cmd("SENTINEL")
+            .arg("MASTER")
+            .arg(&self.target.service)
+            .query_async::<Value>(&mut conn)
+            .await;
+        let fields: Vec<(String, String)> = match reply {
+            Ok(Value::Array(items)) => items
+                .chunks(2)
+                .filter_map(|pair| Some((text(pair.first()?), text(pair.get(1)?))))
+                .collect(),
+            Ok(Value::Map(entries)) => entries.iter().map(|(k, v)| (text(k), text(v))).collect(),
+            Ok(_) => return Ok(None),
+            Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::ResponseError) => {
+                return Ok(None)
+            }
+            Err(err) if err.to_string().contains("No such master") => return Ok(None),
+            Err(err) => return Err(err),
+        };
+        let field = |name: &str| {
+            fields
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+        };
+        let (Some(ip), Some(port)) = (field("ip"), field("port").and_then(|p| p.parse().ok()))
+        else {
+            return Ok(None);
+        };
+        let flags = field("flags").unwrap_or_default();
+        let doubtful = ["s_down", "o_down", "failover_in_progress", "disconnected"]
+            .iter()
+            .any(|flag| flags.split(',').any(|f| f == *flag));
+        Ok(Some(Named {
+            addr: (ip.to_string(), port),
+            epoch: field("config-epoch")
+                .and_then(|e| e.parse().ok())
+                .unwrap_or(0),
+            doubtful,
+        }))
+    }
+
     /// Connects to the primary `client` names.
-    async fn connect(
-        &self,
-        client: ::redis::Client,
-    ) -> Result<(ConnectionManager, String), StoreError> {
+    async fn connect(&self, client: Client) -> Result<ConnectionManager, StoreError> {
         let addr = client.get_connection_info().addr().to_string();
-        let conn = ConnectionManager::new_with_config(client, self.config.clone())
+        ConnectionManager::new_with_config(client, self.config.clone())
             .await
             .map_err(|err| {
                 StoreError::new(
@@ -265,16 +393,25 @@ impl Finder {
                     ),
                 )
                 .with_source(err)
-            })?;
-        Ok((conn, addr))
+            })
+    }
+}
+
+/// A reply as text.
+fn text(value: &Value) -> String {
+    match value {
+        Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        Value::Int(n) => n.to_string(),
+        _ => String::new(),
     }
 }
 
 impl Primary {
-    /// After an error that may mean the primary changed: asks the sentinels again (one caller
-    /// at a time, at most every [`MIN_LOOKUP_INTERVAL`]; a caller that waited for another's
-    /// lookup uses its answer) and moves to the primary they name. Whether commands now go to
-    /// another primary than at `seen`.
+    /// Looks the primary up (one caller at a time, at most every [`MIN_LOOKUP_INTERVAL`]; a
+    /// caller that waited for another's lookup uses its answer) and moves to it if it is
+    /// another node of the same or a later epoch. Clears the suspicion when a lookup named a
+    /// primary. Whether commands now go to another primary than at `seen`.
     async fn follow(&self, seen: u64) -> bool {
         let mut last = self.following.lock().await;
         if self.generation() != seen {
@@ -285,20 +422,21 @@ impl Primary {
         }
         let found = self.finder.find(self.service()).await;
         *last = Some(Instant::now());
-        let client = match found {
-            Ok(client) => client,
+        let (named, client) = match found {
+            Ok(found) => found,
             Err(err) => {
-                tracing::debug!(error = %err, "no primary found after a failed command");
+                tracing::debug!(error = %err, "no primary confirmed after a failed command");
                 return false;
             }
         };
-        let addr = client.get_connection_info().addr().to_string();
-        if addr == self.current().addr {
-            // The same primary: its connection reconnects by itself.
+        let current = self.current();
+        if named.addr == current.addr || named.epoch < current.epoch {
+            // The same primary (its connection reconnects by itself), or an older view.
+            self.suspect.store(false, Ordering::Release);
             return false;
         }
-        let (conn, addr) = match self.finder.connect(client).await {
-            Ok(found) => found,
+        let conn = match self.finder.connect(client).await {
+            Ok(conn) => conn,
             Err(err) => {
                 tracing::warn!(error = %err, "cannot connect to the new Redis primary");
                 return false;
@@ -309,21 +447,38 @@ impl Primary {
         };
         tracing::warn!(
             service = %self.finder.target.service,
-            from = %current.addr,
-            to = %addr,
+            from = %format!("{}:{}", current.addr.0, current.addr.1),
+            to = %format!("{}:{}", named.addr.0, named.addr.1),
+            epoch = named.epoch,
             "the Redis primary changed (failover): commands go to the new primary"
         );
         *current = Current {
             conn,
-            addr,
+            addr: named.addr,
+            epoch: named.epoch,
             generation: seen + 1,
         };
+        self.suspect.store(false, Ordering::Release);
         true
+    }
+
+    /// The connection to send on: the current primary's, once confirmed if it is suspect.
+    async fn confirmed(&self) -> Result<Current, RedisError> {
+        if self.suspect.load(Ordering::Acquire) {
+            self.follow(self.generation()).await;
+            if self.suspect.load(Ordering::Acquire) {
+                return Err(RedisError::from((
+                    ErrorKind::Client,
+                    "the Redis primary is suspect (its connection failed) and no sentinel confirmed a primary yet; nothing was sent",
+                )));
+            }
+        }
+        Ok(self.current())
     }
 
     /// Sends `cmd` to the primary; see the module docs for what happens after a failover.
     pub(super) async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
-        let current = self.current();
+        let current = self.confirmed().await?;
         let mut conn = current.conn;
         let reply = conn.req_packed_command(cmd).await;
         match moved(&reply) {
@@ -337,6 +492,7 @@ impl Primary {
                 }
             }
             Moved::Unknown => {
+                self.suspect.store(true, Ordering::Release);
                 self.follow(current.generation).await;
                 reply
             }
@@ -346,17 +502,28 @@ impl Primary {
     /// Sends `pipe` to the primary. A pipeline is not sent again: some of its commands may
     /// have been applied; the caller resolves each item.
     pub(super) async fn pipeline(&self, pipe: &Pipeline) -> Result<Vec<Value>, RedisError> {
-        let current = self.current();
+        let current = self.confirmed().await?;
         let mut conn = current.conn;
         let replies: Result<Vec<Value>, RedisError> = pipe.query_async(&mut conn).await;
-        let follow = match &replies {
-            Ok(values) => values.iter().any(|v| {
+        let moved = match &replies {
+            Ok(values) if values.iter().any(|v| {
                 matches!(v, Value::ServerError(e) if e.kind() == Some(ServerErrorKind::ReadOnly))
-            }),
-            Err(err) => !matches!(moved_err(err), Moved::No),
+            }) =>
+            {
+                Moved::NotApplied
+            }
+            Ok(_) => Moved::No,
+            Err(err) => moved_err(err),
         };
-        if follow {
-            self.follow(current.generation).await;
+        match moved {
+            Moved::No => {}
+            Moved::NotApplied => {
+                self.follow(current.generation).await;
+            }
+            Moved::Unknown => {
+                self.suspect.store(true, Ordering::Release);
+                self.follow(current.generation).await;
+            }
         }
         replies
     }
