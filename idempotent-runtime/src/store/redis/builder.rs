@@ -202,7 +202,7 @@ impl RedisStoreBuilder {
         if cluster && self.wait_for_replicas.is_some() {
             return Err(StoreError::new(
                 StoreErrorKind::Unsafe,
-                "`wait_for_replicas` is supported on standalone servers only",
+                "`wait_for_replicas` is supported on standalone servers and behind Sentinel only",
             ));
         }
         let conn = match self.target.clone() {
