@@ -17,7 +17,8 @@ use crate::store::DEFAULT_MAX_RESULT_SIZE;
 use crate::store::redis::batch::SlotMap;
 use crate::store::redis::clock::ServerClock;
 use crate::store::redis::conn::{command_error, connect_error, Conn, Lua};
-use crate::store::redis::sentinel::{sentinel_target, Primary, SentinelTarget};
+use crate::store::redis::sentinel::Primary;
+use crate::store::redis::sentinel_url::{sentinel_target, SentinelTarget};
 use crate::store::redis::store::{Inner, RedisStore, ENDING, SCRIPT};
 use crate::store::redis::wire::text;
 

@@ -100,6 +100,7 @@ mod durable;
 mod ending;
 mod scan;
 mod sentinel;
+mod sentinel_url;
 mod store;
 mod wire;
 
