@@ -34,6 +34,8 @@
 
 #[path = "support/redis_info.rs"]
 mod redis_info;
+#[path = "support/seed_guard.rs"]
+mod seed_guard;
 #[path = "support/stats.rs"]
 mod stats;
 
@@ -53,6 +55,7 @@ use idempotency::Idempotency;
 use redis::aio::ConnectionManager;
 use redis::Script;
 use redis_info::{client_cpu, server_cpu};
+use seed_guard::{delete_matching, rand_u128, COMPLETE};
 use stats::{figure, median, per_s, percentile};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -62,15 +65,6 @@ const REQUESTS: usize = 4_000;
 const ROUNDS: usize = 5;
 const TTL_MS: u64 = 3_600_000;
 const LEASE_MS: u64 = 30_000;
-
-/// The seed's completion: store the result only while the token still owns the key.
-const COMPLETE: &str = r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  return 1
-end
-return 0
-";
 
 static ORDERS: AtomicU64 = AtomicU64::new(0);
 
@@ -132,12 +126,6 @@ async fn create_order_bare(
     (StatusCode::CREATED, body).into_response()
 }
 
-fn rand_u128() -> u128 {
-    use std::hash::{BuildHasher, RandomState};
-    let state = RandomState::new();
-    (u128::from(state.hash_one(1u8)) << 64) | u128::from(state.hash_one(2u8))
-}
-
 async fn serve(router: Router) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/orders", listener.local_addr().unwrap());
@@ -184,31 +172,6 @@ async fn pass(client: &reqwest::Client, url: &str, tag: &str) -> Result<(f64, Ve
         latencies.extend(task.await??);
     }
     Ok((per_s(REQUESTS, start.elapsed()), latencies))
-}
-
-async fn delete_matching(conn: &mut ConnectionManager, pattern: &str) -> Result<u64, BoxError> {
-    let mut removed = 0;
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(conn)
-            .await?;
-        if !keys.is_empty() {
-            removed += redis::cmd("UNLINK")
-                .arg(&keys)
-                .query_async::<u64>(conn)
-                .await?;
-        }
-        if next == 0 {
-            return Ok(removed);
-        }
-        cursor = next;
-    }
 }
 
 async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {

@@ -61,6 +61,7 @@
 //! | `outbox` | `postgres`, `mysql`, `sqlite` | the transactional outbox and its relay |
 //! | `broker` | `rabbitmq`, `nats` | consume loops that settle each message by its outcome |
 //! | `http` | `http` | `IdempotencyLayer`: HTTP `Idempotency-Key` for tower and axum |
+//! | `grpc` | `grpc` | the attribute on tonic methods: prost replies replayed, outcomes as gRPC statuses; `DetachLayer` |
 //! | [`lock`] | | [`Lock`](lock::Lock), a fenced lease lock on any store |
 //! | [`admin`] | | the operator's side: inspect, list, release, delete, purge |
 //! | [`key`] | | key errors and limits |
@@ -179,6 +180,10 @@ pub use idempotent_runtime::broker;
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use idempotent_runtime::http;
 
+#[cfg(feature = "grpc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
+pub use idempotent_runtime::grpc;
+
 pub mod lock {
     //! [`Lock`]: a fenced lease lock on any store, for update-type operations that must not
     //! run at the same time but may run again (deduct a balance, rebuild a cache entry).
@@ -217,6 +222,10 @@ struct GuideConsumers;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/guide/http.md")]
 struct GuideHttp;
+
+#[cfg(doctest)]
+#[doc = include_str!("../docs/guide/grpc.md")]
+struct GuideGrpc;
 
 #[cfg(doctest)]
 #[doc = include_str!("../docs/guide/locks-and-outbox.md")]

@@ -2,7 +2,9 @@
 //! simulator: a seeded scheduler drives several concurrent callers of the real engine over the
 //! real `MemoryStore`, through every door: single calls (`Operation::run_with`, replay on,
 //! sometimes a business `done` check, sometimes holding the key on error), batches of one or
-//! two keys (`Batch`), calls through a `CombiningStore`, lock holders (`Lock`), and an
+//! two keys (`Batch`), gRPC methods (`replay_grpc` of a prost reply, errors as `Status`, run
+//! to their end behind `grpc::DetachLayer` once started, so never dropped after their first
+//! poll), calls through a `CombiningStore`, lock holders (`Lock`), and an
 //! operator's actions (`Admin`: `force_release`, `delete`, `purge`, `unhold`) racing them. It
 //! decides everything a real deployment leaves to chance:
 //!
@@ -732,9 +734,51 @@ struct Answer {
 /// for each of its keys (operators and lock holders answer nothing the checks look at).
 struct Caller {
     future: Pin<Box<dyn Future<Output = Vec<Answer>>>>,
+    /// A gRPC call behind `grpc::DetachLayer`: once polled it runs to its end, whatever its
+    /// client does.
+    detached: bool,
+    /// Whether it was polled (the server received the call).
+    started: bool,
     /// Its keys, each with the fence its body applied the effect under, once it did: a
     /// caller dropped after its effect is a loss the law counts (its message is redelivered).
     rans: Vec<(usize, Ran)>,
+}
+
+/// A gRPC method's reply: the value, as a prost message.
+#[derive(Clone, PartialEq, prost::Message)]
+struct SimReply {
+    #[prost(uint64, tag = "1")]
+    value: u64,
+}
+
+/// The body's outcome as a tonic method returns it.
+fn to_grpc(out: Result<u64, AppError>) -> Result<tonic::Response<SimReply>, tonic::Status> {
+    match out {
+        Ok(value) => Ok(tonic::Response::new(SimReply { value })),
+        Err(AppError::Business) => Err(tonic::Status::internal("business")),
+        Err(AppError::Idem(kind)) => Err(tonic::Status::unknown(kind)),
+    }
+}
+
+/// What a gRPC client was told, read back as the other callers' answers: the code of each
+/// outcome (`grpc::code`), and the message where two outcomes share a code.
+fn from_grpc(out: Result<tonic::Response<SimReply>, tonic::Status>) -> Result<u64, AppError> {
+    use tonic::Code;
+    let status = match out {
+        Ok(reply) => return Ok(reply.into_inner().value),
+        Err(status) => status,
+    };
+    let kind = match status.code() {
+        Code::Internal if status.message() == "business" => return Err(AppError::Business),
+        Code::AlreadyExists => "duplicate".to_owned(),
+        Code::Aborted if status.message().starts_with("lost ownership") => {
+            "lost_ownership".to_owned()
+        }
+        Code::Aborted => "in_progress".to_owned(),
+        Code::Unavailable => "store".to_owned(),
+        _ => format!("{:?}: {}", status.code(), status.message()),
+    };
+    Err(AppError::Idem(kind))
 }
 
 /// The item of a batch caller.
@@ -906,6 +950,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
             .store(engine_store.clone());
         let hold = |_: &AppError| OnError::Hold;
         let mut rans_of: Vec<(usize, Ran)> = Vec::new();
+        let mut detached = false;
         let future: Pin<Box<dyn Future<Output = Vec<Answer>>>> = match choices.pick(10) {
             // A batch of one or two keys.
             5 | 6 => {
@@ -1010,6 +1055,38 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                     Vec::new()
                 })
             }
+            // A gRPC method: the same engine, a prost reply, errors as `Status`.
+            4 => {
+                detached = true;
+                let key = choices.pick(n_keys as u32) as usize;
+                let ran: Ran = Arc::new(Mutex::new(None));
+                let body = body(key, i as u64, choices.pick(4), choices.chance(1, 5), &ran);
+                let body = async move { to_grpc(body.await) };
+                type Method = Result<tonic::Response<SimReply>, tonic::Status>;
+                let mut op = guard.operation::<Method>(keys[key].clone()).replay_grpc();
+                if with_hold {
+                    op = op.on_error(|_: &tonic::Status| OnError::Hold);
+                }
+                log(format!("caller {i}: gRPC call on key {key}"));
+                rans_of.push((key, ran.clone()));
+                let answer = move |out| {
+                    vec![Answer {
+                        key,
+                        ran,
+                        out: from_grpc(out),
+                    }]
+                };
+                if with_done {
+                    let effects = effects.clone();
+                    let op = op.done(move || {
+                        let done = effects.lock().unwrap().applied[key] > 0;
+                        async move { Ok::<_, tonic::Status>(done) }
+                    });
+                    Box::pin(async move { answer(op.run_with(|_| body).await) })
+                } else {
+                    Box::pin(async move { answer(op.run_with(|_| body).await) })
+                }
+            }
             // A single call.
             _ => {
                 let key = choices.pick(n_keys as u32) as usize;
@@ -1036,6 +1113,8 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         };
         waiting.push(Caller {
             future,
+            detached,
+            started: false,
             rans: rans_of,
         });
     }
@@ -1060,6 +1139,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
     // Polls caller `at` once; when it answers, checks the answers and removes it.
     let poll_caller = |live: &mut Vec<(usize, Caller)>, at: usize| -> bool {
         let (i, caller) = &mut live[at];
+        caller.started = true;
         let Poll::Ready(answers) = caller
             .future
             .as_mut()
@@ -1110,6 +1190,11 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
             // Drop a caller at its current await point.
             6 if !live.is_empty() => {
                 let at = choices.pick(live.len() as u32) as usize;
+                if live[at].1.detached && live[at].1.started {
+                    // Its client left; its call runs on in the layer's task.
+                    log(format!("the client of caller {} left", live[at].0));
+                    continue;
+                }
                 let (i, caller) = live.remove(at);
                 log(format!("drop caller {i}"));
                 let mut world = world.lock().unwrap();

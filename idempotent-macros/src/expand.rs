@@ -43,13 +43,44 @@ pub(crate) fn handler(handler: Handler) -> TokenStream {
         replay,
         on_replay,
         krate,
+        boxed,
     } = handler;
     let private = quote!(#krate::__private);
 
-    let output = match &item.sig.output {
-        ReturnType::Type(_, ty) => Some(&**ty),
-        ReturnType::Default => None,
+    // The body to run once: the function's block, or in an `#[async_trait]` method the
+    // statements of its future from `let __ret` on (the ones before bind the parameters).
+    let body = match boxed
+        .then(|| crate::boxed::inner_future(&mut item))
+        .flatten()
+    {
+        Some(future) => {
+            let start = crate::boxed::body_start(&future.block.stmts).unwrap_or(0);
+            let stmts = future.block.stmts.split_off(start);
+            quote!({ #(#stmts)* })
+        }
+        None => item.block.to_token_stream(),
     };
+    // The arguments of an `#[async_trait]` method read its receiver as `__self`.
+    let rename = |expr: Expr| -> Expr {
+        if !boxed {
+            return expr;
+        }
+        syn::parse2(crate::boxed::rename_self(expr.to_token_stream())).unwrap_or(expr)
+    };
+    let keys: Vec<Expr> = keys.into_iter().map(rename).collect();
+    let fingerprint: Vec<Expr> = fingerprint.into_iter().map(rename).collect();
+    let store = store.map(rename);
+    let done = done.map(rename);
+
+    let output = if boxed {
+        crate::boxed::future_output(&item.sig.output).cloned()
+    } else {
+        match &item.sig.output {
+            ReturnType::Type(_, ty) => Some((**ty).clone()),
+            ReturnType::Default => None,
+        }
+    };
+    let output = output.as_ref();
     // Where a handler whose output is not a `Result` is told so: its declared return type.
     let output_span = output.map_or_else(|| item.sig.ident.span(), first_span);
 
@@ -121,7 +152,7 @@ pub(crate) fn handler(handler: Handler) -> TokenStream {
         chain.step("done", quote_spanned!(spans.0=> || #future), spans);
     }
     if let Some(span) = replay {
-        chain.step("replay", TokenStream::new(), (span, span));
+        chain.replay(&private, span);
     }
     if let Some(hook) = on_replay {
         let spans = first_and_last_span(&hook);
@@ -129,7 +160,6 @@ pub(crate) fn handler(handler: Handler) -> TokenStream {
     }
 
     let fake_return = output.map(fake_return);
-    let body = &item.block;
     // Not `async move`: the body borrows the parameters it uses, and `done` may borrow them
     // too. The user's block is the tail of the async block, so its `return`s and `?`s are
     // checked against the declared return type. Made by a closure once the key is claimed
@@ -144,10 +174,20 @@ pub(crate) fn handler(handler: Handler) -> TokenStream {
     let arguments = spanned_group(body, output_span);
     tokens.extend(quote!(#receiver.#run #arguments .await));
 
-    item.block = Box::new(Block {
-        brace_token: item.block.brace_token,
-        stmts: vec![Stmt::Expr(Expr::Verbatim(tokens), None)],
-    });
+    let call = Stmt::Expr(Expr::Verbatim(tokens), None);
+    match boxed
+        .then(|| crate::boxed::inner_future(&mut item))
+        .flatten()
+    {
+        // After the statements that bind the parameters inside the future.
+        Some(future) => future.block.stmts.push(call),
+        None => {
+            item.block = Box::new(Block {
+                brace_token: item.block.brace_token,
+                stmts: vec![call],
+            })
+        }
+    }
     item.into_token_stream()
 }
 
@@ -205,6 +245,26 @@ impl Chain {
         let arguments = spanned_group(arguments, last);
         self.tokens
             .extend(quote!(let #name = #receiver.#method #arguments;));
+        self.current = name;
+    }
+}
+
+impl Chain {
+    /// Appends the `replay` step: `(&replay_of(&op)).replay(op)` picks the encoding by the
+    /// `Ok` type (a prost reply, or serde), the method spanned at the `replay` flag so an
+    /// unsatisfied bound is reported there.
+    fn replay(&mut self, private: &TokenStream, span: Span) {
+        let current = Ident::new(&self.current.to_string(), span);
+        let name = Ident::new("__idempotent_replay", Span::call_site());
+        let method = Ident::new("replay", span);
+        let arguments = spanned_group(current.to_token_stream(), span);
+        self.tokens.extend(quote! {
+            let #name = {
+                #[allow(unused_imports)]
+                use #private::{ReplayGrpc as _, ReplaySerde as _};
+                (&#private::replay_of(&#current)).#method #arguments
+            };
+        });
         self.current = name;
     }
 }

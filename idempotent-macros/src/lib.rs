@@ -2,6 +2,7 @@
 //! together with the runtime the generated code calls.
 
 mod args;
+mod boxed;
 mod expand;
 mod validate;
 
@@ -46,7 +47,8 @@ use proc_macro::TokenStream;
 /// ```
 ///
 /// The handler keeps its signature, visibility, generics and attributes; it works on free
-/// functions and on methods (`&self`, `&mut self`, `self`). It must be an `async fn` that
+/// functions and on methods (`&self`, `&mut self`, `self`), those of an `#[async_trait]` impl
+/// (tonic's service traits) included. It must be an `async fn` that
 /// returns `Result<T, E>` where `E: From<idempotency::Error>`: every outcome that is not the
 /// handler's own result arrives as an ordinary `Err`, which a consumer maps to ack, nack or
 /// dead-letter with `idempotency::Error::action`.
@@ -97,7 +99,9 @@ use proc_macro::TokenStream;
 ///
 /// The smallest business unit of idempotency: 1 to 16 parameters or field paths of
 /// parameters (`msg`, `msg.order_id`, `msg.meta.tenant`, `self.tenant`, `pair.0`), borrowed
-/// when the handler is called. Each one's type must implement `idempotency::KeyPart`
+/// when the handler is called. A path may go through method calls whose arguments are
+/// literals, as a tonic request's message and metadata are reached:
+/// `request.get_ref().request_id`, `request.metadata().get("x-request-id")`. Each one's type must implement `idempotency::KeyPart`
 /// (strings, byte strings, integers, `bool`, `char`, and references to them, or your own
 /// identifier types). Key on the business operation (order and activity), not on a message
 /// id that a producer's retry changes.

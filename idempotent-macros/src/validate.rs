@@ -36,6 +36,8 @@ pub(crate) struct Handler {
     pub(crate) on_replay: Option<Expr>,
     /// The path of the runtime: `crate = path`, or `::idempotency`.
     pub(crate) krate: syn::Path,
+    /// Whether the function is a method as `#[async_trait]` rewrote it (see `boxed.rs`).
+    pub(crate) boxed: bool,
 }
 
 /// A checked `on_in_progress` policy.
@@ -154,7 +156,6 @@ pub(crate) fn handler(args: Result<Args>, item: Result<Item>, call_site: Span) -
         return Err(Error::new(call_site, "invalid `#[idempotent]` arguments"));
     };
     Ok(Handler {
-        item,
         prefix,
         keys,
         ttl,
@@ -175,6 +176,8 @@ pub(crate) fn handler(args: Result<Args>, item: Result<Item>, call_site: Span) -
         krate: args
             .krate
             .map_or_else(|| syn::parse_quote!(::idempotency), |krate| krate.value),
+        boxed: crate::boxed::is_boxed(&item),
+        item,
     })
 }
 
@@ -230,7 +233,8 @@ fn function(item: Item, errors: &mut Errors) -> Option<ItemFn> {
             "`#[idempotent]` handlers cannot be `extern fn`",
         ));
     }
-    if sig.asyncness.is_none() {
+    // A method of an `#[async_trait]` impl arrives rewritten into a boxed future.
+    if sig.asyncness.is_none() && !crate::boxed::is_boxed(&function) {
         errors.push(Error::new_spanned(
             sig.fn_token,
             "`#[idempotent]` handlers must be `async fn`",

@@ -29,6 +29,8 @@
 //! - `nats`: NATS JetStream consumers through async-nats (`broker::nats`), and the outbox's
 //!   JetStream publisher.
 //! - `http`: HTTP `Idempotency-Key`, a tower layer for axum and other tower stacks (`http`).
+//! - `grpc`: gRPC through tonic (`grpc`): replies of prost messages replayed, outcomes as
+//!   gRPC statuses, and a tower layer keyed by `idempotency-key` metadata.
 //! - `metrics`: counters and histograms through the `metrics` facade (the series are listed
 //!   in [`metrics`]); the application installs the recorder.
 //!
@@ -53,6 +55,10 @@ pub mod broker;
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http;
+
+#[cfg(feature = "grpc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
+pub mod grpc;
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 #[cfg_attr(

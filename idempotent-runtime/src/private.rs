@@ -1,6 +1,10 @@
 //! What the `#[idempotent]` expansion calls. Not a public API: it may change in any release.
 
+use std::marker::PhantomData;
 use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 pub use crate::engine::HandlerResult;
 use crate::engine::{Idempotency, Operation};
@@ -56,4 +60,51 @@ pub fn store<S: IntoStore + Clone>(store: &S) -> SharedStore {
 /// `on_error = hold`.
 pub fn hold<E>(_: &E) -> OnError {
     OnError::Hold
+}
+
+/// `replay`'s choice of encoding, by the handler's `Ok` type: `(&replay_of(&op)).replay(op)`
+/// finds [`ReplayGrpc`] for a `tonic::Response` of a prost message (feature `grpc`) and
+/// [`ReplaySerde`] for anything else, whose bound then asks for serde.
+pub struct ReplayOf<T>(PhantomData<fn() -> T>);
+
+/// The [`ReplayOf`] of an operation's `Ok` type.
+pub fn replay_of<R: HandlerResult, D>(_: &Operation<R, D>) -> ReplayOf<R::Ok> {
+    ReplayOf(PhantomData)
+}
+
+/// `replay` of a gRPC reply: the message as prost encodes it, and its metadata.
+pub trait ReplayGrpc {
+    /// The replayed type.
+    type Value;
+    /// The operation, replaying its `Ok` value.
+    fn replay<R: HandlerResult<Ok = Self::Value>, D>(&self, op: Operation<R, D>)
+        -> Operation<R, D>;
+}
+
+#[cfg(feature = "grpc")]
+impl<M: prost::Message + Default> ReplayGrpc for ReplayOf<tonic::Response<M>> {
+    type Value = tonic::Response<M>;
+    fn replay<R: HandlerResult<Ok = Self::Value>, D>(
+        &self,
+        op: Operation<R, D>,
+    ) -> Operation<R, D> {
+        op.replay_grpc()
+    }
+}
+
+/// `replay` of any other value, through serde.
+pub trait ReplaySerde {
+    /// The operation, replaying its `Ok` value.
+    fn replay<R: HandlerResult, D>(&self, op: Operation<R, D>) -> Operation<R, D>
+    where
+        R::Ok: Serialize + DeserializeOwned;
+}
+
+impl<T> ReplaySerde for &ReplayOf<T> {
+    fn replay<R: HandlerResult, D>(&self, op: Operation<R, D>) -> Operation<R, D>
+    where
+        R::Ok: Serialize + DeserializeOwned,
+    {
+        op.replay()
+    }
 }

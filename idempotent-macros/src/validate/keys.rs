@@ -78,46 +78,65 @@ fn bindings(pat: &Pat, names: &mut Vec<Ident>) {
     }
 }
 
-/// A key entry as a root name and the fields under it.
+/// A key entry as a root name and the fields and calls under it.
 #[derive(PartialEq)]
 struct KeyPath {
     root: Ident,
-    fields: Vec<Member>,
+    /// `.field`, `.0`, or `.method(args)` (the arguments as written).
+    steps: Vec<String>,
 }
 
 impl fmt::Display for KeyPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.root)?;
-        for field in &self.fields {
-            match field {
-                Member::Named(name) => write!(f, ".{name}")?,
-                Member::Unnamed(index) => write!(f, ".{}", index.index)?,
-            }
+        for step in &self.steps {
+            write!(f, ".{step}")?;
         }
         Ok(())
     }
 }
 
-/// Reads `expr` as `param` or `param.field.field`, or says what it is instead.
+/// Reads `expr` as `param`, `param.field.field` or `param.method().field` (a tonic request's
+/// `request.get_ref().request_id`, `request.metadata().get("x-request-id")`: method calls
+/// whose arguments are literals), or says what it is instead.
 fn key_path(expr: &Expr) -> std::result::Result<KeyPath, &'static str> {
     match expr {
         Expr::Path(path) if path.attrs.is_empty() && path.qself.is_none() => {
             match path.path.get_ident() {
                 Some(root) => Ok(KeyPath {
                     root: root.clone(),
-                    fields: Vec::new(),
+                    steps: Vec::new(),
                 }),
                 None => Err("not paths to items"),
             }
         }
         Expr::Field(field) if field.attrs.is_empty() => {
             let mut path = key_path(&field.base)?;
-            path.fields.push(field.member.clone());
+            path.steps.push(match &field.member {
+                Member::Named(name) => name.to_string(),
+                Member::Unnamed(index) => index.index.to_string(),
+            });
+            Ok(path)
+        }
+        Expr::MethodCall(call) if call.attrs.is_empty() => {
+            if call.turbofish.is_some() {
+                return Err("not method calls with type arguments");
+            }
+            if !call.args.iter().all(|arg| matches!(arg, Expr::Lit(_))) {
+                return Err("not method calls whose arguments are not literals");
+            }
+            let mut path = key_path(&call.receiver)?;
+            let args: Vec<String> = call
+                .args
+                .iter()
+                .map(|arg| quote::ToTokens::to_token_stream(arg).to_string())
+                .collect();
+            path.steps
+                .push(format!("{}({})", call.method, args.join(", ")));
             Ok(path)
         }
         // An invisible group, from a `macro_rules!` fragment.
         Expr::Group(group) => key_path(&group.expr),
-        Expr::MethodCall(_) => Err("not method calls"),
         Expr::Call(_) => Err("not function calls"),
         Expr::Lit(_) => Err("not literals"),
         Expr::Index(_) => Err("not index expressions"),

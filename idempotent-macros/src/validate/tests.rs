@@ -162,8 +162,22 @@ fn keys() {
         keys("[msg.id, msg.id]"),
         ["duplicate `keys` entry `msg.id`"]
     );
+    // A tonic request's message and metadata: method calls with literal arguments.
+    assert!(check(
+        "prefix = \"p\", ttl = 1, keys = [msg.get_ref().id, msg.metadata().get(\"x-request-id\")]",
+        HANDLER
+    )
+    .is_ok());
+    assert_eq!(
+        keys("[msg.get_ref().id, msg.get_ref().id]"),
+        ["duplicate `keys` entry `msg.get_ref().id`"]
+    );
     for (key, what) in [
-        ("msg.id()", "not method calls"),
+        (
+            "msg.id(other)",
+            "not method calls whose arguments are not literals",
+        ),
+        ("msg.id::<u8>()", "not method calls with type arguments"),
         ("id(msg)", "not function calls"),
         ("\"x\"", "not literals"),
         ("msg.ids[0]", "not index expressions"),
@@ -264,7 +278,7 @@ fn the_item_is_checked_even_when_the_arguments_do_not_parse() {
 #[test]
 fn all_errors_at_once() {
     let found = errors(
-        "prefix = \"\", keys = [msg.id(), other], ttl = 0, lease = 0, version = 0",
+        "prefix = \"\", keys = [msg.id(x), other], ttl = 0, lease = 0, version = 0",
         "fn h(msg: &Msg) -> Result<(), E> {}",
     );
     assert_eq!(found.len(), 7, "{found:#?}");

@@ -119,7 +119,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
 
     /// Like [`replay`](Self::replay), with the caller's own encoding of the value (the HTTP
     /// layer's binary form of a response). `encode` writes [`codec::OK`] first.
-    #[cfg(feature = "http")]
+    #[cfg(any(feature = "http", feature = "grpc"))]
     pub(crate) fn replay_with(
         mut self,
         encode: fn(&R::Ok) -> Result<Vec<u8>, Error>,

@@ -77,7 +77,7 @@ impl<R: HandlerResult> Results<R> {
 
     /// Replays `Ok` values with the caller's own encoding (`encode` writes [`codec::OK`]
     /// first): the HTTP layer's binary form of a response.
-    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "http", feature = "grpc")), allow(dead_code))]
     pub(crate) fn with_replay_codec(
         mut self,
         encode: fn(&R::Ok) -> Result<Vec<u8>, Error>,

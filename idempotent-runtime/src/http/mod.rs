@@ -478,13 +478,17 @@ impl IdempotencyLayer {
     /// included) to finish and store their responses; call it after the server stopped
     /// accepting requests. Returns `false` when some were still running at the deadline.
     pub async fn shutdown(&self, within: Duration) -> bool {
-        self.tasks.close();
-        let done = tokio::time::timeout(within, self.tasks.wait())
-            .await
-            .is_ok();
-        self.tasks.reopen();
-        done
+        drain(&self.tasks, within).await
     }
+}
+
+/// Waits, at most `within`, for `tasks` to finish; `false` when some still ran at the deadline.
+/// The tracker stays open for tasks spawned afterwards.
+pub(crate) async fn drain(tasks: &TaskTracker, within: Duration) -> bool {
+    tasks.close();
+    let done = tokio::time::timeout(within, tasks.wait()).await.is_ok();
+    tasks.reopen();
+    done
 }
 
 impl<S> tower_layer::Layer<S> for IdempotencyLayer {

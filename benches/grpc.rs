@@ -1,0 +1,323 @@
+//! `#[idempotent]` on a tonic method against the same method guarded by hand, over real gRPC.
+//!
+//! Three tonic servers on 127.0.0.1 in this process, one Redis server, one client channel
+//! (HTTP/2) per server driving 50 concurrent calls:
+//!
+//! - **bare**: the method only, unguarded: what the guard costs is measured against it.
+//! - **by hand**: the method guarding itself the seed's way: `SET key token NX PX` before the
+//!   work (a taken key answers `ABORTED`), then a Lua compare-and-set that stores the reply
+//!   (the prost-encoded message) under the key if the token is still the owner's. The key is
+//!   the request's `request_id` under a prefix.
+//! - **attribute**: the method without any of that, under `#[idempotent(..., replay)]` on a
+//!   `RedisStore` (one `EVALSHA` to claim, one to complete with the stored reply), served
+//!   behind `grpc::DetachLayer` as the guide recommends (each call in a task of its own).
+//!
+//! Both guarded sides make two Redis round trips per call. Every call carries a fresh
+//! `request_id` (every call is a first run). After a warm-up pass of each side, passes
+//! rotate through the three sides (5 rounds); the median of each side is kept. Latency is
+//! per call, over all calls of the measured passes.
+//!
+//! Needs a Redis server this benchmark may write to, at `IDEMPOTENT_REDIS_URL` (default
+//! `redis://127.0.0.1:6379`); every key carries a tag unique to the run, expires after an
+//! hour, and is deleted before the run ends. Run it with:
+//!
+//! ```text
+//! cargo bench --bench grpc --features redis,grpc
+//! ```
+//!
+//! The last lines are the figures: `grpc_bare_cps`, `grpc_by_hand_cps`,
+//! `grpc_attribute_cps` (calls per second), `grpc_ratio` (attribute over by hand, the goal is
+//! at least 0.85), `grpc_*_p50_ms`, `grpc_*_p99_ms`, and the CPU time per call of this
+//! process (`grpc_*_process_cpu_us`: client and server), which machine noise disturbs less
+//! than the throughput.
+
+// A measurement program: failing loudly on a broken setup is the right behaviour.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "../examples/grpc_orders/orders.rs"]
+mod orders;
+#[path = "support/redis_info.rs"]
+mod redis_info;
+#[path = "support/seed_guard.rs"]
+mod seed_guard;
+#[path = "support/stats.rs"]
+mod stats;
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use idempotency::grpc::DetachLayer;
+use idempotency::redis::RedisStore;
+use idempotency::{idempotent, SharedStore};
+use orders::orders_client::OrdersClient;
+use orders::orders_server::{Orders, OrdersServer};
+use orders::{CreateOrderRequest, Order};
+use prost::Message as _;
+use redis::aio::ConnectionManager;
+use redis::Script;
+use redis_info::client_cpu;
+use seed_guard::{delete_matching, rand_u128, COMPLETE};
+use stats::{figure, median, per_s, percentile};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const CONCURRENCY: usize = 50;
+const CALLS: usize = 4_000;
+const ROUNDS: usize = 5;
+const TTL_MS: u64 = 3_600_000;
+const LEASE_MS: u64 = 30_000;
+
+static ORDERS: AtomicU64 = AtomicU64::new(0);
+
+/// The work every side does: number an order.
+fn create(message: CreateOrderRequest) -> Order {
+    Order {
+        id: ORDERS.fetch_add(1, Ordering::Relaxed),
+        customer: message.customer,
+        amount_cents: message.amount_cents,
+    }
+}
+
+/// The method, unguarded.
+struct Bare;
+
+#[tonic::async_trait]
+impl Orders for Bare {
+    async fn create_order(
+        &self,
+        request: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        Ok(Response::new(create(request.into_inner())))
+    }
+}
+
+/// The method guarding itself the seed's way.
+struct ByHand {
+    conn: ConnectionManager,
+    complete: Script,
+    prefix: String,
+}
+
+#[tonic::async_trait]
+impl Orders for ByHand {
+    async fn create_order(
+        &self,
+        request: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        let message = request.into_inner();
+        if message.request_id.is_empty() {
+            return Err(Status::invalid_argument("request_id is required"));
+        }
+        let key = format!("{}:{}", self.prefix, message.request_id);
+        let token = format!("{:032x}", rand_u128());
+        let mut conn = self.conn.clone();
+        let claimed: Option<String> = redis::cmd("SET")
+            .arg(&key)
+            .arg(&token)
+            .arg("NX")
+            .arg("PX")
+            .arg(LEASE_MS)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        if claimed.is_none() {
+            return Err(Status::aborted("in progress or done"));
+        }
+        let order = create(message);
+        let _: i64 = self
+            .complete
+            .key(&key)
+            .arg(&token)
+            .arg(order.encode_to_vec())
+            .arg(TTL_MS)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(Response::new(order))
+    }
+}
+
+/// The method under the attribute.
+struct Attribute {
+    store: SharedStore,
+    run: String,
+}
+
+#[tonic::async_trait]
+impl Orders for Attribute {
+    #[idempotent(
+        prefix = "bench:grpc:attribute",
+        keys = [self.run, request.get_ref().request_id],
+        ttl = 3600,
+        lease = 30,
+        store = self.store,
+        replay
+    )]
+    async fn create_order(
+        &self,
+        request: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        Ok(Response::new(create(request.into_inner())))
+    }
+}
+
+/// Serves `service` on a free port (behind a `DetachLayer` when `detach`); a client channel.
+async fn serve<S: Orders>(service: S, detach: bool) -> Result<OrdersClient<Channel>, BoxError> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let service = OrdersServer::new(service);
+    if detach {
+        let server = tonic::transport::Server::builder()
+            .layer(DetachLayer::new())
+            .add_service(service)
+            .serve_with_incoming(incoming);
+        tokio::spawn(server);
+    } else {
+        let server = tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(incoming);
+        tokio::spawn(server);
+    }
+    Ok(OrdersClient::connect(format!("http://{addr}")).await?)
+}
+
+/// One pass: `CALLS` calls with fresh ids, `CONCURRENCY` at a time. Calls per second, and
+/// each call's latency in milliseconds.
+async fn pass(client: &OrdersClient<Channel>, tag: &str) -> Result<(f64, Vec<f64>), BoxError> {
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..CONCURRENCY)
+        .map(|worker| {
+            let (mut client, tag) = (client.clone(), tag.to_owned());
+            tokio::spawn(async move {
+                let mut latencies = Vec::with_capacity(CALLS / CONCURRENCY);
+                for i in (worker..CALLS).step_by(CONCURRENCY) {
+                    let sent = Instant::now();
+                    client
+                        .create_order(CreateOrderRequest {
+                            request_id: format!("{tag}-{i}"),
+                            customer: "bench".into(),
+                            amount_cents: 1250,
+                        })
+                        .await?;
+                    latencies.push(sent.elapsed().as_secs_f64() * 1e3);
+                }
+                Ok::<_, BoxError>(latencies)
+            })
+        })
+        .collect();
+    let mut latencies = Vec::with_capacity(CALLS);
+    for task in tasks {
+        latencies.extend(task.await??);
+    }
+    Ok((per_s(CALLS, start.elapsed()), latencies))
+}
+
+const SIDES: [&str; 3] = ["bare", "by_hand", "attribute"];
+
+async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
+    let conn = ConnectionManager::new(redis::Client::open(url)?).await?;
+    let store: SharedStore = Arc::new(RedisStore::connect(url).await?);
+    let clients = [
+        serve(Bare, false).await?,
+        serve(
+            ByHand {
+                conn: conn.clone(),
+                complete: Script::new(COMPLETE),
+                prefix: format!("bench:grpc:by_hand:{run_tag}"),
+            },
+            false,
+        )
+        .await?,
+        serve(
+            Attribute {
+                store,
+                run: run_tag.to_owned(),
+            },
+            true,
+        )
+        .await?,
+    ];
+
+    // Warm-up: connections, the script caches, allocators.
+    for client in &clients {
+        pass(client, "warm").await?;
+    }
+
+    let mut rates = [Vec::new(), Vec::new(), Vec::new()];
+    let mut latencies = [Vec::new(), Vec::new(), Vec::new()];
+    let mut cpu = [Vec::new(), Vec::new(), Vec::new()];
+    for round in 0..ROUNDS {
+        for step in 0..SIDES.len() {
+            let side = (round + step) % SIDES.len();
+            let before = client_cpu();
+            let (cps, lat) = pass(&clients[side], &format!("r{round}")).await?;
+            let cpu_us = match (before, client_cpu()) {
+                (Some(before), Some(after)) => (after - before) * 1e6 / CALLS as f64,
+                _ => f64::NAN,
+            };
+            println!(
+                "round {round} {:>9}: {cps:>8.0} calls/s, process cpu/call {cpu_us:.1} us",
+                SIDES[side]
+            );
+            rates[side].push(cps);
+            latencies[side].extend(lat);
+            cpu[side].push(cpu_us);
+        }
+    }
+    let cps: Vec<f64> = rates.iter().map(|r| median(r)).collect();
+    for (side, name) in SIDES.iter().enumerate() {
+        figure(&format!("grpc_{name}_cps"), cps[side], 0);
+    }
+    figure("grpc_ratio", cps[2] / cps[1], 3);
+    for (side, name) in SIDES.iter().enumerate() {
+        let sorted = &mut latencies[side];
+        sorted.sort_by(f64::total_cmp);
+        figure(&format!("grpc_{name}_p50_ms"), percentile(sorted, 0.50), 2);
+        figure(&format!("grpc_{name}_p99_ms"), percentile(sorted, 0.99), 2);
+    }
+    for (side, name) in SIDES.iter().enumerate() {
+        figure(
+            &format!("grpc_{name}_process_cpu_us"),
+            median(&cpu[side]),
+            1,
+        );
+    }
+    Ok(())
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() -> ExitCode {
+    let url = std::env::var("IDEMPOTENT_REDIS_URL")
+        .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string());
+    let run_tag = format!("{:08x}", rand_u128() as u32);
+    println!("grpc bench: {CONCURRENCY} concurrent calls, {CALLS} calls a pass, run tag {run_tag}");
+    let outcome = run(&url, &run_tag).await;
+    // Whatever happened, remove every key of this run.
+    if let Ok(client) = redis::Client::open(url.as_str()) {
+        if let Ok(mut conn) = ConnectionManager::new(client).await {
+            for pattern in [
+                format!("bench:grpc:by_hand:{run_tag}:*"),
+                format!("bench:grpc:attribute:*{run_tag}*"),
+            ] {
+                if let Err(err) = delete_matching(&mut conn, &pattern).await {
+                    eprintln!("cleanup of {pattern} failed: {err}");
+                }
+            }
+        }
+    }
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!(
+                "error: {err}\n(needs a Redis server at {url}: start one with\n  \
+                 redis-server --daemonize yes\nor set IDEMPOTENT_REDIS_URL)"
+            );
+            ExitCode::FAILURE
+        }
+    }
+}
