@@ -1,6 +1,6 @@
 //! `#[idempotent]` on a tonic method against the same method guarded by hand, over real gRPC.
 //!
-//! Three tonic servers on 127.0.0.1 in this process, one Redis server, one client channel
+//! Four tonic servers on 127.0.0.1 in this process, one Redis server, one client channel
 //! (HTTP/2) per server driving 50 concurrent calls:
 //!
 //! - **bare**: the method only, unguarded: what the guard costs is measured against it.
@@ -11,10 +11,13 @@
 //! - **attribute**: the method without any of that, under `#[idempotent(..., replay)]` on a
 //!   `RedisStore` (one `EVALSHA` to claim, one to complete with the stored reply), served
 //!   behind `grpc::DetachLayer` as the guide recommends (each call in a task of its own).
+//! - **layer**: the bare method behind `grpc::IdempotencyLayer`, keyed by the call's
+//!   `idempotency-key` metadata entry (the request id again), replaying headers, message and
+//!   trailers.
 //!
-//! Both guarded sides make two Redis round trips per call. Every call carries a fresh
+//! The guarded sides make two Redis round trips per call. Every call carries a fresh
 //! `request_id` (every call is a first run). After a warm-up pass of each side, passes
-//! rotate through the three sides (5 rounds); the median of each side is kept. Latency is
+//! rotate through the four sides (5 rounds); the median of each side is kept. Latency is
 //! per call, over all calls of the measured passes.
 //!
 //! Needs a Redis server this benchmark may write to, at `IDEMPOTENT_REDIS_URL` (default
@@ -26,8 +29,8 @@
 //! ```
 //!
 //! The last lines are the figures: `grpc_bare_cps`, `grpc_by_hand_cps`,
-//! `grpc_attribute_cps` (calls per second), `grpc_ratio` (attribute over by hand, the goal is
-//! at least 0.85), `grpc_*_p50_ms`, `grpc_*_p99_ms`, and the CPU time per call of this
+//! `grpc_attribute_cps`, `grpc_layer_cps` (calls per second), `grpc_ratio` (attribute over by
+//! hand, the goal is at least 0.85), `grpc_layer_ratio` (layer over by hand), `grpc_*_p50_ms`, `grpc_*_p99_ms`, and the CPU time per call of this
 //! process (`grpc_*_process_cpu_us`: client and server), which machine noise disturbs less
 //! than the throughput.
 
@@ -46,11 +49,11 @@ mod stats;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use idempotency::grpc::DetachLayer;
+use idempotency::grpc::{DetachLayer, IdempotencyLayer};
 use idempotency::redis::RedisStore;
-use idempotency::{idempotent, SharedStore};
+use idempotency::{idempotent, Idempotency, SharedStore};
 use orders::orders_client::OrdersClient;
 use orders::orders_server::{Orders, OrdersServer};
 use orders::{CreateOrderRequest, Order};
@@ -165,23 +168,33 @@ impl Orders for Attribute {
     }
 }
 
-/// Serves `service` on a free port (behind a `DetachLayer` when `detach`); a client channel.
-async fn serve<S: Orders>(service: S, detach: bool) -> Result<OrdersClient<Channel>, BoxError> {
+/// In front of a server: nothing, `DetachLayer` (for the attribute), or the metadata-keyed
+/// `IdempotencyLayer`.
+enum Front {
+    None,
+    Detach,
+    Layer(IdempotencyLayer),
+}
+
+/// Serves `service` on a free port behind `front`; a client channel.
+async fn serve<S: Orders>(service: S, front: Front) -> Result<OrdersClient<Channel>, BoxError> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let incoming = tonic::transport::server::TcpIncoming::from(listener);
     let service = OrdersServer::new(service);
-    if detach {
-        let server = tonic::transport::Server::builder()
-            .layer(DetachLayer::new())
-            .add_service(service)
-            .serve_with_incoming(incoming);
-        tokio::spawn(server);
-    } else {
-        let server = tonic::transport::Server::builder()
-            .add_service(service)
-            .serve_with_incoming(incoming);
-        tokio::spawn(server);
+    let mut builder = tonic::transport::Server::builder();
+    match front {
+        Front::None => {
+            tokio::spawn(builder.add_service(service).serve_with_incoming(incoming));
+        }
+        Front::Detach => {
+            let server = builder.layer(DetachLayer::new()).add_service(service);
+            tokio::spawn(server.serve_with_incoming(incoming));
+        }
+        Front::Layer(layer) => {
+            let server = builder.layer(layer).add_service(service);
+            tokio::spawn(server.serve_with_incoming(incoming));
+        }
     }
     Ok(OrdersClient::connect(format!("http://{addr}")).await?)
 }
@@ -197,13 +210,17 @@ async fn pass(client: &OrdersClient<Channel>, tag: &str) -> Result<(f64, Vec<f64
                 let mut latencies = Vec::with_capacity(CALLS / CONCURRENCY);
                 for i in (worker..CALLS).step_by(CONCURRENCY) {
                     let sent = Instant::now();
-                    client
-                        .create_order(CreateOrderRequest {
-                            request_id: format!("{tag}-{i}"),
-                            customer: "bench".into(),
-                            amount_cents: 1250,
-                        })
-                        .await?;
+                    let request_id = format!("{tag}-{i}");
+                    let mut request = Request::new(CreateOrderRequest {
+                        request_id: request_id.clone(),
+                        customer: "bench".into(),
+                        amount_cents: 1250,
+                    });
+                    // For the metadata-keyed layer; the other sides ignore it.
+                    request
+                        .metadata_mut()
+                        .insert("idempotency-key", request_id.parse()?);
+                    client.create_order(request).await?;
                     latencies.push(sent.elapsed().as_secs_f64() * 1e3);
                 }
                 Ok::<_, BoxError>(latencies)
@@ -217,30 +234,38 @@ async fn pass(client: &OrdersClient<Channel>, tag: &str) -> Result<(f64, Vec<f64
     Ok((per_s(CALLS, start.elapsed()), latencies))
 }
 
-const SIDES: [&str; 3] = ["bare", "by_hand", "attribute"];
+const SIDES: [&str; 4] = ["bare", "by_hand", "attribute", "layer"];
 
 async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
     let conn = ConnectionManager::new(redis::Client::open(url)?).await?;
     let store: SharedStore = Arc::new(RedisStore::connect(url).await?);
+    let layer = IdempotencyLayer::new(
+        Idempotency::new(Duration::from_secs(3600))
+            .lease(Duration::from_secs(30))
+            .store(store.clone()),
+        |_: &http::request::Parts| Some(String::new()),
+    )
+    .prefix(format!("bench:grpc:layer:{run_tag}"));
     let clients = [
-        serve(Bare, false).await?,
+        serve(Bare, Front::None).await?,
         serve(
             ByHand {
                 conn: conn.clone(),
                 complete: Script::new(COMPLETE),
                 prefix: format!("bench:grpc:by_hand:{run_tag}"),
             },
-            false,
+            Front::None,
         )
         .await?,
         serve(
             Attribute {
-                store,
+                store: store.clone(),
                 run: run_tag.to_owned(),
             },
-            true,
+            Front::Detach,
         )
         .await?,
+        serve(Bare, Front::Layer(layer)).await?,
     ];
 
     // Warm-up: connections, the script caches, allocators.
@@ -248,9 +273,9 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
         pass(client, "warm").await?;
     }
 
-    let mut rates = [Vec::new(), Vec::new(), Vec::new()];
-    let mut latencies = [Vec::new(), Vec::new(), Vec::new()];
-    let mut cpu = [Vec::new(), Vec::new(), Vec::new()];
+    let mut rates: [Vec<f64>; 4] = Default::default();
+    let mut latencies: [Vec<f64>; 4] = Default::default();
+    let mut cpu: [Vec<f64>; 4] = Default::default();
     for round in 0..ROUNDS {
         for step in 0..SIDES.len() {
             let side = (round + step) % SIDES.len();
@@ -274,6 +299,7 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
         figure(&format!("grpc_{name}_cps"), cps[side], 0);
     }
     figure("grpc_ratio", cps[2] / cps[1], 3);
+    figure("grpc_layer_ratio", cps[3] / cps[1], 3);
     for (side, name) in SIDES.iter().enumerate() {
         let sorted = &mut latencies[side];
         sorted.sort_by(f64::total_cmp);
@@ -303,6 +329,7 @@ async fn main() -> ExitCode {
             for pattern in [
                 format!("bench:grpc:by_hand:{run_tag}:*"),
                 format!("bench:grpc:attribute:*{run_tag}*"),
+                format!("bench:grpc:layer:{run_tag}:*"),
             ] {
                 if let Err(err) = delete_matching(&mut conn, &pattern).await {
                     eprintln!("cleanup of {pattern} failed: {err}");

@@ -61,7 +61,7 @@
 //! | `outbox` | `postgres`, `mysql`, `sqlite` | the transactional outbox and its relay |
 //! | `broker` | `rabbitmq`, `nats` | consume loops that settle each message by its outcome |
 //! | `http` | `http` | `IdempotencyLayer`: HTTP `Idempotency-Key` for tower and axum |
-//! | `grpc` | `grpc` | the attribute on tonic methods: prost replies replayed, outcomes as gRPC statuses; `DetachLayer` |
+//! | `grpc` | `grpc` | the attribute on tonic methods: prost replies replayed, outcomes as gRPC statuses; `IdempotencyLayer` keyed by metadata; `DetachLayer` |
 //! | [`lock`] | | [`Lock`](lock::Lock), a fenced lease lock on any store |
 //! | [`admin`] | | the operator's side: inspect, list, release, delete, purge |
 //! | [`key`] | | key errors and limits |

@@ -54,9 +54,21 @@
 //!
 //! [`code`] gives the code of an error; the status message is the error's `Display`.
 //!
+//! # Without changing the messages: [`IdempotencyLayer`]
+//!
+//! A service whose messages have no request id (or that cannot change them) puts
+//! [`IdempotencyLayer`] in front of its tonic server instead: calls carrying an
+//! `idempotency-key` metadata entry are claimed under it (scoped per caller), the method runs
+//! once, and its reply (headers, message and trailers) is replayed to retries, with the same
+//! engine, store and statuses as the attribute. It guards unary methods only: every
+//! streaming method is named with [`IdempotencyLayer::streaming`] and passes through
+//! unguarded.
+//!
 //! [`Error`]: crate::Error
 
+mod call;
 mod detach;
+mod layer;
 mod reply;
 
 use tonic::metadata::{Ascii, Binary, MetadataValue};
@@ -69,6 +81,7 @@ use crate::key::KeyPart;
 use reply::{decode_reply, encode_reply};
 
 pub use detach::{Detach, DetachLayer};
+pub use layer::{storage_for, IdempotencyLayer, IdempotencyService};
 
 /// The metadata entry a replayed response carries, with the value `true`.
 pub const REPLAYED: &str = "idempotent-replayed";

@@ -21,7 +21,7 @@ use crate::error::Error;
 const FORM: u8 = b'g';
 const VERSION: u8 = 1;
 
-fn codec_error(op: &'static str, message: impl Into<String>) -> Error {
+pub(super) fn codec_error(op: &'static str, message: impl Into<String>) -> Error {
     let message: String = message.into();
     Error::Codec {
         op,
@@ -35,6 +35,15 @@ pub(crate) fn encode_reply<M: prost::Message>(response: &Response<M>) -> Result<
     let message = response.get_ref();
     let mut out = Vec::with_capacity(8 + message.encoded_len() + 64 * headers.len());
     out.extend_from_slice(&[codec::OK, FORM, VERSION]);
+    write_headers(&mut out, headers)?;
+    message
+        .encode(&mut out)
+        .map_err(|e| codec_error("encoded", e.to_string()))?;
+    Ok(out)
+}
+
+/// Writes `headers` as a count and name/value pairs (see the module documentation).
+pub(super) fn write_headers(out: &mut Vec<u8>, headers: &http::HeaderMap) -> Result<(), Error> {
     let count = u32::try_from(headers.len())
         .map_err(|_| codec_error("encoded", "too many metadata entries"))?;
     out.extend_from_slice(&count.to_be_bytes());
@@ -50,17 +59,31 @@ pub(crate) fn encode_reply<M: prost::Message>(response: &Response<M>) -> Result<
         out.extend_from_slice(&value_len.to_be_bytes());
         out.extend_from_slice(value);
     }
-    message
-        .encode(&mut out)
-        .map_err(|e| codec_error("encoded", e.to_string()))?;
-    Ok(out)
+    Ok(())
+}
+
+/// Reads what [`write_headers`] wrote.
+pub(super) fn read_headers(r: &mut Reader<'_>) -> Result<http::HeaderMap, Error> {
+    let count = u32::from_be_bytes(r.array::<4>()?);
+    let mut headers = http::HeaderMap::new();
+    for _ in 0..count {
+        let name_len = usize::from(u16::from_be_bytes(r.array::<2>()?));
+        let name = http::HeaderName::from_bytes(r.take(name_len)?)
+            .map_err(|_| codec_error("decoded", "a bad metadata name"))?;
+        let value_len = usize::try_from(u32::from_be_bytes(r.array::<4>()?))
+            .map_err(|_| codec_error("decoded", "a bad metadata length"))?;
+        let value = http::HeaderValue::from_bytes(r.take(value_len)?)
+            .map_err(|_| codec_error("decoded", "a bad metadata value"))?;
+        headers.append(name, value);
+    }
+    Ok(headers)
 }
 
 /// A reader over a stored reply that fails instead of panicking on a short record.
-struct Reader<'a>(&'a [u8]);
+pub(super) struct Reader<'a>(pub(super) &'a [u8]);
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], Error> {
+    pub(super) fn take(&mut self, n: usize) -> Result<&'a [u8], Error> {
         if self.0.len() < n {
             return Err(codec_error("decoded", "a truncated gRPC reply"));
         }
@@ -69,7 +92,7 @@ impl<'a> Reader<'a> {
         Ok(head)
     }
 
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], Error> {
+    pub(super) fn array<const N: usize>(&mut self) -> Result<[u8; N], Error> {
         let mut out = [0u8; N];
         out.copy_from_slice(self.take(N)?);
         Ok(out)
@@ -86,18 +109,7 @@ pub(crate) fn decode_reply<M: prost::Message + Default>(body: &[u8]) -> Result<R
             "not a gRPC reply of a known version (was `replay` changed on this method?)",
         ));
     }
-    let count = u32::from_be_bytes(r.array::<4>()?);
-    let mut headers = http::HeaderMap::new();
-    for _ in 0..count {
-        let name_len = usize::from(u16::from_be_bytes(r.array::<2>()?));
-        let name = http::HeaderName::from_bytes(r.take(name_len)?)
-            .map_err(|_| codec_error("decoded", "a bad metadata name"))?;
-        let value_len = usize::try_from(u32::from_be_bytes(r.array::<4>()?))
-            .map_err(|_| codec_error("decoded", "a bad metadata length"))?;
-        let value = http::HeaderValue::from_bytes(r.take(value_len)?)
-            .map_err(|_| codec_error("decoded", "a bad metadata value"))?;
-        headers.append(name, value);
-    }
+    let headers = read_headers(&mut r)?;
     let message = M::decode(r.0).map_err(|e| codec_error("decoded", e.to_string()))?;
     let mut metadata = MetadataMap::from_headers(headers);
     metadata.insert(super::REPLAYED, MetadataValue::from_static("true"));

@@ -133,13 +133,13 @@
 //! (a stored response it cannot read).
 
 mod body;
-mod failure;
-mod key;
+pub(crate) mod failure;
+pub(crate) mod key;
 mod problem;
-mod request;
+pub(crate) mod request;
 mod respond;
 mod service;
-mod stored;
+pub(crate) mod stored;
 mod stream;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod transaction;
