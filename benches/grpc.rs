@@ -28,15 +28,26 @@
 //! cargo bench --bench grpc --features redis,grpc
 //! ```
 //!
+//! With valgrind installed it then counts each side's instructions per call under callgrind
+//! (see `support/instructions.rs`): `grpc_<side>_instructions`, and `grpc_instructions_ratio`
+//! and `grpc_layer_instructions_ratio` (the by-hand guard's count over the attribute's and the
+//! layer's: read as a throughput ratio, the higher the better), a figure the machine's load
+//! does not move. `IDEMPOTENT_BENCH_INSTRUCTIONS=0` skips it.
+//!
 //! The last lines are the figures: `grpc_bare_cps`, `grpc_by_hand_cps`,
 //! `grpc_attribute_cps`, `grpc_layer_cps` (calls per second), `grpc_ratio` (attribute over by
-//! hand, the goal is at least 0.85), `grpc_layer_ratio` (layer over by hand), `grpc_*_p50_ms`, `grpc_*_p99_ms`, and the CPU time per call of this
-//! process (`grpc_*_process_cpu_us`: client and server), which machine noise disturbs less
-//! than the throughput.
+//! hand, the goal is at least 0.85), `grpc_layer_ratio` (layer over by hand),
+//! `grpc_*_p50_ms`, `grpc_*_p99_ms`, `grpc_*_allocations` (per call, client and server), and
+//! the CPU time per call of this process (`grpc_*_process_cpu_us`: client and server), which
+//! machine noise disturbs less than the throughput.
 
 // A measurement program: failing loudly on a broken setup is the right behaviour.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/allocations.rs"]
+mod allocations;
+#[path = "support/instructions.rs"]
+mod instructions;
 #[path = "../examples/grpc_orders/orders.rs"]
 mod orders;
 #[path = "support/redis_info.rs"]
@@ -71,6 +82,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 const CONCURRENCY: usize = 50;
 const CALLS: usize = 4_000;
 const ROUNDS: usize = 5;
+/// Calls a side makes under callgrind (and twice as many in the second count).
+const INSTRUCTION_OPS: usize = 1_000;
 const TTL_MS: u64 = 3_600_000;
 const LEASE_MS: u64 = 30_000;
 
@@ -201,14 +214,18 @@ async fn serve<S: Orders>(service: S, front: Front) -> Result<OrdersClient<Chann
 
 /// One pass: `CALLS` calls with fresh ids, `CONCURRENCY` at a time. Calls per second, and
 /// each call's latency in milliseconds.
-async fn pass(client: &OrdersClient<Channel>, tag: &str) -> Result<(f64, Vec<f64>), BoxError> {
+async fn pass(
+    client: &OrdersClient<Channel>,
+    tag: &str,
+    calls: usize,
+) -> Result<(f64, Vec<f64>), BoxError> {
     let start = Instant::now();
     let tasks: Vec<_> = (0..CONCURRENCY)
         .map(|worker| {
             let (mut client, tag) = (client.clone(), tag.to_owned());
             tokio::spawn(async move {
-                let mut latencies = Vec::with_capacity(CALLS / CONCURRENCY);
-                for i in (worker..CALLS).step_by(CONCURRENCY) {
+                let mut latencies = Vec::with_capacity(calls / CONCURRENCY);
+                for i in (worker..calls).step_by(CONCURRENCY) {
                     let sent = Instant::now();
                     let request_id = format!("{tag}-{i}");
                     let mut request = Request::new(CreateOrderRequest {
@@ -227,68 +244,89 @@ async fn pass(client: &OrdersClient<Channel>, tag: &str) -> Result<(f64, Vec<f64
             })
         })
         .collect();
-    let mut latencies = Vec::with_capacity(CALLS);
+    let mut latencies = Vec::with_capacity(calls);
     for task in tasks {
         latencies.extend(task.await??);
     }
-    Ok((per_s(CALLS, start.elapsed()), latencies))
+    Ok((per_s(calls, start.elapsed()), latencies))
 }
 
 const SIDES: [&str; 4] = ["bare", "by_hand", "attribute", "layer"];
 
-async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
-    let conn = ConnectionManager::new(redis::Client::open(url)?).await?;
-    let store: SharedStore = Arc::new(RedisStore::connect(url).await?);
-    let layer = IdempotencyLayer::new(
-        Idempotency::new(Duration::from_secs(3600))
-            .lease(Duration::from_secs(30))
-            .store(store.clone()),
-        |_: &http::request::Parts| Some(String::new()),
-    )
-    .prefix(format!("bench:grpc:layer:{run_tag}"));
-    let clients = [
-        serve(Bare, Front::None).await?,
-        serve(
-            ByHand {
-                conn: conn.clone(),
+/// A client of a server of `side` ("bare", "by_hand", "attribute" or "layer").
+async fn side(url: &str, run_tag: &str, side: &str) -> Result<OrdersClient<Channel>, BoxError> {
+    match side {
+        "bare" => serve(Bare, Front::None).await,
+        "by_hand" => {
+            let conn = ConnectionManager::new(redis::Client::open(url)?).await?;
+            let by_hand = ByHand {
+                conn,
                 complete: Script::new(COMPLETE),
                 prefix: format!("bench:grpc:by_hand:{run_tag}"),
-            },
-            Front::None,
-        )
-        .await?,
-        serve(
-            Attribute {
-                store: store.clone(),
+            };
+            serve(by_hand, Front::None).await
+        }
+        "attribute" => {
+            let attribute = Attribute {
+                store: Arc::new(RedisStore::connect(url).await?),
                 run: run_tag.to_owned(),
-            },
-            Front::Detach,
-        )
-        .await?,
-        serve(Bare, Front::Layer(layer)).await?,
-    ];
+            };
+            serve(attribute, Front::Detach).await
+        }
+        "layer" => {
+            let idempotency = Idempotency::new(Duration::from_secs(3600))
+                .lease(Duration::from_secs(30))
+                .store(Arc::new(RedisStore::connect(url).await?) as SharedStore);
+            let layer =
+                IdempotencyLayer::new(idempotency, |_: &http::request::Parts| Some(String::new()))
+                    .prefix(format!("bench:grpc:layer:{run_tag}"));
+            serve(Bare, Front::Layer(layer)).await
+        }
+        other => Err(format!("no side {other}: bare, by_hand, attribute or layer").into()),
+    }
+}
+
+/// `IDEMPOTENT_BENCH_ONLY=<side>`: a warm-up and `ops` calls of that side alone, nothing
+/// printed: what callgrind counts.
+async fn one_side(url: &str, run_tag: &str, name: &str, ops: usize) -> Result<(), BoxError> {
+    let client = side(url, run_tag, name).await?;
+    pass(&client, "warm", 100).await?;
+    pass(&client, "only", ops).await?;
+    Ok(())
+}
+
+async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
+    let mut clients = Vec::new();
+    for name in SIDES {
+        clients.push(side(url, run_tag, name).await?);
+    }
 
     // Warm-up: connections, the script caches, allocators.
     for client in &clients {
-        pass(client, "warm").await?;
+        pass(client, "warm", CALLS).await?;
     }
 
     let mut rates: [Vec<f64>; 4] = Default::default();
     let mut latencies: [Vec<f64>; 4] = Default::default();
     let mut cpu: [Vec<f64>; 4] = Default::default();
+    let mut allocs: [Vec<f64>; 4] = Default::default();
     for round in 0..ROUNDS {
         for step in 0..SIDES.len() {
             let side = (round + step) % SIDES.len();
             let before = client_cpu();
-            let (cps, lat) = pass(&clients[side], &format!("r{round}")).await?;
+            let allocated = allocations::so_far();
+            let (cps, lat) = pass(&clients[side], &format!("r{round}"), CALLS).await?;
+            let per_call = (allocations::so_far() - allocated) as f64 / CALLS as f64;
             let cpu_us = match (before, client_cpu()) {
                 (Some(before), Some(after)) => (after - before) * 1e6 / CALLS as f64,
                 _ => f64::NAN,
             };
             println!(
-                "round {round} {:>9}: {cps:>8.0} calls/s, process cpu/call {cpu_us:.1} us",
+                "round {round} {:>9}: {cps:>8.0} calls/s, process cpu/call {cpu_us:.1} us, \
+                 {per_call:.0} allocations/call",
                 SIDES[side]
             );
+            allocs[side].push(per_call);
             rates[side].push(cps);
             latencies[side].extend(lat);
             cpu[side].push(cpu_us);
@@ -312,6 +350,23 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
             median(&cpu[side]),
             1,
         );
+        figure(
+            &format!("grpc_{name}_allocations"),
+            median(&allocs[side]),
+            1,
+        );
+    }
+    if instructions::enabled() {
+        let mut counts = Vec::new();
+        for name in SIDES {
+            let count = instructions::per_cycle(name, INSTRUCTION_OPS)?;
+            figure(&format!("grpc_{name}_instructions"), count, 0);
+            counts.push(count);
+        }
+        // Work the hand-written guard does per call over the attribute's (and the layer's):
+        // read as the throughput ratio would be, the higher the better.
+        figure("grpc_instructions_ratio", counts[1] / counts[2], 3);
+        figure("grpc_layer_instructions_ratio", counts[1] / counts[3], 3);
     }
     Ok(())
 }
@@ -321,8 +376,16 @@ async fn main() -> ExitCode {
     let url = std::env::var("IDEMPOTENT_REDIS_URL")
         .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string());
     let run_tag = format!("{:08x}", rand_u128() as u32);
-    println!("grpc bench: {CONCURRENCY} concurrent calls, {CALLS} calls a pass, run tag {run_tag}");
-    let outcome = run(&url, &run_tag).await;
+    if std::env::var("IDEMPOTENT_BENCH_ONLY").is_err() {
+        println!(
+            "grpc bench: {CONCURRENCY} concurrent calls, {CALLS} calls a pass, run tag {run_tag}"
+        );
+    }
+    let outcome = match instructions::only(INSTRUCTION_OPS) {
+        Ok(Some((name, ops))) => one_side(&url, &run_tag, &name, ops).await,
+        Ok(None) => run(&url, &run_tag).await,
+        Err(err) => Err(err),
+    };
     // Whatever happened, remove every key of this run.
     if let Ok(client) = redis::Client::open(url.as_str()) {
         if let Ok(mut conn) = ConnectionManager::new(client).await {

@@ -5,11 +5,17 @@
 //!
 //! - **raw**: `SET key token NX PX lease` to lock, a Lua compare-and-delete
 //!   (`if GET == token then DEL`) to unlock, on one shared `ConnectionManager`;
+//! - **renewed**: the same, with the renewal task a lease lock needs (a spawned task that
+//!   extends the key with a Lua compare-and-`PEXPIRE` every third of the lease, aborted at
+//!   unlock): the hand-written equivalent of `Lock`, and the baseline of `lock_ratio`;
 //! - **lock**: `Lock::new(RedisStore, lease).lock(key)` then `guard.unlock()`: the store's claim
-//!   and release scripts, with the guard's watchdog task started and stopped.
+//!   and release scripts, with the guard's lease renewal started and stopped.
 //!
-//! After a warm-up pass of each, raw and lock passes alternate (5 rounds); the median of each
-//! side is kept, with the Redis CPU per cycle (`INFO cpu`).
+//! After a warm-up pass of each, the sides take turns (5 rounds, each starting with the next
+//! side); the median of each side is kept, with the Redis CPU and this process's allocations
+//! per cycle. With valgrind installed it then counts each side's instructions per cycle under
+//! callgrind (see `support/instructions.rs`), a figure the machine's load does not move;
+//! `IDEMPOTENT_BENCH_INSTRUCTIONS=0` skips it.
 //!
 //! Needs a Redis server this benchmark may write to, at `IDEMPOTENT_REDIS_URL` (default
 //! `redis://127.0.0.1:6379`); every key carries a tag unique to the run: the raw side's are
@@ -20,12 +26,19 @@
 //! cargo bench --bench lock --features redis
 //! ```
 //!
-//! The last lines are the figures: `raw_cycles_per_s`, `lock_cycles_per_s`, `lock_ratio`
-//! (lock over raw), `raw_redis_cpu_us`, `lock_redis_cpu_us` (per cycle).
+//! The last lines are the figures: `<side>_cycles_per_s`, `lock_ratio` (lock over renewed, the
+//! goal is at least 0.9), `lock_raw_ratio` (lock over raw), `<side>_redis_cpu_us`,
+//! `<side>_allocations` (per cycle), and with valgrind `<side>_instructions` (per cycle) and
+//! `lock_instructions_ratio` (renewed's count over lock's: read as the throughput ratio is,
+//! the higher the better).
 
 // A measurement program: failing loudly on a broken setup is the right behaviour.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/allocations.rs"]
+mod allocations;
+#[path = "support/instructions.rs"]
+mod instructions;
 #[path = "support/redis_info.rs"]
 mod redis_info;
 #[path = "support/stats.rs"]
@@ -48,7 +61,17 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 const TASKS: usize = 50;
 const CYCLES: usize = 10_000;
 const ROUNDS: usize = 5;
+/// Cycles a side runs under callgrind (and twice as many in the second count).
+const INSTRUCTION_OPS: usize = 2_000;
 const LEASE: Duration = Duration::from_secs(30);
+
+/// The hand-written renewal: extend the key only if this token still holds it.
+const RENEW: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+";
 
 /// The hand-written unlock: delete the key only if this token still holds it.
 const UNLOCK: &str = r"
@@ -61,29 +84,47 @@ return 0
 #[derive(Clone, Copy, PartialEq)]
 enum Side {
     Raw,
+    Renewed,
     Lock,
+}
+
+const SIDES: [Side; 3] = [Side::Raw, Side::Renewed, Side::Lock];
+
+impl Side {
+    fn name(self) -> &'static str {
+        match self {
+            Side::Raw => "raw",
+            Side::Renewed => "renewed",
+            Side::Lock => "lock",
+        }
+    }
 }
 
 struct Bench {
     conn: ConnectionManager,
+    renew: Arc<Script>,
     unlock: Arc<Script>,
     locks: Lock,
     run: String,
 }
 
 impl Bench {
-    /// One pass of `CYCLES` lock + unlock cycles over `TASKS` tasks: cycles per second.
-    async fn pass(&self, side: Side, tag: &str) -> Result<f64, BoxError> {
+    /// One pass of `cycles` lock + unlock cycles over `TASKS` tasks: cycles per second.
+    async fn pass(&self, side: Side, tag: &str, cycles: usize) -> Result<f64, BoxError> {
         let start = Instant::now();
         let tasks: Vec<_> = (0..TASKS)
             .map(|task| {
-                let (mut conn, unlock, locks) =
-                    (self.conn.clone(), self.unlock.clone(), self.locks.clone());
+                let (mut conn, renew, unlock, locks) = (
+                    self.conn.clone(),
+                    self.renew.clone(),
+                    self.unlock.clone(),
+                    self.locks.clone(),
+                );
                 let prefix = format!("bench:lock:{}:{tag}", self.run);
                 tokio::spawn(async move {
-                    for i in (task..CYCLES).step_by(TASKS) {
+                    for i in (task..cycles).step_by(TASKS) {
                         match side {
-                            Side::Raw => {
+                            Side::Raw | Side::Renewed => {
                                 let key = format!("{prefix}:raw:{i}");
                                 let token = format!("{task}-{i}");
                                 let locked: Option<String> = redis::cmd("SET")
@@ -95,6 +136,24 @@ impl Bench {
                                     .query_async(&mut conn)
                                     .await?;
                                 assert!(locked.is_some(), "a fresh key was held");
+                                let renewal = (side == Side::Renewed).then(|| {
+                                    let (mut conn, renew) = (conn.clone(), renew.clone());
+                                    let (key, token) = (key.clone(), token.clone());
+                                    tokio::spawn(async move {
+                                        loop {
+                                            tokio::time::sleep(LEASE / 3).await;
+                                            let _: Result<i64, _> = renew
+                                                .key(&key)
+                                                .arg(&token)
+                                                .arg(LEASE.as_millis() as u64)
+                                                .invoke_async(&mut conn)
+                                                .await;
+                                        }
+                                    })
+                                });
+                                if let Some(renewal) = renewal {
+                                    renewal.abort();
+                                }
                                 let released: i64 =
                                     unlock.key(&key).arg(&token).invoke_async(&mut conn).await?;
                                 assert_eq!(released, 1);
@@ -113,8 +172,20 @@ impl Bench {
         for task in tasks {
             task.await??;
         }
-        Ok(per_s(CYCLES, start.elapsed()))
+        Ok(per_s(cycles, start.elapsed()))
     }
+}
+
+/// `IDEMPOTENT_BENCH_ONLY=<side>`: a warm-up and `ops` cycles of that side alone, nothing
+/// printed: what callgrind counts.
+async fn one_side(bench: &Bench, name: &str, ops: usize) -> Result<(), BoxError> {
+    let side = SIDES
+        .into_iter()
+        .find(|side| side.name() == name)
+        .ok_or_else(|| format!("no side {name}: raw, renewed or lock"))?;
+    bench.pass(side, "warm", 500).await?;
+    bench.pass(side, "only", ops).await?;
+    Ok(())
 }
 
 async fn run(url: &str) -> Result<(), BoxError> {
@@ -125,39 +196,71 @@ async fn run(url: &str) -> Result<(), BoxError> {
         .as_nanos() as u64;
     let bench = Bench {
         conn: conn.clone(),
+        renew: Arc::new(Script::new(RENEW)),
         unlock: Arc::new(Script::new(UNLOCK)),
         locks: Lock::new(Arc::new(store), LEASE).wait(Duration::from_secs(5)),
         run: format!("{:08x}", (nanos ^ u64::from(std::process::id())) as u32),
     };
+    if let Some((name, ops)) = instructions::only(INSTRUCTION_OPS)? {
+        return one_side(&bench, &name, ops).await;
+    }
+    println!("lock bench: {TASKS} tasks, {CYCLES} cycles a pass");
     let mut info = conn.clone();
-    bench.pass(Side::Raw, "warm").await?;
-    bench.pass(Side::Lock, "warm").await?;
-    let (mut raw, mut lock, mut raw_cpu, mut lock_cpu) = (vec![], vec![], vec![], vec![]);
+    for side in SIDES {
+        bench.pass(side, "warm", CYCLES).await?;
+    }
+    let mut rates: [Vec<f64>; 3] = Default::default();
+    let mut cpu: [Vec<f64>; 3] = Default::default();
+    let mut allocs: [Vec<f64>; 3] = Default::default();
     for round in 0..ROUNDS {
-        let order = if round % 2 == 0 {
-            [Side::Raw, Side::Lock]
-        } else {
-            [Side::Lock, Side::Raw]
-        };
-        for side in order {
+        for step in 0..SIDES.len() {
+            let at = (round + step) % SIDES.len();
+            let side = SIDES[at];
             let before = server_cpu(&mut info).await?;
-            let rate = bench.pass(side, &format!("r{round}")).await?;
+            let allocated = allocations::so_far();
+            let rate = bench.pass(side, &format!("r{round}"), CYCLES).await?;
+            let per_cycle = (allocations::so_far() - allocated) as f64 / CYCLES as f64;
             let cpu_us = (server_cpu(&mut info).await? - before) * 1e6 / CYCLES as f64;
-            let (rates, cpu, name) = match side {
-                Side::Raw => (&mut raw, &mut raw_cpu, "raw"),
-                Side::Lock => (&mut lock, &mut lock_cpu, "lock"),
-            };
-            println!("round {round} {name:>4}: {rate:>8.0} cycles/s, redis {cpu_us:.1} us/cycle");
-            rates.push(rate);
-            cpu.push(cpu_us);
+            println!(
+                "round {round} {:>7}: {rate:>8.0} cycles/s, redis {cpu_us:.1} us/cycle, \
+                 {per_cycle:.1} allocations/cycle",
+                side.name()
+            );
+            rates[at].push(rate);
+            cpu[at].push(cpu_us);
+            allocs[at].push(per_cycle);
         }
     }
-    let (raw_rate, lock_rate) = (median(&raw), median(&lock));
-    figure("raw_cycles_per_s", raw_rate, 0);
-    figure("lock_cycles_per_s", lock_rate, 0);
-    figure("lock_ratio", lock_rate / raw_rate, 3);
-    figure("raw_redis_cpu_us", median(&raw_cpu), 1);
-    figure("lock_redis_cpu_us", median(&lock_cpu), 1);
+    for (at, side) in SIDES.into_iter().enumerate() {
+        figure(
+            &format!("{}_cycles_per_s", side.name()),
+            median(&rates[at]),
+            0,
+        );
+    }
+    figure("lock_ratio", median(&rates[2]) / median(&rates[1]), 3);
+    figure("lock_raw_ratio", median(&rates[2]) / median(&rates[0]), 3);
+    for (at, side) in SIDES.into_iter().enumerate() {
+        figure(
+            &format!("{}_redis_cpu_us", side.name()),
+            median(&cpu[at]),
+            1,
+        );
+        figure(
+            &format!("{}_allocations", side.name()),
+            median(&allocs[at]),
+            1,
+        );
+    }
+    if instructions::enabled() {
+        let mut counts = Vec::new();
+        for side in SIDES {
+            let count = instructions::per_cycle(side.name(), INSTRUCTION_OPS)?;
+            figure(&format!("{}_instructions", side.name()), count, 0);
+            counts.push(count);
+        }
+        figure("lock_instructions_ratio", counts[1] / counts[2], 3);
+    }
     Ok(())
 }
 
@@ -165,7 +268,6 @@ async fn run(url: &str) -> Result<(), BoxError> {
 async fn main() -> ExitCode {
     let url = std::env::var("IDEMPOTENT_REDIS_URL")
         .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string());
-    println!("lock bench: {TASKS} tasks, {CYCLES} cycles a pass");
     match run(&url).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

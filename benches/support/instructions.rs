@@ -1,0 +1,93 @@
+//! Instructions per cycle of one side of a bench, counted by valgrind's callgrind: a figure
+//! that does not move with the machine's load (the same binary and input execute the same
+//! instructions whatever else runs beside them).
+//!
+//! The bench runs itself twice under callgrind for one side alone (`IDEMPOTENT_BENCH_ONLY`
+//! names the side, `IDEMPOTENT_BENCH_OPS` the cycles): with `n` and with `2n` cycles. The
+//! difference of the two totals, over `n`, is the work of one cycle without the start-up,
+//! connections and warm-up both runs share. It counts every thread of the process: for a
+//! bench whose servers run in the process (HTTP, gRPC), client and server together.
+//!
+//! `IDEMPOTENT_BENCH_INSTRUCTIONS=0` skips the count; without `valgrind` on the `PATH` the
+//! figures are left out with a note. Included with
+//! `#[path = "support/instructions.rs"] mod instructions;`.
+
+// Each bench uses only some of these.
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::process::Command;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The side a run of the bench is restricted to (`IDEMPOTENT_BENCH_ONLY`), and its cycles
+/// (`IDEMPOTENT_BENCH_OPS`, `default` when unset).
+pub(crate) fn only(default: usize) -> Result<Option<(String, usize)>, BoxError> {
+    let Ok(side) = std::env::var("IDEMPOTENT_BENCH_ONLY") else {
+        return Ok(None);
+    };
+    let ops = match std::env::var("IDEMPOTENT_BENCH_OPS") {
+        Ok(ops) => ops.parse()?,
+        Err(_) => default,
+    };
+    Ok(Some((side, ops)))
+}
+
+/// Whether the instruction counts are wanted and can be taken.
+pub(crate) fn enabled() -> bool {
+    if std::env::var("IDEMPOTENT_BENCH_INSTRUCTIONS").is_ok_and(|v| v == "0") {
+        return false;
+    }
+    let found = Command::new("valgrind")
+        .arg("--version")
+        .output()
+        .is_ok_and(|out| out.status.success());
+    if !found {
+        println!("(valgrind not found: instruction counts left out; apt install valgrind)");
+    }
+    found
+}
+
+/// Instructions per cycle of `side`: this bench run twice under callgrind with `ops` and
+/// `2 * ops` cycles of that side alone.
+pub(crate) fn per_cycle(side: &str, ops: usize) -> Result<f64, BoxError> {
+    let exe = std::env::current_exe()?;
+    let mut totals = [0u64; 2];
+    for (total, cycles) in totals.iter_mut().zip([ops, 2 * ops]) {
+        let out = std::env::temp_dir().join(format!(
+            "idempotent-bench-{}-{side}-{cycles}.callgrind",
+            std::process::id()
+        ));
+        let status = Command::new("valgrind")
+            .arg("--tool=callgrind")
+            .arg(format!("--callgrind-out-file={}", out.display()))
+            .arg(&exe)
+            .arg("--bench")
+            .env("IDEMPOTENT_BENCH_ONLY", side)
+            .env("IDEMPOTENT_BENCH_OPS", cycles.to_string())
+            .env("IDEMPOTENT_BENCH_INSTRUCTIONS", "0")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()?;
+        let read = total_of(&out);
+        let _ = std::fs::remove_file(&out);
+        if !status.success() {
+            return Err(format!("the {side} side failed under callgrind ({status})").into());
+        }
+        *total = read?;
+    }
+    Ok(totals[1].saturating_sub(totals[0]) as f64 / ops as f64)
+}
+
+/// The instruction total of a callgrind output file (its `summary:` or `totals:` line).
+fn total_of(path: &Path) -> Result<u64, BoxError> {
+    let text = std::fs::read_to_string(path)?;
+    text.lines()
+        .find_map(|line| {
+            line.strip_prefix("summary:")
+                .or_else(|| line.strip_prefix("totals:"))
+        })
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| format!("no instruction total in {}", path.display()).into())
+}
