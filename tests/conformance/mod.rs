@@ -252,6 +252,7 @@ macro_rules! conformance_cases {
             a_completion_naming_its_claim_is_decided_by_the_token,
             error_releases_and_the_retry_runs,
             release_never_removes_another_owners_claim,
+            a_release_naming_its_claim_is_decided_by_the_token,
             held_error_blocks_the_key,
             stored_error_is_replayed,
             store_outage_fails_closed,

@@ -4,7 +4,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idempotency::store::{Claim, RecordState};
+use idempotency::store::{AcquiredClaim, Claim, RecordState};
+use idempotency::Key;
 use idempotency::{Error, OnError};
 
 use super::{assert_answer, guard, key, req, unique_prefix, AppError, Backend, TestError};
@@ -59,6 +60,99 @@ pub async fn release_never_removes_another_owners_claim(b: impl Backend) {
         store.claim(&req(&k, lease)).await.unwrap(),
         Claim::InProgress { fence: f + 1 },
     );
+}
+
+/// A release naming its claim (`release_acquired`, what the engine and locks send) answers
+/// as a release by token: the claim as its owner acquired it, the claim renewed since (its
+/// record is no longer the one the claim wrote), a claim named with a wrong fence, and a
+/// claim another owner has taken over.
+pub async fn a_release_naming_its_claim_is_decided_by_the_token(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix(&b, "named-release");
+    let lease = Duration::from_secs(30);
+    let acquire = |k: Key, lease: Duration| {
+        let store = store.clone();
+        async move {
+            let owner = req(&k, lease);
+            let Claim::Acquired { fence } = store.claim(&owner).await.unwrap() else {
+                panic!("a new key was not acquired")
+            };
+            (owner, fence)
+        }
+    };
+    let released = |k: Key, fence: u64| {
+        let store = store.clone();
+        async move {
+            let record = store.read(&k).await.unwrap().expect("the record");
+            assert_eq!((record.state, record.fence), (RecordState::Released, fence));
+            assert_eq!(
+                store.claim(&req(&k, lease)).await.unwrap(),
+                Claim::Acquired { fence: fence + 1 },
+                "the next claim acquires with the next fence"
+            );
+        }
+    };
+
+    // As acquired.
+    let k = key(&prefix, &[&"as-acquired"]);
+    let (owner, fence) = acquire(k.clone(), lease).await;
+    let named = AcquiredClaim::new(fence, owner.fingerprint).with_lease(lease);
+    assert!(store
+        .release_acquired(&k, &owner.token, &named)
+        .await
+        .unwrap());
+    assert!(
+        !store
+            .release_acquired(&k, &owner.token, &named)
+            .await
+            .unwrap(),
+        "a released claim is not released again"
+    );
+    released(k, fence).await;
+
+    // Renewed since: the record changed, the token still owns it.
+    let k = key(&prefix, &[&"renewed"]);
+    let (owner, fence) = acquire(k.clone(), lease).await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert!(store.renew(&k, &owner.token, lease * 2).await.unwrap());
+    let named = AcquiredClaim::new(fence, owner.fingerprint).with_lease(lease);
+    assert!(store
+        .release_acquired(&k, &owner.token, &named)
+        .await
+        .unwrap());
+    released(k, fence).await;
+
+    // Named with a fence that is not the claim's: the token decides.
+    let k = key(&prefix, &[&"wrong-fence"]);
+    let (owner, fence) = acquire(k.clone(), lease).await;
+    let named = AcquiredClaim::new(fence + 7, owner.fingerprint).with_lease(lease);
+    assert!(store
+        .release_acquired(&k, &owner.token, &named)
+        .await
+        .unwrap());
+    released(k, fence).await;
+
+    // Taken over once the lease ran out: the old owner releases nothing.
+    let k = key(&prefix, &[&"taken-over"]);
+    let short = Duration::from_secs(1);
+    let (old, old_fence) = acquire(k.clone(), short).await;
+    tokio::time::sleep(short + Duration::from_millis(200)).await;
+    let (new, new_fence) = acquire(k.clone(), lease).await;
+    let named = AcquiredClaim::new(old_fence, old.fingerprint).with_lease(short);
+    assert!(!store
+        .release_acquired(&k, &old.token, &named)
+        .await
+        .unwrap());
+    let record = store
+        .read(&k)
+        .await
+        .unwrap()
+        .expect("the new owner's record");
+    assert!(
+        matches!(record.state, RecordState::InProgress { .. }),
+        "{record:?}"
+    );
+    assert_eq!((record.fence, record.token), (new_fence, new.token));
 }
 
 pub async fn held_error_blocks_the_key(b: impl Backend) {

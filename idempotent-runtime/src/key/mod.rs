@@ -347,6 +347,12 @@ fn validate_prefix(prefix: &str) -> Result<(), KeyError> {
     if prefix.len() > MAX_PREFIX_LEN {
         return Err(KeyError::PrefixTooLong { len: prefix.len() });
     }
+    // The common prefix is ASCII: one pass over its bytes. Among ASCII characters, the
+    // whitespace that is not a control character is the space.
+    let plain = |b: &u8| b.is_ascii() && !b.is_ascii_control() && !matches!(b, b'{' | b'}' | b' ');
+    if prefix.as_bytes().iter().all(plain) {
+        return Ok(());
+    }
     if let Some(found) = prefix
         .chars()
         .find(|c| matches!(c, '{' | '}') || c.is_whitespace() || c.is_control())

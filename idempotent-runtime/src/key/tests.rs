@@ -162,3 +162,22 @@ fn non_utf8_bytes_are_kept_exactly() {
     assert_eq!(&a.as_bytes()[..8], b"p:v1:{2:");
     assert_eq!(a.to_string(), "p:v1:{2:\\xff\\x00}");
 }
+
+#[test]
+fn a_prefix_is_refused_for_the_same_characters_on_either_path() {
+    // The rule, as the character path states it; the byte path must agree on every ASCII
+    // character, and non-ASCII ones take the character path.
+    let refused = |c: char| matches!(c, '{' | '}') || c.is_whitespace() || c.is_control();
+    let samples = (0u8..=0x7f)
+        .map(char::from)
+        .chain(['é', '\u{85}', '\u{a0}', '\u{2003}', '\u{3000}', '注']);
+    for c in samples {
+        let prefix = format!("order{c}consume");
+        assert_eq!(
+            Key::new(&prefix, 1, &[&"7"]).is_err(),
+            refused(c),
+            "{c:?} (U+{:04X})",
+            u32::from(c)
+        );
+    }
+}

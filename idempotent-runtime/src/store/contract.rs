@@ -9,7 +9,8 @@ use std::time::Duration;
 use crate::error::StoreError;
 use crate::key::Key;
 use crate::store::{
-    Claim, ClaimRequest, Completion, End, Ending, Record, Token, DEFAULT_MAX_RESULT_SIZE,
+    AcquiredClaim, Claim, ClaimRequest, Completion, End, Ending, Record, Token,
+    DEFAULT_MAX_RESULT_SIZE,
 };
 
 /// A boxed, sendable future, as returned by [`Store`] methods.
@@ -127,6 +128,22 @@ pub trait Store: Send + Sync + 'static {
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
 
+    /// [`release`](Store::release), naming the claim `token` acquired. A store may use
+    /// `claim` to recognise the owner's record with less work (Redis compares the record its
+    /// fast claim wrote, byte for byte, instead of parsing it), but the answer must be the
+    /// one the token alone gives: a record whose fence or lease differs (renewed since) is
+    /// still released if `token` owns it. The engine and [`Lock`](crate::Lock) release
+    /// through it; the default calls [`release`](Store::release).
+    fn release_acquired<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        claim: &'a AcquiredClaim,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let _ = claim;
+        self.release(key, token)
+    }
+
     /// Extends the lease of `token`'s `InProgress` record to `lease` from now (and the
     /// record's expiry, if the lease would outlive it). Returns `false` when `token` no
     /// longer owns the key.
@@ -197,6 +214,14 @@ macro_rules! forward_store {
                 token: &'a Token,
             ) -> BoxFuture<'a, Result<bool, StoreError>> {
                 (**self).release(key, token)
+            }
+            fn release_acquired<'a>(
+                &'a self,
+                key: &'a Key,
+                token: &'a Token,
+                claim: &'a AcquiredClaim,
+            ) -> BoxFuture<'a, Result<bool, StoreError>> {
+                (**self).release_acquired(key, token, claim)
             }
             fn complete_many<'a>(
                 &'a self,

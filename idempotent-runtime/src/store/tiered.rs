@@ -31,8 +31,9 @@ use std::time::Duration;
 use crate::error::StoreError;
 use crate::key::Key;
 use crate::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, End, Ending, Expect, IntoOperatorStore,
-    OperatorStore, Record, ScanCursor, ScanPage, SharedOperatorStore, Store, Token,
+    AcquiredClaim, BoxFuture, Claim, ClaimRequest, Completion, End, Ending, Expect,
+    IntoOperatorStore, OperatorStore, Record, ScanCursor, ScanPage, SharedOperatorStore, Store,
+    Token,
 };
 
 /// A [`Store`] of two layers: a fast `front` and a durable, authoritative `back`.
@@ -202,6 +203,20 @@ impl Store for TieredStore {
             self.best_effort("release", self.front.release(key, token))
                 .await;
             self.back.release(key, token).await
+        })
+    }
+
+    fn release_acquired<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        claim: &'a AcquiredClaim,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        // As `release`; the claim's fence is the back's, so only the back is told it.
+        Box::pin(async move {
+            self.best_effort("release", self.front.release(key, token))
+                .await;
+            self.back.release_acquired(key, token, claim).await
         })
     }
 

@@ -15,14 +15,17 @@
 --   complete: ARGV[3] ttl ms, ARGV[4] result ('' for none), and, when the owner knows its
 --             claim's fence, ARGV[5] the head of the in-progress record it holds:
 --             'P' .. token .. ('F' .. fingerprint or '-') .. fence .. ':'
+--   release:  when the owner's claim may be a fast claim, ARGV[3] the in-progress record it
+--             wrote, byte for byte, and ARGV[4] the released record to write in its place
+--             ('R', the token, '-', the fence, ':0:')
 --
 -- The record is read exactly as record.lua reads it (same format, same checks): a value that
 -- is not such a record, or a key of another type, answers IDEMPOTENT_CORRUPT and is left as
--- it is. The fence is carried over as written. Two exceptions, each on a value that holds
+-- it is. The fence is carried over as written. Three exceptions, each on a value that holds
 -- the owner's own 16-byte token, which only its claim wrote: the value its claim wrote,
--- unchanged, is replaced by the completed record the owner sent; a value that starts with
--- the head the owner sent is completed without reading the fields after the fence (the
--- lease end and the claim's time, which a completion discards).
+-- unchanged, is replaced by the completed record, or the released one, the owner sent; a
+-- value that starts with the head the owner sent is completed without reading the fields
+-- after the fence (the lease end and the claim's time, which a completion discards).
 
 local v = redis.pcall('GET', KEYS[1])
 local op, token, ttl, result, head, completed
@@ -45,6 +48,14 @@ if #ARGV == 3 then
   op, token, ttl = 'complete', string.sub(claimed, 2, 17), ARGV[1]
   head, completed = string.sub(claimed, 1, fence_end), ARGV[3]
   result = string.sub(completed, fence_end + 3)
+elseif ARGV[1] == 'release' then
+  -- The common release: the key holds the owner's claim as it was written (not renewed
+  -- since). A compare and set, as a hand-written unlock is.
+  if ARGV[3] and v == ARGV[3] then
+    redis.call('SET', KEYS[1], ARGV[4], 'KEEPTTL')
+    return 1
+  end
+  op, token = 'release', ARGV[2]
 else
   op, token, ttl, result, head = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 end

@@ -7,11 +7,11 @@ use ::redis::Value;
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::redis::batch::send_again;
-use crate::store::redis::clock::fast_durations;
+use crate::store::redis::clock::{fast_durations, MIN_FAST_DURATION};
 use crate::store::redis::conn::{command_error, script_error};
 use crate::store::redis::store::RedisStore;
-use crate::store::redis::wire::{fast_completion, in_progress_head, int};
-use crate::store::{clamped_millis, Completion, End, Ending, Store, Token};
+use crate::store::redis::wire::{fast_completion, fast_release, in_progress_head, int};
+use crate::store::{clamped_millis, AcquiredClaim, Completion, End, Ending, Store, Token};
 
 impl RedisStore {
     /// The `ending.lua` call of a completion; a result larger than the store takes is
@@ -147,6 +147,32 @@ impl RedisStore {
                 })
             })
             .collect()
+    }
+
+    /// Releases `claim`, which `token` acquired: where this store's fast claim may have
+    /// written it, the script compares the record with the one that claim wrote and, if it
+    /// is unchanged (not renewed since), writes the released record the owner sent; any
+    /// other value is released by token, as [`release`](Store::release) does.
+    pub(super) async fn release_claim(
+        &self,
+        key: &Key,
+        token: &Token,
+        claim: &AcquiredClaim,
+    ) -> Result<bool, StoreError> {
+        let fast = claim
+            .lease
+            .filter(|&lease| self.inner.fast_claims && lease >= MIN_FAST_DURATION)
+            .and_then(|lease| fast_release(token, claim, clamped_millis(lease)));
+        let Some((both, released)) = fast else {
+            return self.by_token("release", key, token).await;
+        };
+        let (claimed, released) = both.split_at(released);
+        let mut cmd = self.inner.ending.call(key.as_bytes());
+        cmd.arg("release")
+            .arg(token.as_bytes())
+            .arg(claimed)
+            .arg(released);
+        Ok(int(&self.call(key, &self.inner.ending, &cmd).await?)? == 1)
     }
 
     /// Runs `ending.lua`'s token-only operation `op` (`release`, `reopen`) on `key`.

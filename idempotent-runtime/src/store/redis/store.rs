@@ -14,7 +14,8 @@ use crate::store::redis::clock::ServerClock;
 use crate::store::redis::conn::{script_error, Conn, Lua};
 use crate::store::redis::wire::{decode_record, int, text};
 use crate::store::{
-    clamped_millis, BoxFuture, Claim, ClaimRequest, Completion, Ending, Record, Store, Token,
+    clamped_millis, AcquiredClaim, BoxFuture, Claim, ClaimRequest, Completion, Ending, Record,
+    Store, Token,
 };
 
 pub(super) const SCRIPT: &str = include_str!("record.lua");
@@ -215,6 +216,15 @@ impl Store for RedisStore {
         token: &'a Token,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(self.by_token("release", key, token))
+    }
+
+    fn release_acquired<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        claim: &'a AcquiredClaim,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(self.release_claim(key, token, claim))
     }
 
     /// One pipeline of `ending.lua` calls on a server, one per node on a cluster.

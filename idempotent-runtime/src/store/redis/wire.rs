@@ -181,6 +181,30 @@ pub(super) fn fast_completion(
     Some((claimed, completed))
 }
 
+/// `ending.lua`'s release of a claim the fast claim wrote, in one buffer: the record as
+/// [`fast_claim_record`] wrote it for `claim` (acquired with a lease of `lease_ms`), then the
+/// released record that replaces it (what the script's own release writes: the token, no
+/// fingerprint, the fence, no lease), and where the second starts. `None` for numbers out
+/// of the script's exact range.
+pub(super) fn fast_release(
+    token: &Token,
+    claim: &AcquiredClaim,
+    lease_ms: u64,
+) -> Option<(Vec<u8>, usize)> {
+    let at_ms = claim.fence / 1_000;
+    let lease_end_ms = at_ms.checked_add(lease_ms)?;
+    if lease_end_ms > MAX_EXACT {
+        return None;
+    }
+    let mut both = in_progress_head(token, claim)?;
+    let _ = write!(both, "{lease_end_ms}:{at_ms}");
+    let released = both.len();
+    both.push(b'R');
+    both.extend_from_slice(token.as_bytes());
+    let _ = write!(both, "-{}:0:", claim.fence);
+    Some((both, released))
+}
+
 /// The first fields of the in-progress record of `claim` owned by `token`, up to and with
 /// the `:` after the fence: what `ending.lua` compares a record's head with to complete it
 /// without parsing. `None` for a fence out of the script's exact range (no record has one).
@@ -188,7 +212,9 @@ pub(super) fn in_progress_head(token: &Token, claim: &AcquiredClaim) -> Option<V
     if claim.fence > MAX_EXACT {
         return None;
     }
-    let mut head = Vec::with_capacity(88);
+    // Room for the fields a caller writes after it: a whole claimed record, and the
+    // released record [`fast_release`] writes after that.
+    let mut head = Vec::with_capacity(128);
     head.push(b'P');
     head.extend_from_slice(token.as_bytes());
     push_fingerprint(&mut head, claim.fingerprint.as_ref());
