@@ -140,7 +140,9 @@ where
     // The run, from the claim to the answer and its count, is a task of its own: a client
     // that hangs up drops this future, not the handler, whose response is stored for the
     // client's retry and counted.
-    let task = tasks.spawn(carry(
+    // Boxed: the run holds the handler's future and the engine's, and a task moves its
+    // future (into the task, and its output over it) at every step; a box moves as a pointer.
+    let task = tasks.spawn(Box::pin(carry(
         scoped(),
         conclude(
             inner,
@@ -151,7 +153,7 @@ where
             reply,
         )
         .instrument(tracing::Span::current()),
-    ));
+    )));
     if let Ok(answer) = replied.await {
         return answer;
     }
