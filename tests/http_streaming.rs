@@ -193,3 +193,106 @@ async fn a_client_leaving_mid_stream_completes_the_key() {
         assert!(events.send("two".into()).is_err());
     }
 }
+
+/// The memory store, holding each completion until the test opens it: says on `entered` when
+/// a completion arrived. (A wrapper, not a stand-in: every call goes to the real store.)
+struct HeldCompletions {
+    inner: idempotency::MemoryStore,
+    entered: Notify,
+    open: Notify,
+}
+
+impl idempotency::store::Store for HeldCompletions {
+    fn claim<'a>(
+        &'a self,
+        req: &'a idempotency::store::ClaimRequest,
+    ) -> idempotency::store::BoxFuture<
+        'a,
+        Result<idempotency::store::Claim, idempotency::store::StoreError>,
+    > {
+        self.inner.claim(req)
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a idempotency::Key,
+        token: &'a idempotency::store::Token,
+        completion: &'a idempotency::store::Completion,
+    ) -> idempotency::store::BoxFuture<'a, Result<bool, idempotency::store::StoreError>> {
+        Box::pin(async move {
+            self.entered.notify_one();
+            self.open.notified().await;
+            self.inner.complete(key, token, completion).await
+        })
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a idempotency::Key,
+        token: &'a idempotency::store::Token,
+    ) -> idempotency::store::BoxFuture<'a, Result<bool, idempotency::store::StoreError>> {
+        self.inner.release(key, token)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a idempotency::Key,
+        token: &'a idempotency::store::Token,
+        lease: Duration,
+    ) -> idempotency::store::BoxFuture<'a, Result<bool, idempotency::store::StoreError>> {
+        self.inner.renew(key, token, lease)
+    }
+    fn read<'a>(
+        &'a self,
+        key: &'a idempotency::Key,
+    ) -> idempotency::store::BoxFuture<
+        'a,
+        Result<Option<idempotency::store::Record>, idempotency::store::StoreError>,
+    > {
+        self.inner.read(key)
+    }
+}
+
+/// A response of one frame (the common JSON answer) is held, head included, until its
+/// completion is recorded, then handed over whole: its head never goes to the socket alone,
+/// where, on a server without `TCP_NODELAY` (axum's default), Nagle's algorithm and the
+/// client's delayed acknowledgement would hold its body back 40 ms. A body of several frames
+/// still gets its head with its first frame (`server_sent_events_reach_the_client_...`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_frame_response_goes_out_with_its_head_once_recorded() {
+    use tower::ServiceExt as _;
+
+    let store = Arc::new(HeldCompletions {
+        inner: idempotency::MemoryStore::new(),
+        entered: Notify::new(),
+        open: Notify::new(),
+    });
+    let layer = idempotency::http::IdempotencyLayer::new(
+        idempotency::Idempotency::new(Duration::from_secs(60)).store(store.clone()),
+        |_: &http::request::Parts| Some("tenant".to_owned()),
+    );
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(|| async { (StatusCode::CREATED, r#"{"order":7}"#) }),
+        )
+        .layer(layer);
+    let request = http::Request::post("/orders")
+        .header("idempotency-key", "order-7")
+        .body(Body::empty())
+        .unwrap();
+    let mut call = std::pin::pin!(app.oneshot(request));
+    tokio::select! {
+        _ = &mut call => panic!("the response came before its completion was recorded"),
+        () = store.entered.notified() => {}
+    }
+    // The completion is held: the head must not have been handed over.
+    assert!(
+        futures_util::poll!(&mut call).is_pending(),
+        "the head was handed over alone, before its body"
+    );
+    store.open.notify_one();
+    let response = call.await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let body = axum::body::to_bytes(axum::body::Body::new(response.into_body()), 1 << 16)
+        .await
+        .unwrap();
+    assert_eq!(&body[..], br#"{"order":7}"#);
+}

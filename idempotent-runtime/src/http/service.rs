@@ -21,7 +21,7 @@ use crate::http::failure::Failure;
 use crate::http::request::{prepare, Guarded, Prepared};
 use crate::http::respond::{answer, reject};
 use crate::http::stored::Stored;
-use crate::http::stream::{self, Live};
+use crate::http::stream::{self, Live, Tail};
 use crate::http::{Config, Problem};
 use crate::key::Key;
 use crate::store::Fingerprint;
@@ -188,8 +188,12 @@ async fn conclude<S, B, RB>(
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .take();
-    if let Some(tail) = tail {
-        tail.release();
+    if let Some(head) = tail.and_then(Tail::release) {
+        // Held with its body: both go now, in one write.
+        live.streamed.store(true, Ordering::Relaxed);
+        if let Some(reply) = reply.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            let _ = reply.send(Ok(head));
+        }
     }
     let answer = answer(&config, outcome, &live);
     // The client may be gone, or have its streamed response already: the answer is counted

@@ -1,14 +1,19 @@
 //! A fresh response sent to its client as the handler produces it, and kept for replay when it
 //! fits.
 //!
-//! The head goes to the client as soon as the handler returned it, and each body frame as soon
-//! as it is produced, while the layer keeps a copy up to the stored-body limit. The key
+//! The head goes to the client with the first body frame that can go at once, and each frame
+//! after it as soon as it is produced, while the layer keeps a copy up to the stored-body
+//! limit. The key
 //! completes (its record written) when the body ended (with the body), or as soon as it is
 //! known that the body will not be kept: it outgrew the limit, failed, had trailers, or the
 //! client left before its end (without a body: a retry gets `303` to its `Location` or
 //! `response-not-stored`, never a second run). What the client gets from that point on (the
 //! body's last frame and its end, or the rest of the body) is held back until the completion
-//! is recorded, so a client that has the whole response and retries gets the replay.
+//! is recorded, so a client that has the whole response and retries gets the replay. A
+//! response whose first frame is held (a body of one frame, the common case) is held head
+//! included, so that head and body reach the socket together: a head written alone, and its
+//! body a round trip later, would meet Nagle's algorithm on a server without `TCP_NODELAY`
+//! (axum's default) and the client's delayed acknowledgement, 40 ms on Linux.
 
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
@@ -51,26 +56,31 @@ enum Piece {
     End,
 }
 
-/// The pieces held back until the key's completion is recorded, and the way to the client.
+/// The pieces held back until the key's completion is recorded, the way to the client, and
+/// the response's head when nothing went to the client yet.
 pub(crate) struct Tail {
     to_client: mpsc::UnboundedSender<Piece>,
     held: Vec<Piece>,
+    head: Option<Response<Body>>,
 }
 
 impl Tail {
-    /// Sends what was held back, then the end of the body.
-    pub(crate) fn release(self) {
+    /// Queues what was held back, then the end of the body, and returns the head if it was
+    /// held too: sent now, it finds its whole body ready.
+    pub(crate) fn release(self) -> Option<Response<Body>> {
         for piece in self.held.into_iter().chain([Piece::End]) {
             if self.to_client.send(piece).is_err() {
-                return;
+                break;
             }
         }
+        self.head
     }
 }
 
-/// Sends the head of the handler's `response` with `send_head` and its body as it comes,
-/// keeping a copy up to the limit; returns its stored form and leaves the [`Tail`] in `tail`.
-/// A response that releases the key is the failure sent as it is, unread.
+/// Sends the head of the handler's `response` with `send_head` (with the first frame that goes
+/// at once) and its body as it comes, keeping a copy up to the limit; returns its stored form
+/// and leaves the [`Tail`] in `tail`, with the head when it was held. A response that releases
+/// the key is the failure sent as it is, unread.
 pub(crate) async fn capture<RB, E>(
     config: &Config,
     response: Response<RB>,
@@ -110,7 +120,7 @@ where
         }),
     );
     head.extensions_mut().insert(Replayed(false));
-    send_head(head);
+    let mut head = Some((head, send_head));
 
     let mut body = body.map_err(Into::into).boxed_unsync();
     let max = config.max_stored_body;
@@ -164,11 +174,21 @@ where
         holding |= body.is_end_stream() || declared == Some(size as u64);
         if holding {
             held.push(Piece::Frame(frame));
-        } else if !client_left && to_client.send(Piece::Frame(frame)).is_err() {
-            client_left = true;
+        } else if !client_left {
+            if let Some((head, send_head)) = head.take() {
+                send_head(head);
+            }
+            if to_client.send(Piece::Frame(frame)).is_err() {
+                client_left = true;
+            }
         }
     };
-    *tail.lock().unwrap_or_else(PoisonError::into_inner) = Some(Tail { to_client, held });
+    let head = head.map(|(head, _)| head);
+    *tail.lock().unwrap_or_else(PoisonError::into_inner) = Some(Tail {
+        to_client,
+        held,
+        head,
+    });
     Ok(Stored {
         status,
         headers,
