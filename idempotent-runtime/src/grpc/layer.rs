@@ -358,15 +358,16 @@ where
     let call = http::Request::from_parts(parts, tonic::body::Body::new(Full::new(bytes)));
     let (answer, answered) = oneshot::channel();
     // The run is a task of its own: a client that leaves drops this future, not the method.
-    // Boxed: the run holds the method's future and the engine's, and a task moves its future
-    // (into the task, and its output over it) at every step; a box moves as a pointer.
-    let task = tasks.spawn(Box::pin(carry(
+    // Boxed as soon as it is made: the run holds the method's future and the engine's, and
+    // every wrapper and the task would move it by value (into the task, and its output over
+    // it); a box moves as a pointer.
+    let answering = Box::pin(async move {
+        let _ = answer.send(run(inner, &config, key, fingerprint, call).await);
+    });
+    let task = tasks.spawn(carry(
         scoped(),
-        async move {
-            let _ = answer.send(run(inner, &config, key, fingerprint, call).await);
-        }
-        .instrument(tracing::Span::current()),
-    )));
+        answering.instrument(tracing::Span::current()),
+    ));
     if let Ok(answer) = answered.await {
         return answer;
     }

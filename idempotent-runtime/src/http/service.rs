@@ -140,20 +140,18 @@ where
     // The run, from the claim to the answer and its count, is a task of its own: a client
     // that hangs up drops this future, not the handler, whose response is stored for the
     // client's retry and counted.
-    // Boxed: the run holds the handler's future and the engine's, and a task moves its
-    // future (into the task, and its output over it) at every step; a box moves as a pointer.
-    let task = tasks.spawn(Box::pin(carry(
-        scoped(),
-        conclude(
-            inner,
-            config.clone(),
-            (key, previous),
-            fingerprint,
-            request,
-            reply,
-        )
-        .instrument(tracing::Span::current()),
-    )));
+    // Boxed as soon as it is made: the run holds the handler's future and the engine's, and
+    // every wrapper and the task would move it by value (into the task, and its output over
+    // it); a box moves as a pointer.
+    let run = Box::pin(conclude(
+        inner,
+        config.clone(),
+        (key, previous),
+        fingerprint,
+        request,
+        reply,
+    ));
+    let task = tasks.spawn(carry(scoped(), run.instrument(tracing::Span::current())));
     if let Ok(answer) = replied.await {
         return answer;
     }
