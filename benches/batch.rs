@@ -40,8 +40,20 @@
 //!   the same through a pool that does not ping connections;
 //! - `mysql_batch_statements_per_100`, `mysql_single_statements_per_100`: statements the
 //!   server received;
-//! - `<db>_batch_msgs_per_s`, `<db>_single_msgs_per_s`, `<db>_batch_over_single`.
+//! - `<db>_batch_msgs_per_s`, `<db>_single_msgs_per_s`, `<db>_batch_over_single`;
+//! - `<db>_batch_allocations_per_item`, `<db>_seed_batch_allocations_per_item`: this
+//!   process's allocations per message (median pass);
+//! - with valgrind installed, `<db>_batch_instructions_per_item`,
+//!   `<db>_seed_batch_instructions_per_item` and `<db>_batch_instructions_ratio` (the batch by
+//!   hand's count over the framework's: read as the throughput ratio is, the higher the
+//!   better): this process's instructions per message under callgrind (see
+//!   `support/instructions.rs`), a figure the machine's load does not move and that leaves
+//!   out the server's work. `IDEMPOTENT_BENCH_INSTRUCTIONS=0` skips it.
 
+#[path = "support/allocations.rs"]
+mod allocations;
+#[path = "support/instructions.rs"]
+mod instructions;
 #[path = "../tests/support/sql_tables.rs"]
 mod sql_tables;
 #[path = "support/stats.rs"]
@@ -66,6 +78,8 @@ use tokio::net::{TcpListener, TcpStream};
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 const BATCH: usize = 100;
+/// Batches of 100 a side runs under callgrind (and twice as many in the second count).
+const INSTRUCTION_BATCHES: usize = 20;
 
 /// A TCP proxy counting round trips (see the module docs).
 struct Counter {
@@ -468,6 +482,28 @@ async fn measure(
     seed: &Seed,
     seed_counted: &Seed,
 ) -> Result<(), BoxError> {
+    // `IDEMPOTENT_BENCH_ONLY=<db>_batch` or `<db>_seed`: a warm-up batch and `batches`
+    // batches of that side alone: what callgrind counts.
+    if let Some((only, batches)) = instructions::only(INSTRUCTION_BATCHES)? {
+        let seed_run = tag();
+        if only == format!("{name}_batch") {
+            let side = Side {
+                guard: Idempotency::new(Duration::from_secs(3600)).store(direct),
+                run: tag(),
+                next: AtomicUsize::new(0),
+            };
+            for _ in 0..=batches {
+                side.batch().await?;
+            }
+        } else if only == format!("{name}_seed") {
+            for pass in 0..=batches {
+                seed.batch(seed_keys(&seed_run, pass)?).await?;
+            }
+        } else {
+            return Err(format!("no side {only}: {name}_batch or {name}_seed").into());
+        }
+        return Ok(());
+    }
     let (batch_trips, single_trips) = round_trips(counted, counter).await?;
     let seed_run = tag();
     let mut seed_pass = 0;
@@ -491,16 +527,20 @@ async fn measure(
     seed_pass += 1;
     let passes = 20;
     let (mut batches, mut seeds, mut singles) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut batch_allocs, mut seed_allocs) = (Vec::new(), Vec::new());
+    let per_item = |since: u64| (allocations::so_far() - since) as f64 / (passes * BATCH) as f64;
     // Each side goes first, second and third equally often.
     for round in 0..6 {
         for turn in 0..3 {
             let start = Instant::now();
+            let allocated = allocations::so_far();
             match (round + turn) % 3 {
                 0 => {
                     for _ in 0..passes {
                         fast.batch().await?;
                     }
                     batches.push(per_s(passes * BATCH, start.elapsed()));
+                    batch_allocs.push(per_item(allocated));
                 }
                 1 => {
                     for _ in 0..passes {
@@ -508,6 +548,7 @@ async fn measure(
                         seed_pass += 1;
                     }
                     seeds.push(per_s(passes * BATCH, start.elapsed()));
+                    seed_allocs.push(per_item(allocated));
                 }
                 _ => {
                     for _ in 0..passes {
@@ -539,6 +580,32 @@ async fn measure(
     figure(&format!("{name}_batch_msgs_per_s"), batch, 0);
     figure(&format!("{name}_single_msgs_per_s"), single, 0);
     figure(&format!("{name}_batch_over_single"), batch / single, 2);
+    figure(
+        &format!("{name}_batch_allocations_per_item"),
+        median(&batch_allocs),
+        1,
+    );
+    figure(
+        &format!("{name}_seed_batch_allocations_per_item"),
+        median(&seed_allocs),
+        1,
+    );
+    if instructions::enabled() {
+        let item = BATCH as f64;
+        let ours = instructions::per_cycle(&format!("{name}_batch"), INSTRUCTION_BATCHES)? / item;
+        let by_hand = instructions::per_cycle(&format!("{name}_seed"), INSTRUCTION_BATCHES)? / item;
+        figure(&format!("{name}_batch_instructions_per_item"), ours, 0);
+        figure(
+            &format!("{name}_seed_batch_instructions_per_item"),
+            by_hand,
+            0,
+        );
+        figure(
+            &format!("{name}_batch_instructions_ratio"),
+            by_hand / ours,
+            3,
+        );
+    }
     Ok(())
 }
 
@@ -630,9 +697,10 @@ async fn sql<DB: Dialect>(name: &str, server: Server) -> Result<(), BoxError> {
     let counted = Arc::new(build(through(table.url(), counter.addr)).await?);
     // MariaDB counts the statements clients send (`Questions`) at once; PostgreSQL's
     // counters are reported by its backends late and in bulk.
+    let counting = std::env::var("IDEMPOTENT_BENCH_ONLY").is_err();
     let statements = match server {
-        Server::MySql => Some(statement_counts(direct.clone(), table.url()).await?),
-        Server::Postgres => None,
+        Server::MySql if counting => Some(statement_counts(direct.clone(), table.url()).await?),
+        _ => None,
     };
     let seed_table = Scratch::table(server);
     let seed = Seed::sql(server, seed_table.url(), seed_table.name()).await?;
@@ -651,6 +719,9 @@ async fn sql<DB: Dialect>(name: &str, server: Server) -> Result<(), BoxError> {
     if let Some((batch, single)) = statements {
         figure(&format!("{name}_batch_statements_per_100"), batch, 1);
         figure(&format!("{name}_single_statements_per_100"), single, 1);
+    }
+    if !counting {
+        return Ok(());
     }
     // The same through a pool that does not check a connection each time it is taken
     // (sqlx's `test_before_acquire(false)`): the store's own statements alone.
@@ -680,14 +751,20 @@ async fn sql<DB: Dialect>(name: &str, server: Server) -> Result<(), BoxError> {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let mut failed = false;
-    let runs = [
-        ("redis", redis().await),
-        (
-            "postgres",
-            sql::<sqlx::Postgres>("postgres", Server::Postgres).await,
-        ),
-        ("mysql", sql::<sqlx::MySql>("mysql", Server::MySql).await),
-    ];
+    // Under callgrind only the database of the side counted runs.
+    let only = std::env::var("IDEMPOTENT_BENCH_ONLY").ok();
+    let wanted = |name: &str| only.as_deref().is_none_or(|side| side.starts_with(name));
+    let mut runs = Vec::new();
+    if wanted("redis") {
+        runs.push(("redis", redis().await));
+    }
+    if wanted("postgres") {
+        let run = sql::<sqlx::Postgres>("postgres", Server::Postgres).await;
+        runs.push(("postgres", run));
+    }
+    if wanted("mysql") {
+        runs.push(("mysql", sql::<sqlx::MySql>("mysql", Server::MySql).await));
+    }
     for (name, run) in runs {
         if let Err(err) = run {
             eprintln!("{name}: {err}");

@@ -27,11 +27,20 @@
 //! bare), `http_bare_p50_ms`, `http_bare_p99_ms`, `http_layer_p50_ms`, `http_layer_p99_ms`,
 //! and the CPU time per request (median over passes) of this process (client and servers:
 //! `http_*_process_cpu_us`) and of Redis (`http_*_redis_cpu_us`), which machine noise
-//! disturbs less than the throughput.
+//! disturbs less than the throughput, and the allocations per request of this process
+//! (`http_*_allocations`). With valgrind installed it then counts each side's instructions
+//! per request under callgrind (see `support/instructions.rs`): `http_bare_instructions`,
+//! `http_layer_instructions` and `http_instructions_ratio` (bare's count over the layer's:
+//! read as the throughput ratio is, the higher the better), a figure the machine's load does
+//! not move. `IDEMPOTENT_BENCH_INSTRUCTIONS=0` skips it.
 
 // A measurement program: failing loudly on a broken setup is the right behaviour.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/allocations.rs"]
+mod allocations;
+#[path = "support/instructions.rs"]
+mod instructions;
 #[path = "support/redis_info.rs"]
 mod redis_info;
 #[path = "support/seed_guard.rs"]
@@ -63,6 +72,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 const CONNECTIONS: usize = 50;
 const REQUESTS: usize = 4_000;
 const ROUNDS: usize = 5;
+/// Requests a side makes under callgrind (and twice as many in the second count).
+const INSTRUCTION_OPS: usize = 1_000;
 const TTL_MS: u64 = 3_600_000;
 const LEASE_MS: u64 = 30_000;
 
@@ -141,14 +152,19 @@ enum Side {
 
 /// One pass: `REQUESTS` requests with fresh keys over `CONNECTIONS` concurrent clients.
 /// Requests per second, and each request's latency in milliseconds.
-async fn pass(client: &reqwest::Client, url: &str, tag: &str) -> Result<(f64, Vec<f64>), BoxError> {
+async fn pass(
+    client: &reqwest::Client,
+    url: &str,
+    tag: &str,
+    requests: usize,
+) -> Result<(f64, Vec<f64>), BoxError> {
     let start = Instant::now();
     let tasks: Vec<_> = (0..CONNECTIONS)
         .map(|worker| {
             let (client, url, tag) = (client.clone(), url.to_owned(), tag.to_owned());
             tokio::spawn(async move {
-                let mut latencies = Vec::with_capacity(REQUESTS / CONNECTIONS);
-                for i in (worker..REQUESTS).step_by(CONNECTIONS) {
+                let mut latencies = Vec::with_capacity(requests / CONNECTIONS);
+                for i in (worker..requests).step_by(CONNECTIONS) {
                     let sent = Instant::now();
                     let response = client
                         .post(&url)
@@ -167,11 +183,11 @@ async fn pass(client: &reqwest::Client, url: &str, tag: &str) -> Result<(f64, Ve
             })
         })
         .collect();
-    let mut latencies = Vec::with_capacity(REQUESTS);
+    let mut latencies = Vec::with_capacity(requests);
     for task in tasks {
         latencies.extend(task.await??);
     }
-    Ok((per_s(REQUESTS, start.elapsed()), latencies))
+    Ok((per_s(requests, start.elapsed()), latencies))
 }
 
 async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
@@ -205,9 +221,25 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
         .pool_max_idle_per_host(CONNECTIONS)
         .build()?;
 
+    // `IDEMPOTENT_BENCH_ONLY=<side>`: a warm-up and `ops` requests of that side alone,
+    // nothing printed: what callgrind counts.
+    if let Some((name, ops)) = instructions::only(INSTRUCTION_OPS)? {
+        let url = match name.as_str() {
+            "bare" => &bare_url,
+            "layer" => &layer_url,
+            other => return Err(format!("no side {other}: bare or layer").into()),
+        };
+        pass(&client, url, "warm", 200).await?;
+        pass(&client, url, "only", ops).await?;
+        return Ok(());
+    }
+    println!(
+        "http bench: {CONNECTIONS} connections, {REQUESTS} requests a pass, run tag {run_tag}"
+    );
+
     // Warm-up: connections, the script caches, allocators.
-    pass(&client, &bare_url, "warm").await?;
-    pass(&client, &layer_url, "warm").await?;
+    pass(&client, &bare_url, "warm", REQUESTS).await?;
+    pass(&client, &layer_url, "warm", REQUESTS).await?;
 
     let mut info = conn.clone();
     let (mut bare, mut layer) = (Vec::new(), Vec::new());
@@ -215,6 +247,7 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
     let (mut bare_cpu, mut layer_cpu) = (Vec::new(), Vec::new());
     let (mut bare_redis, mut layer_redis) = (Vec::new(), Vec::new());
     let (mut bare_latency, mut layer_latency) = (Vec::new(), Vec::new());
+    let (mut bare_allocs, mut layer_allocs) = (Vec::new(), Vec::new());
     for round in 0..ROUNDS {
         let order = if round % 2 == 0 {
             [Side::Bare, Side::Layer]
@@ -223,13 +256,14 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
         };
         for side in order {
             let tag = format!("r{round}");
-            let (url, rates, latencies, cpu, redis_cpu, name) = match side {
+            let (url, rates, latencies, cpu, redis_cpu, allocs, name) = match side {
                 Side::Bare => (
                     &bare_url,
                     &mut bare,
                     &mut bare_latency,
                     &mut bare_cpu,
                     &mut bare_redis,
+                    &mut bare_allocs,
                     "bare",
                 ),
                 Side::Layer => (
@@ -238,11 +272,14 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
                     &mut layer_latency,
                     &mut layer_cpu,
                     &mut layer_redis,
+                    &mut layer_allocs,
                     "layer",
                 ),
             };
             let (process_before, redis_before) = (client_cpu(), server_cpu(&mut info).await?);
-            let (rps, lat) = pass(&client, url, &tag).await?;
+            let allocated = allocations::so_far();
+            let (rps, lat) = pass(&client, url, &tag, REQUESTS).await?;
+            let per_request_allocs = (allocations::so_far() - allocated) as f64 / REQUESTS as f64;
             let per_request = |seconds: f64| seconds * 1e6 / REQUESTS as f64;
             let redis_us = per_request(server_cpu(&mut info).await? - redis_before);
             let process_us = match (process_before, client_cpu()) {
@@ -250,8 +287,10 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
                 _ => f64::NAN,
             };
             println!(
-                "round {round} {name:>5}: {rps:>8.0} requests/s, cpu/request: process {process_us:.1} us, redis {redis_us:.1} us"
+                "round {round} {name:>5}: {rps:>8.0} requests/s, cpu/request: process \
+                 {process_us:.1} us, redis {redis_us:.1} us, {per_request_allocs:.0} allocations"
             );
+            allocs.push(per_request_allocs);
             rates.push(rps);
             latencies.extend(lat);
             cpu.push(process_us);
@@ -272,6 +311,15 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
     figure("http_layer_process_cpu_us", median(&layer_cpu), 1);
     figure("http_bare_redis_cpu_us", median(&bare_redis), 1);
     figure("http_layer_redis_cpu_us", median(&layer_redis), 1);
+    figure("http_bare_allocations", median(&bare_allocs), 1);
+    figure("http_layer_allocations", median(&layer_allocs), 1);
+    if instructions::enabled() {
+        let bare = instructions::per_cycle("bare", INSTRUCTION_OPS)?;
+        let layer = instructions::per_cycle("layer", INSTRUCTION_OPS)?;
+        figure("http_bare_instructions", bare, 0);
+        figure("http_layer_instructions", layer, 0);
+        figure("http_instructions_ratio", bare / layer, 3);
+    }
     Ok(())
 }
 
@@ -280,9 +328,6 @@ async fn main() -> ExitCode {
     let url = std::env::var("IDEMPOTENT_REDIS_URL")
         .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string());
     let run_tag = format!("{:08x}", rand_u128() as u32);
-    println!(
-        "http bench: {CONNECTIONS} connections, {REQUESTS} requests a pass, run tag {run_tag}"
-    );
     let outcome = run(&url, &run_tag).await;
     // Whatever happened, remove every key of this run.
     if let Ok(client) = redis::Client::open(url.as_str()) {
