@@ -58,6 +58,13 @@
 //!   store behind a `CombiningStore` with at most 8 batches on their way (concurrent claims
 //!   and completions sent as `claim_many` / `complete_many` batches), 6 more rounds of the
 //!   two taking turns, on both databases. Every statement commits durably.
+//! - `<db>_<side>_allocations` (`seed`, `raw`, `framework`): this process's allocations per
+//!   cycle, median pass.
+//! - with valgrind installed, `<db>_seed_instructions`, `<db>_framework_instructions` and
+//!   `<db>_instructions_ratio` (seed's count over the framework's: read as the throughput
+//!   ratio is, the higher the better): this process's instructions per cycle under callgrind
+//!   (see `support/instructions.rs`), a figure the machine's load does not move and that
+//!   leaves out the server's work. `IDEMPOTENT_BENCH_INSTRUCTIONS=0` skips it.
 //! - `<db>_server_us_per_cycle_seed_design`, `<db>_server_us_per_cycle_framework`,
 //!   `<db>_server_us_per_cycle_combined`: the database server's CPU time (from
 //!   `/proc/<pid>/task/*/schedstat`, of every process named `postgres`, or `mariadbd` /
@@ -82,6 +89,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/allocations.rs"]
+mod allocations;
+#[path = "support/instructions.rs"]
+mod instructions;
 #[path = "../tests/support/sql_tables.rs"]
 mod sql_tables;
 #[path = "support/stats.rs"]
@@ -107,6 +118,8 @@ const WARMUP_OPS: usize = 1_500;
 /// Measured rounds: a multiple of 3 and of 2, so that each side takes each place in the
 /// order equally often, in the three-side rounds as in the two-side transaction rounds.
 const ROUNDS: usize = 6;
+/// Cycles a side runs under callgrind (and twice as many in the second count).
+const INSTRUCTION_OPS: usize = 1_000;
 const LEASE: Duration = Duration::from_secs(30);
 const TTL: Duration = Duration::from_secs(3600);
 
@@ -479,6 +492,8 @@ struct Bench<DB: Db> {
     combined_guard: Idempotency,
     /// The server's CPU time per cycle of each measured pass, by side.
     server_cpu: ServerCpu,
+    /// This process's allocations per cycle of each measured pass, by side.
+    allocations: std::sync::Mutex<std::collections::HashMap<&'static str, Vec<f64>>>,
     /// The store's, the seed design's and the business tables, dropped with the bench.
     _tables: Vec<Scratch>,
 }
@@ -553,6 +568,7 @@ impl<DB: Db> Bench<DB> {
             async_guard,
             combined_guard,
             server_cpu: ServerCpu::new(server),
+            allocations: Default::default(),
             _tables: tables,
         })
     }
@@ -571,6 +587,7 @@ impl<DB: Db> Bench<DB> {
         };
         self.empty(&table).await;
         let before = self.server_cpu.seconds();
+        let allocated = allocations::so_far();
         let rate = match side {
             Side::Seed => {
                 drive(self, ops, run, |b, key, _| async move {
@@ -593,7 +610,21 @@ impl<DB: Db> Bench<DB> {
             }
         };
         self.server_cpu.record(side.name(), before, ops);
+        if ops == OPS {
+            let per_cycle = (allocations::so_far() - allocated) as f64 / ops as f64;
+            let mut all = self.allocations.lock().unwrap();
+            all.entry(side.name()).or_default().push(per_cycle);
+        }
         rate
+    }
+
+    /// The median allocations per cycle of the measured passes of `side`.
+    fn allocations_per_cycle(&self, side: Side) -> f64 {
+        self.allocations
+            .lock()
+            .unwrap()
+            .get(side.name())
+            .map_or(f64::NAN, |passes| median(passes))
     }
 
     async fn combined_pass(self: &Arc<Self>, ops: usize, run: usize) -> f64 {
@@ -814,11 +845,36 @@ where
     per_s(ops, started.elapsed())
 }
 
+/// `IDEMPOTENT_BENCH_ONLY=<db>_<side>` (`postgres_seed`, `mysql_framework`, ...): a warm-up
+/// and `ops` cycles of that side alone, nothing printed: what callgrind counts.
+async fn one_side<DB: Db>(server: Server, side: &str, ops: usize) {
+    let side = SIDES
+        .into_iter()
+        .find(|s| s.name() == side)
+        .unwrap_or_else(|| panic!("no side {side}: seed, raw or framework"));
+    let bench = Bench::<DB>::open(server, false).await;
+    bench.pass(side, 300, 1).await;
+    bench.pass(side, ops, 2).await;
+    bench.store.pool().close().await;
+}
+
 fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
+    if let Some((only, ops)) = instructions::only(INSTRUCTION_OPS).unwrap() {
+        runtime.block_on(async {
+            match only.split_once('_') {
+                Some(("postgres", side)) => {
+                    one_side::<sqlx::Postgres>(Server::Postgres, side, ops).await;
+                }
+                Some(("mysql", side)) => one_side::<sqlx::MySql>(Server::MySql, side, ops).await,
+                _ => panic!("no side {only}: postgres_<side> or mysql_<side>"),
+            }
+        });
+        return;
+    }
     runtime.block_on(async {
         println!(
             "claim + complete on fresh keys: {TASKS} tasks, pool of {POOL}, {OPS} ops per pass, \
@@ -832,6 +888,7 @@ fn main() {
         let postgres_combined = bench.combined_rounds("postgres", &mut run).await;
         let postgres_cpu =
             ["seed", "framework", "combined"].map(|side| bench.server_cpu.per_cycle(side));
+        let postgres_allocs = SIDES.map(|side| bench.allocations_per_cycle(side));
         bench.store.pool().close().await;
         drop(bench);
         let bench = Bench::<sqlx::MySql>::open(Server::MySql, false).await;
@@ -839,6 +896,7 @@ fn main() {
         let mysql_combined = bench.combined_rounds("mysql", &mut run).await;
         let mysql_cpu =
             ["seed", "framework", "combined"].map(|side| bench.server_cpu.per_cycle(side));
+        let mysql_allocs = SIDES.map(|side| bench.allocations_per_cycle(side));
         bench.store.pool().close().await;
         drop(bench);
         for (name, [seed, raw, framework]) in [("postgres", postgres), ("mysql", mysql)] {
@@ -883,5 +941,21 @@ fn main() {
             async_framework / async_seed,
             3,
         );
+        for (name, allocs) in [("postgres", postgres_allocs), ("mysql", mysql_allocs)] {
+            for (side, per_cycle) in SIDES.into_iter().zip(allocs) {
+                figure(&format!("{name}_{}_allocations", side.name()), per_cycle, 1);
+            }
+        }
+        if instructions::enabled() {
+            for name in ["postgres", "mysql"] {
+                let count = |side: &str| {
+                    instructions::per_cycle(&format!("{name}_{side}"), INSTRUCTION_OPS).unwrap()
+                };
+                let (seed, framework) = (count("seed"), count("framework"));
+                figure(&format!("{name}_seed_instructions"), seed, 0);
+                figure(&format!("{name}_framework_instructions"), framework, 0);
+                figure(&format!("{name}_instructions_ratio"), seed / framework, 3);
+            }
+        }
     });
 }
