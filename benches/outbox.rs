@@ -36,11 +36,22 @@
 //! The last lines are the figures: `baseline_rows_per_s`, `outbox_rows_per_s` (through one
 //! relay), `outbox_ratio` (outbox over baseline), then the committed-to-published latency of
 //! the paced pass, `baseline_latency_p50_ms`, `baseline_latency_p99_ms`,
-//! `outbox_latency_p50_ms`, `outbox_latency_p99_ms`.
+//! `outbox_latency_p50_ms`, `outbox_latency_p99_ms`, and this process's allocations per row
+//! of the throughput passes (`baseline_allocations`, `outbox_allocations`: producers, relay
+//! and consumer). With valgrind installed it then counts each side's instructions per row
+//! under callgrind (see `support/instructions.rs`): `baseline_instructions`,
+//! `outbox_instructions` and `outbox_instructions_ratio` (the baseline's count over the
+//! outbox's: read as the throughput ratio is, the higher the better), a figure the machine's
+//! load does not move and that leaves out PostgreSQL and RabbitMQ.
+//! `IDEMPOTENT_BENCH_INSTRUCTIONS=0` skips it.
 
 // A measurement program: failing loudly on a broken setup is the right behaviour.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/allocations.rs"]
+mod allocations;
+#[path = "support/instructions.rs"]
+mod instructions;
 #[path = "support/stats.rs"]
 mod stats;
 
@@ -81,6 +92,9 @@ const PRODUCERS: usize = 4;
 const PACED_ROWS: usize = 500;
 const PACE: Duration = Duration::from_millis(2);
 const ROUNDS: usize = 5;
+/// Rows of the throughput pass a side runs under callgrind (and twice as many in the second
+/// count).
+const INSTRUCTION_ROWS: usize = 300;
 /// The relay's defaults, which the baseline copies.
 const BATCH: usize = 100;
 const POLL: Duration = Duration::from_secs(1);
@@ -152,6 +166,8 @@ struct Bench {
     baseline_table: String,
     /// `(message_id, arrival)` of every message the consumer receives.
     arrivals: mpsc::UnboundedReceiver<(String, Instant)>,
+    /// Rows of a throughput pass (`ROWS`, but under callgrind).
+    rows: usize,
 }
 
 /// Spawns `tasks` producers committing `rows` rows between them, one per transaction, each
@@ -352,7 +368,7 @@ impl Bench {
         } = self.start_relay(side).await?;
         tokio::time::sleep(SETTLE).await;
         let (rows, tasks, pace) = match kind {
-            Kind::Throughput => (ROWS, PRODUCERS, None),
+            Kind::Throughput => (self.rows, PRODUCERS, None),
             Kind::Latency => (PACED_ROWS, 1, Some(PACE)),
         };
         let start = Instant::now();
@@ -542,6 +558,19 @@ async fn consume(
 
 /// The warm-up, the rounds and the figures.
 async fn measure(bench: &mut Bench) -> Result<(), BoxError> {
+    // `IDEMPOTENT_BENCH_ONLY=<side>`: a warm-up and a throughput pass of `rows` rows of that
+    // side alone: what callgrind counts.
+    if let Some((only, rows)) = instructions::only(INSTRUCTION_ROWS)? {
+        let side = [Side::Baseline, Side::Outbox]
+            .into_iter()
+            .find(|side| side.name() == only)
+            .ok_or_else(|| format!("no side {only}: baseline or outbox"))?;
+        bench.rows = 200;
+        bench.pass(side, Kind::Throughput).await?;
+        bench.rows = rows;
+        bench.pass(side, Kind::Throughput).await?;
+        return Ok(());
+    }
     for side in [Side::Baseline, Side::Outbox] {
         for kind in [Kind::Throughput, Kind::Latency] {
             let outcome = bench.pass(side, kind).await?;
@@ -549,6 +578,7 @@ async fn measure(bench: &mut Bench) -> Result<(), BoxError> {
         }
     }
     let (mut rates, mut p50s, mut p99s) = ([vec![], vec![]], [vec![], vec![]], [vec![], vec![]]);
+    let mut allocs = [vec![], vec![]];
     for round in 0..ROUNDS {
         let order = if round % 2 == 0 {
             [Side::Baseline, Side::Outbox]
@@ -556,7 +586,9 @@ async fn measure(bench: &mut Bench) -> Result<(), BoxError> {
             [Side::Outbox, Side::Baseline]
         };
         for side in order {
+            let allocated = allocations::so_far();
             let fast = bench.pass(side, Kind::Throughput).await?;
+            allocs[side as usize].push((allocations::so_far() - allocated) as f64 / ROWS as f64);
             check(side, &fast);
             let paced = bench.pass(side, Kind::Latency).await?;
             check(side, &paced);
@@ -597,6 +629,15 @@ async fn measure(bench: &mut Bench) -> Result<(), BoxError> {
     figure("baseline_latency_p99_ms", median(&p99s[baseline]), 2);
     figure("outbox_latency_p50_ms", median(&p50s[outbox]), 2);
     figure("outbox_latency_p99_ms", median(&p99s[outbox]), 2);
+    figure("baseline_allocations", median(&allocs[baseline]), 1);
+    figure("outbox_allocations", median(&allocs[outbox]), 1);
+    if instructions::enabled() {
+        let by_hand = instructions::per_cycle(Side::Baseline.name(), INSTRUCTION_ROWS)?;
+        let ours = instructions::per_cycle(Side::Outbox.name(), INSTRUCTION_ROWS)?;
+        figure("baseline_instructions", by_hand, 0);
+        figure("outbox_instructions", ours, 0);
+        figure("outbox_instructions_ratio", by_hand / ours, 3);
+    }
     Ok(())
 }
 
@@ -664,6 +705,7 @@ async fn run(pg_url: &str, amqp_url: &str) -> Result<(), BoxError> {
         outbox_table,
         baseline_table,
         arrivals,
+        rows: ROWS,
     };
     let measured = async {
         Outbox::with_table(pool.clone(), &bench.outbox_table)?
