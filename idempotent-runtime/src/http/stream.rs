@@ -3,11 +3,10 @@
 //!
 //! The head goes to the client with the first body frame that can go at once, and each frame
 //! after it as soon as it is produced, while the layer keeps a copy up to the stored-body
-//! limit. The key
-//! completes (its record written) when the body ended (with the body), or as soon as it is
-//! known that the body will not be kept: it outgrew the limit, failed, had trailers, or the
-//! client left before its end (without a body: a retry gets `303` to its `Location` or
-//! `response-not-stored`, never a second run). What the client gets from that point on (the
+//! limit. The key completes (its record written) when the body ended (with the body), or as
+//! soon as it is known that the body will not be kept: it outgrew the limit, failed, had
+//! trailers, or the client left before its end (without a body: a retry gets `303` to its
+//! `Location` or `response-not-stored`, never a second run). What the client gets from that point on (the
 //! body's last frame and its end, or the rest of the body) is held back until the completion
 //! is recorded, so a client that has the whole response and retries gets the replay. A
 //! response whose first frame is held (a body of one frame, the common case) is held head
