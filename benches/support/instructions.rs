@@ -76,7 +76,18 @@ pub(crate) fn per_cycle(side: &str, ops: usize) -> Result<f64, BoxError> {
         }
         *total = read?;
     }
-    Ok(totals[1].saturating_sub(totals[0]) as f64 / ops as f64)
+    // A run of twice the cycles that executed no more is a broken count (work that differs
+    // between the two runs, such as a cleanup of shared state): say so, not a figure.
+    if totals[1] <= totals[0] {
+        return Err(format!(
+            "the {side} side counted {} instructions for {} cycles and {} for {ops}",
+            totals[1],
+            2 * ops,
+            totals[0]
+        )
+        .into());
+    }
+    Ok((totals[1] - totals[0]) as f64 / ops as f64)
 }
 
 /// The instruction total of a callgrind output file (its `summary:` or `totals:` line).

@@ -113,7 +113,7 @@ pub async fn a_release_naming_its_claim_is_decided_by_the_token(b: impl Backend)
     // Renewed since: the record changed, the token still owns it.
     let k = key(&prefix, &[&"renewed"]);
     let (owner, fence) = acquire(k.clone(), lease).await;
-    tokio::time::sleep(Duration::from_millis(5)).await;
+    // A longer lease: the renewed record's lease end is not the claimed one's.
     assert!(store.renew(&k, &owner.token, lease * 2).await.unwrap());
     let named = AcquiredClaim::new(fence, owner.fingerprint).with_lease(lease);
     assert!(store
