@@ -250,3 +250,189 @@ async fn a_request_processed_before_an_upgrade_is_not_run_again() {
         }
     }
 }
+
+/// What the next reads of the previous layout's keys (`:v1:`) do.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum PreviousRead {
+    /// Read from the real store.
+    Pass,
+    /// Fail, as a store that is down does.
+    Fail,
+    /// Never answer.
+    Hang,
+}
+
+/// The real Redis store, whose reads of the previous layout's keys do what the test asks and
+/// announce that they began, and whose claims may wait for such a read to begin: one key's
+/// read cannot be made to fail or hang on cue on a real server without its claims failing
+/// too. Everything else is the real store's.
+struct PreviousReads {
+    inner: idempotency::SharedStore,
+    mode: std::sync::Mutex<PreviousRead>,
+    read_began: tokio::sync::Notify,
+    claims_wait_for_a_read: std::sync::atomic::AtomicBool,
+}
+
+impl PreviousReads {
+    fn new(inner: idempotency::SharedStore) -> Arc<PreviousReads> {
+        Arc::new(PreviousReads {
+            inner,
+            mode: std::sync::Mutex::new(PreviousRead::Pass),
+            read_began: tokio::sync::Notify::new(),
+            claims_wait_for_a_read: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    fn set(&self, mode: PreviousRead) {
+        *self.mode.lock().unwrap() = mode;
+    }
+}
+
+impl idempotency::store::Store for PreviousReads {
+    fn claim<'a>(
+        &'a self,
+        req: &'a idempotency::store::ClaimRequest,
+    ) -> idempotency::store::BoxFuture<
+        'a,
+        Result<idempotency::store::Claim, idempotency::store::StoreError>,
+    > {
+        Box::pin(async move {
+            if self.claims_wait_for_a_read.load(Ordering::SeqCst) {
+                self.read_began.notified().await;
+            }
+            self.inner.claim(req).await
+        })
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a idempotency::Key,
+        token: &'a idempotency::store::Token,
+        completion: &'a idempotency::store::Completion,
+    ) -> idempotency::store::BoxFuture<'a, Result<bool, idempotency::store::StoreError>> {
+        self.inner.complete(key, token, completion)
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a idempotency::Key,
+        token: &'a idempotency::store::Token,
+    ) -> idempotency::store::BoxFuture<'a, Result<bool, idempotency::store::StoreError>> {
+        self.inner.release(key, token)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a idempotency::Key,
+        token: &'a idempotency::store::Token,
+        lease: std::time::Duration,
+    ) -> idempotency::store::BoxFuture<'a, Result<bool, idempotency::store::StoreError>> {
+        self.inner.renew(key, token, lease)
+    }
+    fn read<'a>(
+        &'a self,
+        key: &'a idempotency::Key,
+    ) -> idempotency::store::BoxFuture<
+        'a,
+        Result<Option<idempotency::store::Record>, idempotency::store::StoreError>,
+    > {
+        if !key.to_string().contains(":v1:") {
+            return self.inner.read(key);
+        }
+        let mode = *self.mode.lock().unwrap();
+        Box::pin(async move {
+            self.read_began.notify_one();
+            match mode {
+                PreviousRead::Pass => self.inner.read(key).await,
+                PreviousRead::Fail => Err(idempotency::store::StoreError::new(
+                    idempotency::store::StoreErrorKind::Unavailable,
+                    "the previous layout's read failed",
+                )),
+                PreviousRead::Hang => std::future::pending().await,
+            }
+        })
+    }
+    fn max_result_size(&self) -> usize {
+        self.inner.max_result_size()
+    }
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+}
+
+/// A server on the real Redis whose previous-layout reads the test controls.
+async fn start_on_previous_reads() -> (Running, Arc<PreviousReads>, Arc<AtomicUsize>) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut reads = None;
+    let store = http_harness::store(http_harness::Backend::Redis)
+        .await
+        .wrapped(|real| {
+            let wrapped = PreviousReads::new(real);
+            reads = Some(wrapped.clone());
+            wrapped
+        });
+    let server = http_harness::serve_on(store, app(runs.clone()), |layer| layer, |r| r).await;
+    (server, reads.unwrap(), runs)
+}
+
+/// A fresh request waits one round trip for its claim and the previous layout's read, not one
+/// after the other: the read is sent alongside the claim. Here the claim only proceeds once
+/// the read has begun; a read made after the claim would never begin, and the request would
+/// fail when the claim's bound gave up on it.
+#[tokio::test]
+async fn the_previous_layouts_read_goes_out_with_the_claim() {
+    let (server, reads, runs) = start_on_previous_reads().await;
+    reads.claims_wait_for_a_read.store(true, Ordering::SeqCst);
+    let first = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        send(server.post("/pay/abc", "with-claim")),
+    )
+    .await
+    .expect("the previous layout's read waited for the claim");
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A previous-layout read that fails runs nothing: the request is `503 store-unavailable`
+/// and its claim is given back, so the retry, with the store back, runs once.
+#[tokio::test]
+async fn a_failed_previous_layout_read_runs_nothing_and_gives_the_key_back() {
+    let (server, reads, runs) = start_on_previous_reads().await;
+    reads.set(PreviousRead::Fail);
+    let refused = send(server.post("/pay/abc", "read-fails")).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        refused.text()
+    );
+    assert_eq!(refused.problem(), "store-unavailable");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "ran without the read's answer"
+    );
+
+    reads.set(PreviousRead::Pass);
+    let retry = send(server.post("/pay/abc", "read-fails")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A replay is answered from the record it finds, without waiting for the previous layout's
+/// read sent alongside its claim: here that read never answers.
+#[tokio::test]
+async fn a_replay_does_not_wait_for_the_previous_layouts_read() {
+    let (server, reads, runs) = start_on_previous_reads().await;
+    let first = send(server.post("/pay/abc", "replayed")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+
+    reads.set(PreviousRead::Hang);
+    let again = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        send(server.post("/pay/abc", "replayed")),
+    )
+    .await
+    .expect("the replay waited for the previous layout's read");
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

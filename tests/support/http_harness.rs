@@ -52,6 +52,15 @@ impl Drop for Store {
     }
 }
 
+impl Store {
+    /// The same store (and clean-up) seen through `wrap`: a store that injects what the real
+    /// one cannot be made to do on cue.
+    pub fn wrapped(mut self, wrap: impl FnOnce(SharedStore) -> SharedStore) -> Store {
+        self.store = wrap(self.store.clone());
+        self
+    }
+}
+
 pub fn unique(prefix: &str) -> String {
     let token = format!("{:?}", Token::generate());
     format!("{prefix}-{}", &token[6..token.len() - 1])
@@ -126,7 +135,16 @@ pub async fn serve_wrapped(
     configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
     wrap: impl FnOnce(Router) -> Router,
 ) -> Running {
-    let store = store(backend).await;
+    serve_on(store(backend).await, router, configure, wrap).await
+}
+
+/// [`serve_wrapped`] on `store` (one of [`store`]'s, possibly [`Store::wrapped`]).
+pub async fn serve_on(
+    store: Store,
+    router: Router,
+    configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+    wrap: impl FnOnce(Router) -> Router,
+) -> Running {
     let idempotency = Idempotency::new(Duration::from_secs(3600))
         .lease(Duration::from_secs(10))
         .store(store.store.clone());

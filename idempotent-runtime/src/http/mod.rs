@@ -340,8 +340,9 @@ impl IdempotencyLayer {
     /// written by earlier versions of this layer): if that record is completed, the request
     /// was processed before the upgrade, and it is answered `409`
     /// [`already-processed`](Problem::AlreadyProcessed) instead of running again (default:
-    /// `true`). It costs one read for each request that runs its handler, none for a replay.
-    /// Turn it off once the layer has run this version for a `ttl` (no record of the previous
+    /// `true`). It costs one read per request, sent alongside the claim, so that a request
+    /// waits one round trip for both; a replay or a duplicate is answered without waiting
+    /// for it. Turn it off once the layer has run this version for a `ttl` (no record of the previous
     /// layout lives longer), or for a deployment that never ran the previous one. A request
     /// still running under the previous layout on an old instance during a rolling upgrade is
     /// not seen.

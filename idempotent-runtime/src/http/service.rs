@@ -228,12 +228,39 @@ where
     RB: http_body::Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    config
+    // The previous layout's record is read alongside the claim, not after it: its answer is
+    // what the check after the claim would read (a request still running under the previous
+    // layout is not seen either way), and the request waits one round trip for both. A
+    // request answered without running (a replay, a duplicate) does not wait for it.
+    let (early, mut read) = match previous.as_ref() {
+        Some(previous) => {
+            let (sent, read) = oneshot::channel();
+            let early = async move {
+                let _ = sent.send(Prepared::done_before(Some(previous), config).await);
+            };
+            (Some(early), Some(read))
+        }
+        None => (None, None),
+    };
+    let operation = config
         .idempotency
         .operation::<Result<Stored, Failure<S::Error>>>(key)
         .fingerprint_of(fingerprint)
         .replay_with(|stored| stored.encode(codec::OK), Stored::decode)
-        .done(|| Prepared::done_before(previous.as_ref(), config))
+        .done(|| {
+            // The first check takes the read made alongside the claim; a later one (a claim
+            // that found a live owner and tries again) reads anew.
+            let early = read.take();
+            let previous = previous.as_ref();
+            async move {
+                if let Some(read) = early {
+                    if let Ok(done) = read.await {
+                        return done;
+                    }
+                }
+                Prepared::done_before(previous, config).await
+            }
+        })
         .run(async {
             live.ran.store(true, Ordering::Relaxed);
             // A handler that panics has done nothing it answered for: its key is released
@@ -249,6 +276,22 @@ where
                 }
             };
             stream::capture(config, response, send_head, &live.tail).await
-        })
-        .await
+        });
+    alongside(early, operation).await
+}
+
+/// Drives `early` (until it ends) alongside `main`, and returns `main`'s output as soon as it
+/// has it: `early` is dropped then, whether or not it ended.
+async fn alongside<T>(early: Option<impl Future<Output = ()>>, main: impl Future<Output = T>) -> T {
+    let mut early = std::pin::pin!(early);
+    let mut main = std::pin::pin!(main);
+    std::future::poll_fn(|cx| {
+        if let Some(running) = early.as_mut().as_pin_mut() {
+            if running.poll(cx).is_ready() {
+                early.set(None);
+            }
+        }
+        main.as_mut().poll(cx)
+    })
+    .await
 }

@@ -19,7 +19,7 @@ use crate::store::redis::clock::ServerClock;
 use crate::store::redis::conn::{command_error, connect_error, Conn, Lua};
 use crate::store::redis::sentinel::Primary;
 use crate::store::redis::sentinel_url::{sentinel_target, SentinelTarget};
-use crate::store::redis::store::{Inner, RedisStore, ENDING, SCRIPT};
+use crate::store::redis::store::{Inner, RedisStore, ENDING, READ, SCRIPT};
 use crate::store::redis::wire::text;
 
 /// Redis' default `proto-max-bulk-len` (512 MiB): the largest argument a server takes, assumed
@@ -247,6 +247,7 @@ impl RedisStoreBuilder {
                 conn,
                 script: Lua::new(SCRIPT),
                 ending: Lua::new(ENDING),
+                reading: Lua::new(READ),
                 wait_for_replicas: self.wait_for_replicas,
                 run_id: Mutex::new(None),
                 history_resets: AtomicU64::new(0),

@@ -1,7 +1,7 @@
 -- idempotent: every record primitive, one atomic script, called by hash.
 --
 -- KEYS[1]  the record's key (one key per record, so one Redis Cluster slot)
--- ARGV[1]  the operation: claim | complete | release | renew | read, or an operator's:
+-- ARGV[1]  the operation: claim | complete | release | renew, or an operator's:
 --          delete | delete_corrupt
 --
 -- A record is one string:
@@ -141,15 +141,6 @@ elseif op == 'renew' then
   redis.call('SET', key, encode('P', ARGV[2], r.fp, r.fence, clock() + lease, r.result),
     'PX', string.format('%d', px))
   return 1
-
-elseif op == 'read' then
-  local v, why = get()
-  if v == nil then return corrupt(why) end
-  if v then
-    local r, bad = decode(v)
-    if not r then return corrupt(bad) end
-  end
-  return {v, (clock()), redis.call('PTTL', key)}
 
 elseif op == 'delete' then
   -- ARGV: token. A record of any state with this token, except a live claim: an owner that

@@ -21,11 +21,14 @@ use crate::store::{
 pub(super) const SCRIPT: &str = include_str!("record.lua");
 /// Completion and release: the hot path's writes, in a script of their own.
 pub(super) const ENDING: &str = include_str!("ending.lua");
+/// Reads: the value, the server's time and the key's expiry, checked by the client.
+pub(super) const READ: &str = include_str!("read.lua");
 
 pub(super) struct Inner {
     pub(super) conn: Conn,
     pub(super) script: Lua,
     pub(super) ending: Lua,
+    pub(super) reading: Lua,
     pub(super) wait_for_replicas: Option<(u32, Duration)>,
     pub(super) run_id: Mutex<Option<String>>,
     pub(super) history_resets: AtomicU64,
@@ -286,9 +289,8 @@ impl Store for RedisStore {
 
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         Box::pin(async move {
-            let mut cmd = self.inner.script.call(key.as_bytes());
-            cmd.arg("read");
-            decode_record(key, self.call(key, &self.inner.script, &cmd).await?)
+            let cmd = self.inner.reading.call(key.as_bytes());
+            decode_record(key, self.call(key, &self.inner.reading, &cmd).await?)
         })
     }
 
