@@ -77,7 +77,45 @@ impl KeyPart for char {
     }
 }
 
-macro_rules! int_key_part {
+macro_rules! unsigned_key_part {
+    ($($t:ty)*) => {$(
+        impl KeyPart for $t {
+            fn write_key_part(&self, out: &mut Vec<u8>) {
+                super::push_decimal(out, u64::from(*self));
+            }
+        }
+    )*};
+}
+unsigned_key_part!(u8 u16 u32 u64);
+
+macro_rules! signed_key_part {
+    ($($t:ty)*) => {$(
+        impl KeyPart for $t {
+            fn write_key_part(&self, out: &mut Vec<u8>) {
+                if *self < 0 {
+                    out.push(b'-');
+                }
+                super::push_decimal(out, u64::from(self.unsigned_abs()));
+            }
+        }
+    )*};
+}
+signed_key_part!(i8 i16 i32 i64);
+
+impl KeyPart for usize {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        // No target has a `usize` wider than 64 bits.
+        super::push_decimal(out, *self as u64);
+    }
+}
+
+impl KeyPart for isize {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        (*self as i64).write_key_part(out);
+    }
+}
+
+macro_rules! wide_key_part {
     ($($t:ty)*) => {$(
         impl KeyPart for $t {
             fn write_key_part(&self, out: &mut Vec<u8>) {
@@ -88,7 +126,7 @@ macro_rules! int_key_part {
         }
     )*};
 }
-int_key_part!(u8 u16 u32 u64 u128 usize i8 i16 i32 i64 i128 isize);
+wide_key_part!(u128 i128);
 
 impl<T: KeyPart + ?Sized> KeyPart for &T {
     fn write_key_part(&self, out: &mut Vec<u8>) {
@@ -123,5 +161,41 @@ impl<T: KeyPart + ?Sized> KeyPart for Arc<T> {
 impl<T: KeyPart + ToOwned + ?Sized> KeyPart for Cow<'_, T> {
     fn write_key_part(&self, out: &mut Vec<u8>) {
         self.as_ref().write_key_part(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KeyPart;
+
+    fn written(part: &dyn KeyPart) -> String {
+        let mut out = Vec::new();
+        part.write_key_part(&mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+
+    /// Every integer part is its decimal form, as `Display` writes it: keys built by earlier
+    /// versions are found again.
+    #[test]
+    fn integers_are_written_as_display_writes_them() {
+        let signed = [0i64, 1, -1, 9, -10, 12_345, i64::MIN, i64::MAX];
+        for n in signed {
+            assert_eq!(written(&n), n.to_string());
+            assert_eq!(written(&(n as isize)), (n as isize).to_string());
+            assert_eq!(written(&(n as i32)), (n as i32).to_string());
+            assert_eq!(written(&(n as i16)), (n as i16).to_string());
+            assert_eq!(written(&(n as i8)), (n as i8).to_string());
+            assert_eq!(written(&i128::from(n)), n.to_string());
+        }
+        for n in [0u64, 1, 9, 10, 255, 65_535, u64::from(u32::MAX), u64::MAX] {
+            assert_eq!(written(&n), n.to_string());
+            assert_eq!(written(&(n as usize)), (n as usize).to_string());
+            assert_eq!(written(&(n as u32)), (n as u32).to_string());
+            assert_eq!(written(&(n as u16)), (n as u16).to_string());
+            assert_eq!(written(&(n as u8)), (n as u8).to_string());
+            assert_eq!(written(&u128::from(n)), n.to_string());
+        }
+        assert_eq!(written(&u128::MAX), u128::MAX.to_string());
+        assert_eq!(written(&i128::MIN), i128::MIN.to_string());
     }
 }

@@ -1,12 +1,11 @@
 //! The script's arguments and replies, and the record format it stores.
 
-use std::io::Write as _;
 use std::time::Duration;
 
 use ::redis::{Cmd, Value};
 
 use crate::error::{StoreError, StoreErrorKind};
-use crate::key::Key;
+use crate::key::{push_decimal, Key};
 use crate::store::redis::conn::Lua;
 use crate::store::{
     clamped_millis, AcquiredClaim, Claim, ClaimRequest, Fingerprint, Record, RecordState, Token,
@@ -134,8 +133,11 @@ fn encode_in_progress(
     value.push(b'P');
     value.extend_from_slice(token.as_bytes());
     push_fingerprint(&mut value, fingerprint);
-    // Writing to a `Vec` cannot fail.
-    let _ = write!(value, "{fence}:{lease_end_ms}:{now_ms}");
+    push_decimal(&mut value, fence);
+    value.push(b':');
+    push_decimal(&mut value, lease_end_ms);
+    value.push(b':');
+    push_decimal(&mut value, now_ms);
     Some(value)
 }
 
@@ -172,7 +174,9 @@ pub(super) fn fast_completion(
     }
     let mut claimed = in_progress_head(token, claim)?;
     let head = claimed.len();
-    let _ = write!(claimed, "{lease_end_ms}:{at_ms}");
+    push_decimal(&mut claimed, lease_end_ms);
+    claimed.push(b':');
+    push_decimal(&mut claimed, at_ms);
     let mut completed = Vec::with_capacity(head + 2 + result.len());
     completed.push(b'C');
     completed.extend_from_slice(&claimed[1..head]);
@@ -197,11 +201,15 @@ pub(super) fn fast_release(
         return None;
     }
     let mut both = in_progress_head(token, claim)?;
-    let _ = write!(both, "{lease_end_ms}:{at_ms}");
+    push_decimal(&mut both, lease_end_ms);
+    both.push(b':');
+    push_decimal(&mut both, at_ms);
     let released = both.len();
     both.push(b'R');
     both.extend_from_slice(token.as_bytes());
-    let _ = write!(both, "-{}:0:", claim.fence);
+    both.push(b'-');
+    push_decimal(&mut both, claim.fence);
+    both.extend_from_slice(b":0:");
     Some((both, released))
 }
 
@@ -218,7 +226,8 @@ pub(super) fn in_progress_head(token: &Token, claim: &AcquiredClaim) -> Option<V
     head.push(b'P');
     head.extend_from_slice(token.as_bytes());
     push_fingerprint(&mut head, claim.fingerprint.as_ref());
-    let _ = write!(head, "{}:", claim.fence);
+    push_decimal(&mut head, claim.fence);
+    head.push(b':');
     Some(head)
 }
 
@@ -281,6 +290,15 @@ pub(super) fn parse_record(bytes: &[u8], now_ms: i64) -> Option<Record> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_are_written_as_the_script_writes_them() {
+        for n in [0, 1, 9, 10, 99, 100, 12_345, MAX_EXACT, u64::MAX] {
+            let mut value = b"x".to_vec();
+            push_decimal(&mut value, n);
+            assert_eq!(value, format!("x{n}").into_bytes());
+        }
+    }
 
     #[test]
     fn an_owner_writes_again_the_record_its_fast_claim_wrote() {
