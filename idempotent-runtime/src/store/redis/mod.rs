@@ -5,8 +5,9 @@
 //! duplicates ([`RedisStoreBuilder::fast_claims`] says when it applies and how its fence and
 //! lease end are taken from the server's clock). Everything else is a server-side script:
 //! `record.lua` for claims that need the server's clock to decide, renewals and the
-//! operator's deletes, `ending.lua` for completion and release, `read.lua` for reads (the
-//! value, the server's time and the key's expiry, checked by the client); each is loaded once
+//! operator's deletes, `ending.lua` for completion and release, `read.lua` for reads on a
+//! cluster (the value, the server's time and the key's expiry, checked by the client; on one
+//! server the same three are one pipeline of `GET`, `PTTL` and `TIME`); each is loaded once
 //! and called by SHA-1 (`EVALSHA`); after a `SCRIPT FLUSH` or a server restart the `NOSCRIPT`
 //! reply makes the client load them again and retry, transparently. Leases and expiry use the server's clock
 //! (`TIME`, `PX`), never the client's wall clock. A completion that names its claim

@@ -1,4 +1,5 @@
--- idempotent: a record's read, as one short script without record.lua's helper functions.
+-- idempotent: a record's read on a Redis Cluster, as one short script without record.lua's
+-- helper functions (on one server, the client sends GET, PTTL and TIME in one pipeline).
 --
 -- KEYS[1]  the record's key
 --

@@ -70,6 +70,51 @@ impl std::fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
+    /// A read on one server (standalone, or Sentinel's primary): `GET`, `PTTL` and `TIME` in
+    /// one pipeline, without a script (a script call costs the server several times the three
+    /// commands). The commands are not one atomic step as `read.lua` is: a record written
+    /// between the `GET` and the `PTTL` shows the later record's expiry, which only an
+    /// operator's listing reads; the time is taken after the value, so an in-progress
+    /// record's lease is never read as longer than it is. On a cluster, reads go through
+    /// `read.lua`, which the cluster client routes and redirects.
+    async fn read_plain(&self, key: &Key) -> Result<Option<Record>, StoreError> {
+        let mut pipe = ::redis::pipe();
+        // A key of another type answers `GET` with an error, which is its answer here.
+        pipe.ignore_errors();
+        pipe.cmd("GET")
+            .arg(key.as_bytes())
+            .cmd("PTTL")
+            .arg(key.as_bytes())
+            .cmd("TIME");
+        let replies = self
+            .answered(self.inner.conn.pipeline(pipe, 0).await)
+            .await
+            .map_err(|err| script_error(key, err))?;
+        let [value, pttl, time]: [Value; 3] = replies.try_into().map_err(|replies| {
+            StoreError::new(
+                StoreErrorKind::Protocol,
+                format!("unexpected replies to a read: {replies:?}"),
+            )
+        })?;
+        let value = match value {
+            Value::ServerError(err) if err.code() == "WRONGTYPE" => {
+                return Err(StoreError::new(
+                    StoreErrorKind::Corrupt,
+                    format!("the value under `{key}` is not a record: value of another type"),
+                ))
+            }
+            Value::ServerError(err) => return Err(script_error(key, err.into())),
+            value => value,
+        };
+        let now_ms = server_millis(&time).ok_or_else(|| {
+            StoreError::new(
+                StoreErrorKind::Protocol,
+                format!("unexpected TIME reply: {time:?}"),
+            )
+        })?;
+        decode_record(key, Value::Array(vec![value, Value::Int(now_ms), pttl]))
+    }
+
     /// How many times a reconnection found a different server `run_id` (a restart or a
     /// failover): each time, records written before may be gone.
     pub fn history_resets(&self) -> u64 {
@@ -289,6 +334,9 @@ impl Store for RedisStore {
 
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         Box::pin(async move {
+            if !self.inner.conn.is_cluster() {
+                return self.read_plain(key).await;
+            }
             let cmd = self.inner.reading.call(key.as_bytes());
             decode_record(key, self.call(key, &self.inner.reading, &cmd).await?)
         })
@@ -329,4 +377,16 @@ fn reassemble<T>(
             })
         })
         .collect()
+}
+
+/// The milliseconds since the Unix epoch in a `TIME` reply (seconds and microseconds).
+fn server_millis(time: &Value) -> Option<i64> {
+    let Value::Array(fields) = time else {
+        return None;
+    };
+    let field = |i: usize| match fields.get(i) {
+        Some(Value::BulkString(bytes)) => std::str::from_utf8(bytes).ok()?.parse::<i64>().ok(),
+        _ => None,
+    };
+    field(0)?.checked_mul(1_000)?.checked_add(field(1)? / 1_000)
 }
