@@ -21,7 +21,7 @@ use crate::store::{
 pub(super) const SCRIPT: &str = include_str!("record.lua");
 /// Completion and release: the hot path's writes, in a script of their own.
 pub(super) const ENDING: &str = include_str!("ending.lua");
-/// Reads: the value, the server's time and the key's expiry, checked by the client.
+/// Reads on a cluster: the value, the server's time and the key's expiry, checked by the client.
 pub(super) const READ: &str = include_str!("read.lua");
 
 pub(super) struct Inner {
