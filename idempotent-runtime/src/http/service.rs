@@ -242,7 +242,9 @@ where
         }
         None => (None, None),
     };
-    let operation = config
+    // Pinned here and lent: the run's future is large, and moving it into `alongside` would
+    // copy it.
+    let operation = std::pin::pin!(config
         .idempotency
         .operation::<Result<Stored, Failure<S::Error>>>(key)
         .fingerprint_of(fingerprint)
@@ -276,7 +278,7 @@ where
                 }
             };
             stream::capture(config, response, send_head, &live.tail).await
-        });
+        }));
     alongside(early, operation).await
 }
 
