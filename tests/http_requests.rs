@@ -416,6 +416,39 @@ async fn a_failed_previous_layout_read_runs_nothing_and_gives_the_key_back() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// A previous-layout read that never answers does not hold a fresh request: it is abandoned
+/// at the engine's bound on a store call (half the lease: 5 s here), the request is
+/// `503 store-unavailable` with nothing run, and its key is given back, so the retry runs
+/// once. The wrapper's read never reaches Redis, so only that bound can end it.
+#[tokio::test]
+async fn a_previous_layout_read_that_never_answers_is_abandoned_at_the_bound() {
+    let (server, reads, runs) = start_on_previous_reads().await;
+    reads.set(PreviousRead::Hang);
+    let refused = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        send(server.post("/pay/abc", "read-hangs")),
+    )
+    .await
+    .expect("a previous-layout read that never answers held the request");
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        refused.text()
+    );
+    assert_eq!(refused.problem(), "store-unavailable");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "ran without the read's answer"
+    );
+
+    reads.set(PreviousRead::Pass);
+    let retry = send(server.post("/pay/abc", "read-hangs")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// A replay is answered from the record it finds, without waiting for the previous layout's
 /// read sent alongside its claim: here that read never answers.
 #[tokio::test]

@@ -342,8 +342,10 @@ impl IdempotencyLayer {
     /// [`already-processed`](Problem::AlreadyProcessed) instead of running again (default:
     /// `true`). It costs one read per request, sent alongside the claim, so that a request
     /// waits one round trip for both; a replay or a duplicate is answered without waiting
-    /// for it. Turn it off once the layer has run this version for a `ttl` (no record of the previous
-    /// layout lives longer), or for a deployment that never ran the previous one. A request
+    /// for it. A read that fails, or that has not answered within half the lease, runs
+    /// nothing: the request is answered `503` and its key given back. Turn it off once the
+    /// layer has run this version for a `ttl` (no record of the previous layout lives
+    /// longer), or for a deployment that never ran the previous one. A request
     /// still running under the previous layout on an old instance during a rolling upgrade is
     /// not seen.
     ///

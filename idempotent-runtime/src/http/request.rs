@@ -15,11 +15,13 @@ use http::{header, Request, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
 
+use crate::engine::bounded;
 use crate::http::body::{Body, BoxError};
 use crate::http::key::{self, KeyHeader};
 use crate::http::respond::reject;
 use crate::http::{Config, Problem};
 use crate::key::{hex_string, Key, KeyError};
+use crate::store::deadline::call_bound;
 use crate::store::Fingerprint;
 
 /// The version in the key's layout: `<prefix>:v2:{scope, client key}`.
@@ -40,7 +42,8 @@ pub(crate) struct Prepared {
 
 impl Prepared {
     /// Whether the previous layout's record of this request says it was completed: a retry
-    /// that spans an upgrade of the layer must not run the handler again.
+    /// that spans an upgrade of the layer must not run the handler again. A read that has not
+    /// answered within the engine's bound on a store call (half the lease) is an error.
     pub(crate) async fn done_before(
         previous: Option<&Key>,
         config: &Config,
@@ -56,7 +59,10 @@ impl Prepared {
         else {
             return Ok(false);
         };
-        let record = store.read(previous).await?;
+        // Bounded as every store call of an owner's path is: a read that never answers (a
+        // custom store, a silent connection) is abandoned, and the engine gives the claim back.
+        let bound = call_bound(config.idempotency.lease_duration());
+        let record = bounded(bound, "previous layout's read", store.read(previous)).await?;
         Ok(record.is_some_and(|r| r.state == crate::store::RecordState::Completed))
     }
 }
