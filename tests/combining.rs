@@ -18,8 +18,8 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, End, Ending, Record, RecordState,
-    Store, StoreError, StoreErrorKind, Token,
+    BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, End, Ending, RecordState, Store,
+    StoreError, StoreErrorKind, Token,
 };
 use idempotency::{Key, MemoryStore};
 use tokio::sync::Semaphore;
@@ -97,9 +97,8 @@ fn name(key: &Key) -> String {
 }
 
 impl Store for Gated {
-    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        self.inner.claim(req)
-    }
+    forward_store!(claim, complete, renew, read);
+
     fn claim_many<'a>(
         &'a self,
         reqs: &'a [ClaimRequest],
@@ -109,14 +108,6 @@ impl Store for Gated {
             self.held(Batch::Claims(keys)).await;
             self.inner.claim_many(reqs).await
         })
-    }
-    fn complete<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        completion: &'a Completion,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.complete(key, token, completion)
     }
     fn complete_many<'a>(
         &'a self,
@@ -152,17 +143,6 @@ impl Store for Gated {
             self.released.add_permits(1);
             released
         })
-    }
-    fn renew<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.renew(key, token, lease)
-    }
-    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
-        self.inner.read(key)
     }
 }
 

@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/forward.rs"]
+mod forward;
 #[path = "support/http_harness.rs"]
 mod http_harness;
 #[path = "support/redis_server.rs"]
@@ -289,6 +291,8 @@ impl PreviousReads {
 }
 
 impl idempotency::store::Store for PreviousReads {
+    forward_store!(complete, release, renew, max_result_size, name);
+
     fn claim<'a>(
         &'a self,
         req: &'a idempotency::store::ClaimRequest,
@@ -303,29 +307,7 @@ impl idempotency::store::Store for PreviousReads {
             self.inner.claim(req).await
         })
     }
-    fn complete<'a>(
-        &'a self,
-        key: &'a idempotency::Key,
-        token: &'a idempotency::store::Token,
-        completion: &'a idempotency::store::Completion,
-    ) -> idempotency::store::BoxFuture<'a, Result<bool, idempotency::store::StoreError>> {
-        self.inner.complete(key, token, completion)
-    }
-    fn release<'a>(
-        &'a self,
-        key: &'a idempotency::Key,
-        token: &'a idempotency::store::Token,
-    ) -> idempotency::store::BoxFuture<'a, Result<bool, idempotency::store::StoreError>> {
-        self.inner.release(key, token)
-    }
-    fn renew<'a>(
-        &'a self,
-        key: &'a idempotency::Key,
-        token: &'a idempotency::store::Token,
-        lease: std::time::Duration,
-    ) -> idempotency::store::BoxFuture<'a, Result<bool, idempotency::store::StoreError>> {
-        self.inner.renew(key, token, lease)
-    }
+
     fn read<'a>(
         &'a self,
         key: &'a idempotency::Key,
@@ -348,12 +330,6 @@ impl idempotency::store::Store for PreviousReads {
                 PreviousRead::Hang => std::future::pending().await,
             }
         })
-    }
-    fn max_result_size(&self) -> usize {
-        self.inner.max_result_size()
-    }
-    fn name(&self) -> &'static str {
-        self.inner.name()
     }
 }
 

@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "support/forward.rs"]
+mod forward;
 #[path = "support/http_harness.rs"]
 mod http_harness;
 #[path = "support/redis_server.rs"]
@@ -203,15 +205,8 @@ struct HeldCompletions {
 }
 
 impl idempotency::store::Store for HeldCompletions {
-    fn claim<'a>(
-        &'a self,
-        req: &'a idempotency::store::ClaimRequest,
-    ) -> idempotency::store::BoxFuture<
-        'a,
-        Result<idempotency::store::Claim, idempotency::store::StoreError>,
-    > {
-        self.inner.claim(req)
-    }
+    forward_store!(claim, release, renew, read);
+
     fn complete<'a>(
         &'a self,
         key: &'a idempotency::Key,
@@ -223,30 +218,6 @@ impl idempotency::store::Store for HeldCompletions {
             self.open.notified().await;
             self.inner.complete(key, token, completion).await
         })
-    }
-    fn release<'a>(
-        &'a self,
-        key: &'a idempotency::Key,
-        token: &'a idempotency::store::Token,
-    ) -> idempotency::store::BoxFuture<'a, Result<bool, idempotency::store::StoreError>> {
-        self.inner.release(key, token)
-    }
-    fn renew<'a>(
-        &'a self,
-        key: &'a idempotency::Key,
-        token: &'a idempotency::store::Token,
-        lease: Duration,
-    ) -> idempotency::store::BoxFuture<'a, Result<bool, idempotency::store::StoreError>> {
-        self.inner.renew(key, token, lease)
-    }
-    fn read<'a>(
-        &'a self,
-        key: &'a idempotency::Key,
-    ) -> idempotency::store::BoxFuture<
-        'a,
-        Result<Option<idempotency::store::Record>, idempotency::store::StoreError>,
-    > {
-        self.inner.read(key)
     }
 }
 

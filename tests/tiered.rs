@@ -22,8 +22,8 @@ use conformance::{unique_namespace, Backend, Down};
 use idempotency::sql::sqlx::{self, AssertSqlSafe};
 use idempotency::sql::PostgresStore;
 use idempotency::store::{
-    BoxFuture, Claim, ClaimRequest, Completion, Ending, Record, RecordState, SharedOperatorStore,
-    Store, StoreError, TieredStore, Token,
+    BoxFuture, Claim, ClaimRequest, Completion, Ending, RecordState, SharedOperatorStore, Store,
+    StoreError, TieredStore, Token,
 };
 use idempotency::{Error, Idempotency, Key, MemoryStore, SharedStore};
 use redis_server::{delete_matching, redis_url};
@@ -128,17 +128,8 @@ impl HeldReleases {
 }
 
 impl Store for HeldReleases {
-    fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        self.inner.claim(req)
-    }
-    fn complete<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        completion: &'a Completion,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.complete(key, token, completion)
-    }
+    forward_store!(claim, complete, renew, read);
+
     fn release<'a>(
         &'a self,
         key: &'a Key,
@@ -149,17 +140,6 @@ impl Store for HeldReleases {
             self.gate.acquire().await.unwrap().forget();
             self.inner.release(key, token).await
         })
-    }
-    fn renew<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.renew(key, token, lease)
-    }
-    fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
-        self.inner.read(key)
     }
 }
 
