@@ -43,6 +43,11 @@
 //! - `<db>_batch_msgs_per_s`, `<db>_single_msgs_per_s`, `<db>_batch_over_single`;
 //! - `<db>_batch_allocations_per_item`, `<db>_seed_batch_allocations_per_item`: this
 //!   process's allocations per message (median pass);
+//! - `<db>_batch_client_cpu_us_per_item`, `<db>_seed_batch_client_cpu_us_per_item`: this
+//!   process's CPU time per message (median pass; Linux); on Redis also
+//!   `redis_batch_server_cpu_us_per_item` and `redis_seed_batch_server_cpu_us_per_item`, the
+//!   server's (`INFO cpu`): a batch's wall time is mostly the two added up, so they say which
+//!   side of the connection a gap is on;
 //! - with valgrind installed, `<db>_batch_instructions_per_item`,
 //!   `<db>_seed_batch_instructions_per_item` and `<db>_batch_instructions_ratio` (the batch by
 //!   hand's count over the framework's: read as the throughput ratio is, the higher the
@@ -54,6 +59,8 @@
 mod allocations;
 #[path = "support/instructions.rs"]
 mod instructions;
+#[path = "support/redis_info.rs"]
+mod redis_info;
 #[path = "../tests/support/sql_tables.rs"]
 mod sql_tables;
 #[path = "support/stats.rs"]
@@ -481,6 +488,7 @@ async fn measure(
     counter: &Counter,
     seed: &Seed,
     seed_counted: &Seed,
+    mut server: Option<redis::aio::ConnectionManager>,
 ) -> Result<(), BoxError> {
     // `IDEMPOTENT_BENCH_ONLY=<db>_batch` or `<db>_seed`: a warm-up batch and `batches`
     // batches of that side alone: what callgrind counts.
@@ -528,13 +536,23 @@ async fn measure(
     let passes = 20;
     let (mut batches, mut seeds, mut singles) = (Vec::new(), Vec::new(), Vec::new());
     let (mut batch_allocs, mut seed_allocs) = (Vec::new(), Vec::new());
+    // CPU microseconds per message: this process's, and the server's where it says (Redis).
+    let (mut batch_client, mut seed_client) = (Vec::new(), Vec::new());
+    let (mut batch_server, mut seed_server) = (Vec::new(), Vec::new());
     let per_item = |since: u64| (allocations::so_far() - since) as f64 / (passes * BATCH) as f64;
+    let us_per_item = |seconds: f64| seconds * 1e6 / (passes * BATCH) as f64;
     // Each side goes first, second and third equally often.
     for round in 0..6 {
         for turn in 0..3 {
+            let server_before = match server.as_mut() {
+                Some(conn) => Some(redis_info::server_cpu(conn).await?),
+                None => None,
+            };
+            let client_before = redis_info::client_cpu();
             let start = Instant::now();
             let allocated = allocations::so_far();
-            match (round + turn) % 3 {
+            let side = (round + turn) % 3;
+            match side {
                 0 => {
                     for _ in 0..passes {
                         fast.batch().await?;
@@ -556,6 +574,17 @@ async fn measure(
                     }
                     singles.push(per_s(passes * BATCH, start.elapsed()));
                 }
+            }
+            let (client, server_cpu) = match side {
+                0 => (&mut batch_client, &mut batch_server),
+                1 => (&mut seed_client, &mut seed_server),
+                _ => continue,
+            };
+            if let (Some(before), Some(after)) = (client_before, redis_info::client_cpu()) {
+                client.push(us_per_item(after - before));
+            }
+            if let (Some(before), Some(conn)) = (server_before, server.as_mut()) {
+                server_cpu.push(us_per_item(redis_info::server_cpu(conn).await? - before));
             }
         }
     }
@@ -590,6 +619,26 @@ async fn measure(
         median(&seed_allocs),
         1,
     );
+    let sides = [
+        ("batch", &batch_client, &batch_server),
+        ("seed_batch", &seed_client, &seed_server),
+    ];
+    for (side, client, server_cpu) in sides {
+        if !client.is_empty() {
+            figure(
+                &format!("{name}_{side}_client_cpu_us_per_item"),
+                median(client),
+                2,
+            );
+        }
+        if !server_cpu.is_empty() {
+            figure(
+                &format!("{name}_{side}_server_cpu_us_per_item"),
+                median(server_cpu),
+                2,
+            );
+        }
+    }
     if instructions::enabled() {
         let item = BATCH as f64;
         let ours = instructions::per_cycle(&format!("{name}_batch"), INSTRUCTION_BATCHES)? / item;
@@ -617,7 +666,20 @@ async fn redis() -> Result<(), BoxError> {
     let counted = Arc::new(RedisStore::connect(&through(&url, counter.addr)).await?);
     let seed = Seed::redis(&url).await?;
     let seed_counted = Seed::redis(&through(&url, counter.addr)).await?;
-    measure("redis", direct, counted, &counter, &seed, &seed_counted).await?;
+    let info = redis::Client::open(url.as_str())?
+        .get_connection_manager()
+        .await?;
+    let server = Some(info);
+    measure(
+        "redis",
+        direct,
+        counted,
+        &counter,
+        &seed,
+        &seed_counted,
+        server,
+    )
+    .await?;
     if std::env::var("IDEMPOTENT_BENCH_ONLY").is_ok() {
         // Counted under callgrind: the bench that started this run removes its keys with its
         // own, once the count is taken (removing them here would count the other run's too).
@@ -720,7 +782,7 @@ async fn sql<DB: Dialect>(name: &str, server: Server) -> Result<(), BoxError> {
         },
         Seed::Redis { .. } => return Err("a Redis seed for an SQL run".into()),
     };
-    measure(name, direct, counted, &counter, &seed, &seed_counted).await?;
+    measure(name, direct, counted, &counter, &seed, &seed_counted, None).await?;
     if let Some((batch, single)) = statements {
         figure(&format!("{name}_batch_statements_per_100"), batch, 1);
         figure(&format!("{name}_single_statements_per_100"), single, 1);
