@@ -145,6 +145,9 @@ enum Quirk {
     /// Its batch claim leaves the last item out of what it sends and answers (a misbehaving
     /// third-party store).
     ShortClaims,
+    /// Its batch ending is sent only once every item's lease was renewed since it arrived
+    /// (a slow store, slow for exactly as long as the test needs).
+    EndingsWaitForRenewals,
 }
 
 /// The store under test, counting the endings that reach it (single completions and
@@ -155,6 +158,8 @@ struct Instrumented {
     quirk: Quirk,
     singles: AtomicUsize,
     batches: std::sync::Mutex<Vec<usize>>,
+    renewals: AtomicUsize,
+    renewed: tokio::sync::Notify,
 }
 
 impl Store for Instrumented {
@@ -194,6 +199,19 @@ impl Store for Instrumented {
         self.batches.lock().unwrap().push(items.len());
         match self.quirk {
             Quirk::HungEndings => Box::pin(std::future::pending()),
+            Quirk::EndingsWaitForRenewals => Box::pin(async move {
+                let from = self.renewals.load(Ordering::SeqCst);
+                loop {
+                    let renewed = self.renewed.notified();
+                    let mut renewed = std::pin::pin!(renewed);
+                    renewed.as_mut().enable();
+                    if self.renewals.load(Ordering::SeqCst) >= from + items.len() {
+                        break;
+                    }
+                    renewed.await;
+                }
+                self.inner.complete_many(items).await
+            }),
             Quirk::FailingEndings => Box::pin(std::future::ready(
                 items
                     .iter()
@@ -214,7 +232,14 @@ impl Store for Instrumented {
         token: &'a Token,
         lease: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        self.inner.renew(key, token, lease)
+        Box::pin(async move {
+            let renewed = self.inner.renew(key, token, lease).await;
+            if renewed.as_ref().is_ok_and(|&ours| ours) {
+                self.renewals.fetch_add(1, Ordering::SeqCst);
+                self.renewed.notify_waiters();
+            }
+            renewed
+        })
     }
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         self.inner.read(key)
@@ -230,6 +255,8 @@ fn instrumented(b: &impl Backend, quirk: Quirk) -> Arc<Instrumented> {
         quirk,
         singles: AtomicUsize::new(0),
         batches: std::sync::Mutex::new(Vec::new()),
+        renewals: AtomicUsize::new(0),
+        renewed: tokio::sync::Notify::new(),
     })
 }
 
@@ -605,4 +632,81 @@ pub async fn a_failed_batch_ending_is_recorded_item_by_item(b: impl Backend) {
     let again: Vec<Result<u32, TestError>> = guard(&shared).run_batch(items(), handler).await;
     assert_eq!(runs.load(Ordering::SeqCst), 6, "{again:?}");
     assert_eq!(*store.batches.lock().unwrap(), vec![6]);
+}
+
+/// A batch's ending that never answers is abandoned at the bound on a store call (half the
+/// lease), as a single completion is: each item then reads its record back and completes it
+/// on its own, so the batch answers every item `Ok`, every record is completed, and each body
+/// ran once.
+pub async fn a_batch_ending_that_never_answers_is_bounded_and_each_item_completes_alone(
+    b: impl Backend,
+) {
+    let store = instrumented(&b, Quirk::HungEndings);
+    let shared: SharedStore = store.clone();
+    let prefix = unique_prefix(&b, "batch-end-hangs");
+    let items: Vec<(Key, u32)> = (0..6u32).map(|id| (key(&prefix, &[&id]), id)).collect();
+    let keys: Vec<Key> = items.iter().map(|(k, _)| k.clone()).collect();
+    let runs = AtomicUsize::new(0);
+    let g = guard(&shared).lease(Duration::from_secs(1));
+    let answers: Vec<Result<u32, TestError>> = tokio::time::timeout(
+        Duration::from_secs(30),
+        g.run_batch(items, |id| {
+            let runs = &runs;
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, TestError>(id)
+            }
+        }),
+    )
+    .await
+    .expect("a batch ending that never answers held the batch");
+    assert_eq!(
+        answers.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+        (0..6u32).collect::<Vec<_>>()
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 6);
+    assert_eq!(*store.batches.lock().unwrap(), vec![6]);
+    assert_eq!(
+        store.singles.load(Ordering::SeqCst),
+        6,
+        "each item completes alone"
+    );
+    for k in &keys {
+        let record = store.read(k).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed, "{k}");
+    }
+}
+
+/// While a batch's ending is in flight, its items' leases are renewed (every third of the
+/// lease), as a single completion's is: here the store sends the ending only once every item
+/// was renewed, and the ending still answers within its bound, in one call.
+pub async fn leases_are_renewed_while_a_batch_ending_is_in_flight(b: impl Backend) {
+    let store = instrumented(&b, Quirk::EndingsWaitForRenewals);
+    let shared: SharedStore = store.clone();
+    let prefix = unique_prefix(&b, "batch-end-renewed");
+    let items: Vec<(Key, u32)> = (0..4u32).map(|id| (key(&prefix, &[&id]), id)).collect();
+    let keys: Vec<Key> = items.iter().map(|(k, _)| k.clone()).collect();
+    // Renewed after 1 s; the ending is abandoned after 1.5 s.
+    let g = guard(&shared).lease(Duration::from_secs(3));
+    let answers: Vec<Result<u32, TestError>> = tokio::time::timeout(
+        Duration::from_secs(30),
+        g.run_batch(items, |id| async move { Ok::<_, TestError>(id) }),
+    )
+    .await
+    .expect("the batch did not answer");
+    assert_eq!(
+        answers.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+        (0..4u32).collect::<Vec<_>>()
+    );
+    assert!(store.renewals.load(Ordering::SeqCst) >= 4);
+    assert_eq!(
+        *store.batches.lock().unwrap(),
+        vec![4],
+        "the ending was abandoned"
+    );
+    assert_eq!(store.singles.load(Ordering::SeqCst), 0);
+    for k in &keys {
+        let record = store.read(k).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed, "{k}");
+    }
 }

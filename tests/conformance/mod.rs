@@ -288,6 +288,8 @@ macro_rules! conformance_cases {
             a_batch_checks_payloads_replays_and_asks_done_per_item,
             a_batch_claim_that_answers_fewer_items_fails_the_rest,
             a_failed_batch_ending_is_recorded_item_by_item,
+            a_batch_ending_that_never_answers_is_bounded_and_each_item_completes_alone,
+            leases_are_renewed_while_a_batch_ending_is_in_flight,
             a_completion_that_never_answers_is_bounded_and_read_back,
             a_completion_lost_after_the_caller_got_ok_is_reported,
             a_batch_claim_that_never_answers_fails_closed_and_gives_back

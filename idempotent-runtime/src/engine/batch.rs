@@ -200,6 +200,7 @@ where
         let batch = Coalescing::new(
             store,
             reqs.iter().map(|req| req.token),
+            lease,
             (lease / 10).min(MAX_COMPLETION_DELAY),
         );
         let (settings, results, handler) = (&settings, &results, &handler);
@@ -316,7 +317,8 @@ where
     report.fence(next.fence());
     let refusal = match next {
         Next::Run { fence } => {
-            let owner = Owner::new(Arc::new(Claimed::new(store, req, fence, sent_at)));
+            let claim = Arc::new(Claimed::new(store, req, fence, sent_at));
+            let owner = Owner::in_batch(claim, batch.batch.clone());
             let on_lost = settings.on_lost_lease;
             return own(
                 &report,

@@ -3,11 +3,18 @@
 //! [`Store::complete_many`] (one round trip on Redis and SQL).
 //!
 //! [`Coalescing`] wraps the batch's store. An item's first `complete` or `release` joins the
-//! pending endings; they are sent when every item of the batch has either ended or
+//! pending endings (a round); they are sent when every item of the batch has either ended or
 //! finished without ending ([`Coalescing::forget`]), or when the first of them has waited
 //! [`Coalescing::new`]'s `max_delay` (a slow sibling never holds the others' completions for
-//! longer, so their leases never come close to running out while they wait). Whoever finds
-//! the batch ready sends it, and every waiter gets its own item's answer.
+//! longer, so their leases never come close to running out while they wait). The last item
+//! in sends the round, or the round's first ending (its leader, the only one with a timer)
+//! when the round is due, and every waiter gets its own item's answer.
+//!
+//! A round is one store call of its owners' path, and is treated as theirs would be: it is
+//! bounded ([`call_bound`]) and the leases of the completions it carries are renewed while it
+//! is in flight ([`watch_many`]), once for the round. An owner's first completion therefore
+//! needs no timer of its own ([`Coalescing::complete_first`]); only a completion that failed
+//! there goes on under its owner's own bound and watchdog.
 //!
 //! An item's later calls (a retried completion after a lost reply, the background retries of
 //! [`Owner`](super::owner::Owner)) go to the store directly, as every other method does. A
@@ -28,27 +35,38 @@ use std::time::Duration;
 
 use tokio::sync::{oneshot, Notify};
 
+use crate::engine::claimed::Claimed;
+use crate::engine::deadline::{bounded, call_bound};
+use crate::engine::watch::watch_many;
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::{
     BoxFuture, Claim, ClaimRequest, Completion, Ending, Record, SharedStore, Store, Token,
 };
 
-type Answer = oneshot::Sender<Result<bool, StoreError>>;
+/// An ending waiting to be sent with its round: its answer's sender, and its owner's claim
+/// for a completion the engine sent (renewed while the round is in flight).
+struct Pending {
+    item: Ending,
+    answer: oneshot::Sender<Result<bool, StoreError>>,
+    claim: Option<Arc<Claimed>>,
+}
 
 /// A batch's store: the first ending of each item is sent with the others'.
 pub(crate) struct Coalescing {
     inner: SharedStore,
     max_delay: Duration,
+    /// The bound on sending a round ([`call_bound`] of the batch's lease).
+    bound: Duration,
     state: Mutex<State>,
-    /// Wakes the waiters when the last item that could still end went away.
+    /// Wakes a round's leader when the last item that could still end went away.
     changed: Notify,
 }
 
 struct State {
     /// Items that may still end through the batch.
     waiting: HashSet<Token, BuildHasherDefault<TokenHasher>>,
-    pending: Vec<(Ending, Answer)>,
+    pending: Vec<Pending>,
     /// When the first pending ending arrived.
     since: Option<tokio::time::Instant>,
 }
@@ -82,16 +100,18 @@ impl Hasher for TokenHasher {
 }
 
 impl Coalescing {
-    /// The store of a batch whose items own `tokens`; an ending waits at most `max_delay`
-    /// for the others.
+    /// The store of a batch whose items own `tokens`, claimed with `lease`; an ending waits
+    /// at most `max_delay` for the others.
     pub(crate) fn new(
         inner: SharedStore,
         tokens: impl IntoIterator<Item = Token>,
+        lease: Duration,
         max_delay: Duration,
     ) -> Arc<Coalescing> {
         Arc::new(Coalescing {
             inner,
             max_delay,
+            bound: call_bound(lease),
             state: Mutex::new(State {
                 waiting: tokens.into_iter().collect(),
                 pending: Vec::new(),
@@ -117,65 +137,156 @@ impl Coalescing {
         }
     }
 
-    async fn end(&self, item: Ending) -> Result<bool, StoreError> {
-        let joined = {
-            let mut state = self.lock();
-            if state.waiting.remove(&item.token) {
-                let (tx, rx) = oneshot::channel();
-                state.pending.push((item, tx));
-                state.since.get_or_insert_with(tokio::time::Instant::now);
-                Ok(rx)
-            } else {
-                Err(item)
-            }
-        };
-        let mut answer = match joined {
-            Ok(answer) => answer,
-            Err(item) => return item.send_alone(&*self.inner).await,
-        };
-        loop {
-            let notified = self.changed.notified();
-            let mut notified = std::pin::pin!(notified);
-            notified.as_mut().enable();
-            let (ready, due) = {
-                let mut state = self.lock();
-                // Set exactly while endings are pending; none pending means this item's
-                // is on its way in another waiter's batch.
-                let due = state.since.map(|since| since + self.max_delay);
-                let ready = !state.pending.is_empty()
-                    && (state.waiting.is_empty()
-                        || due.is_some_and(|due| due <= tokio::time::Instant::now()));
-                let ready = ready.then(|| {
-                    state.since = None;
-                    std::mem::take(&mut state.pending)
-                });
-                let due = due.filter(|_| ready.is_none());
-                (ready, due)
-            };
-            if let Some(batch) = ready {
-                self.flush(batch).await;
-            }
-            let deadline = due.unwrap_or_else(tokio::time::Instant::now);
-            tokio::select! {
-                answered = &mut answer => {
-                    return answered.unwrap_or_else(|_| Err(abandoned()));
-                }
-                () = &mut notified => {}
-                () = tokio::time::sleep_until(deadline), if due.is_some() => {}
-            }
+    /// Joins `claim`'s first completion to the batch's pending endings, and answers it when
+    /// the batch sends it: `None` when the claim's item is not waiting to end through the
+    /// batch (it ended once already), for the caller to send on its own. The batch bounds and
+    /// watches what it sends ([`flush`](Self::flush)), so the caller need not.
+    pub(crate) async fn complete_first(
+        &self,
+        claim: &Arc<Claimed>,
+        completion: &Completion,
+    ) -> Option<Result<bool, StoreError>> {
+        let item = Ending::complete(claim.key.clone(), claim.token, completion.clone());
+        match self.join(item, Some(claim.clone())) {
+            Ok(answer) => Some(self.wait(answer).await),
+            Err(_) => None,
         }
     }
 
-    /// Sends `batch` and hands each waiter its answer.
-    async fn flush(&self, batch: Vec<(Ending, Answer)>) {
-        let (items, answers): (Vec<Ending>, Vec<Answer>) = batch.into_iter().unzip();
-        let ended = self.inner.complete_many(&items).await;
-        let mut ended = ended.into_iter();
-        for answer in answers {
-            // A store that answered fewer items than it was given leaves the rest unknown.
-            let _ = answer.send(ended.next().unwrap_or_else(|| Err(abandoned())));
+    /// The ending of `item`: through the batch when its item waits to end through it, else on
+    /// its own.
+    async fn end(&self, item: Ending) -> Result<bool, StoreError> {
+        match self.join(item, None) {
+            Ok(answer) => self.wait(answer).await,
+            Err(item) => item.send_alone(&*self.inner).await,
         }
     }
+
+    /// Adds `item` to the pending endings if its item may still end through the batch
+    /// (`Err(item)` otherwise). The first of a round of endings leads it: it waits for the
+    /// round to be due and sends it, unless the last item of the batch sends it first.
+    // `Err` hands the caller its own ending back to send alone: a move, not a copy.
+    #[allow(clippy::result_large_err)]
+    fn join(&self, item: Ending, claim: Option<Arc<Claimed>>) -> Result<Joined, Ending> {
+        let mut state = self.lock();
+        if !state.waiting.remove(&item.token) {
+            return Err(item);
+        }
+        let (tx, answer) = oneshot::channel();
+        let leads = state.pending.is_empty();
+        if leads {
+            state.since = Some(tokio::time::Instant::now());
+        }
+        state.pending.push(Pending {
+            item,
+            answer: tx,
+            claim,
+        });
+        // The last item that could end: the round is complete, and this caller sends it.
+        let round = state.waiting.is_empty().then(|| take_round(&mut state));
+        Ok(Joined {
+            answer,
+            leads,
+            round,
+        })
+    }
+
+    /// Waits for a joined ending's answer: sending its round when it is the last one in, or
+    /// when it leads the round and the round is due.
+    ///
+    /// Only the leader of a round holds a timer and listens for the batch's last item going
+    /// away; the others wait for their answer alone. The leader is the first ending of its
+    /// round, and its future is only ever dropped with the whole batch's (an ending's bound,
+    /// half the lease, is longer than a round's delay, a tenth of the lease at most, and a
+    /// leader whose bound fires sees its round due first and sends it): so a round is never
+    /// left without someone to send it while its endings wait.
+    async fn wait(&self, joined: Joined) -> Result<bool, StoreError> {
+        let Joined {
+            mut answer,
+            leads,
+            round,
+        } = joined;
+        if let Some(round) = round {
+            self.flush(round).await;
+        } else if leads {
+            loop {
+                let notified = self.changed.notified();
+                let mut notified = std::pin::pin!(notified);
+                notified.as_mut().enable();
+                let (round, due) = {
+                    let mut state = self.lock();
+                    // Set exactly while endings are pending; none pending means this
+                    // ending's round was sent by another caller.
+                    let due = state.since.map(|since| since + self.max_delay);
+                    let ready = !state.pending.is_empty()
+                        && (state.waiting.is_empty()
+                            || due.is_some_and(|due| due <= tokio::time::Instant::now()));
+                    let round = ready.then(|| take_round(&mut state));
+                    (round, due.filter(|_| !ready))
+                };
+                if let Some(round) = round {
+                    self.flush(round).await;
+                    break;
+                }
+                let Some(due) = due else { break };
+                tokio::select! {
+                    answered = &mut answer => {
+                        return answered.unwrap_or_else(|_| Err(abandoned()));
+                    }
+                    () = &mut notified => {}
+                    () = tokio::time::sleep_until(due) => {}
+                }
+            }
+        }
+        answer.await.unwrap_or_else(|_| Err(abandoned()))
+    }
+
+    /// Sends a round of endings and hands each waiter its answer. The round is bounded as
+    /// one store call of an owner's path ([`call_bound`] of the batch's lease: past it, every
+    /// ending in it is an unknown outcome, which its owner resolves by reading its record
+    /// back), and the leases of the owners whose completions it carries are renewed while it
+    /// is in flight ([`watch_many`]).
+    async fn flush(&self, round: Vec<Pending>) {
+        let mut items = Vec::with_capacity(round.len());
+        let mut answers = Vec::with_capacity(round.len());
+        let mut claims = Vec::new();
+        for pending in round {
+            items.push(pending.item);
+            answers.push(pending.answer);
+            claims.extend(pending.claim);
+        }
+        let send = async { Ok(self.inner.complete_many(&items).await) };
+        let send = std::pin::pin!(bounded(self.bound, "batch's endings", send));
+        match watch_many(send, &claims).await {
+            Ok(ended) => {
+                let mut ended = ended.into_iter();
+                for answer in answers {
+                    // A store that answered fewer items than it was given leaves the rest
+                    // unknown.
+                    let _ = answer.send(ended.next().unwrap_or_else(|| Err(abandoned())));
+                }
+            }
+            Err(err) => {
+                for answer in answers {
+                    let _ = answer.send(Err(StoreError::new(err.kind(), err.to_string())));
+                }
+            }
+        }
+    }
+}
+
+/// An ending that joined a round: its answer, whether it leads the round, and the round
+/// itself when it completed it.
+struct Joined {
+    answer: oneshot::Receiver<Result<bool, StoreError>>,
+    leads: bool,
+    round: Option<Vec<Pending>>,
+}
+
+/// The pending endings, taken to be sent.
+fn take_round(state: &mut State) -> Vec<Pending> {
+    state.since = None;
+    std::mem::take(&mut state.pending)
 }
 
 fn abandoned() -> StoreError {

@@ -13,13 +13,16 @@
 //!
 //! Every store call here is bounded ([`call_bound`]: half the lease): a call that never
 //! answers is a lost reply, resolved by reading the record back, and a completion in flight
-//! runs under the watchdog, so the lease is renewed (or its loss noticed) while it waits.
+//! runs under the watchdog, so the lease is renewed (or its loss noticed) while it waits. A
+//! batch item's first completion goes with its batch's, which the batch bounds and watches
+//! for all of them (`coalesce.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::codec;
 use crate::engine::claimed::Claimed;
+use crate::engine::coalesce::Coalescing;
 use crate::engine::deadline::{bounded, call_bound};
 use crate::engine::loss::{self, CompletionLost, LossReason};
 use crate::engine::pending::{give_back, run_detached};
@@ -60,6 +63,8 @@ pub(crate) struct Owner {
     phase: Phase,
     /// The caller was told the operation succeeded while its completion was still pending.
     told_done: bool,
+    /// The batch the claim is an item of: its first completion goes with the batch's others.
+    batch: Option<Arc<Coalescing>>,
 }
 
 impl Owner {
@@ -68,6 +73,17 @@ impl Owner {
             claim,
             phase: Phase::Running,
             told_done: false,
+            batch: None,
+        }
+    }
+
+    /// The owner of an item of `batch`: its first completion is sent with the others'.
+    pub(crate) fn in_batch(claim: Arc<Claimed>, batch: Arc<Coalescing>) -> Owner {
+        Owner {
+            claim,
+            phase: Phase::Running,
+            told_done: false,
+            batch: Some(batch),
         }
     }
 
@@ -130,7 +146,8 @@ impl Owner {
         let Phase::Completing(completion) = &self.phase else {
             return Recording::Deferred;
         };
-        let recording = match complete_watched(&self.claim, completion).await {
+        let recording = match complete_watched(&self.claim, completion, self.batch.as_deref()).await
+        {
             Ok(true) => Recording::Recorded,
             Ok(false) => {
                 self.claim.set_lost();
@@ -204,8 +221,13 @@ fn shrink(bytes: &[u8]) -> Option<Vec<u8>> {
 
 /// One completion attempt: a lost reply is resolved by reading the record back by token, and
 /// a result the store refuses for good is dropped and the record completed without it.
-async fn complete(claim: &Claimed, completion: &Completion) -> Result<bool, StoreError> {
-    match complete_resolving(claim, completion).await {
+/// `first` is the answer to the completion when it was already sent (with its batch).
+async fn complete(
+    claim: &Claimed,
+    completion: &Completion,
+    first: Option<Result<bool, StoreError>>,
+) -> Result<bool, StoreError> {
+    match complete_resolving(claim, completion, first).await {
         Err(err) if err.kind() == StoreErrorKind::Rejected && completion.result.is_some() => {
             tracing::warn!(error = %err, "store refused the result; completing without it");
             let smaller = Completion {
@@ -213,20 +235,28 @@ async fn complete(claim: &Claimed, completion: &Completion) -> Result<bool, Stor
                 ttl: completion.ttl,
                 claim: completion.claim,
             };
-            complete_resolving(claim, &smaller).await
+            complete_resolving(claim, &smaller, None).await
         }
         other => other,
     }
 }
 
-async fn complete_resolving(claim: &Claimed, completion: &Completion) -> Result<bool, StoreError> {
+async fn complete_resolving(
+    claim: &Claimed,
+    completion: &Completion,
+    first: Option<Result<bool, StoreError>>,
+) -> Result<bool, StoreError> {
     let store = &claim.store;
     let bound = call_bound(claim.lease);
     let send = || {
         let complete = store.complete(&claim.key, &claim.token, completion);
         bounded(bound, "completion", complete)
     };
-    match send().await {
+    let answer = match first {
+        Some(answer) => answer,
+        None => send().await,
+    };
+    match answer {
         Err(err) if err.is_outcome_unknown() => {
             tracing::debug!(error = %err, "completion reply lost; reading the record back");
             match bounded(bound, "read", store.read(&claim.key)).await? {
@@ -244,8 +274,23 @@ async fn complete_resolving(claim: &Claimed, completion: &Completion) -> Result<
 
 /// One completion attempt ([`complete`]) under the watchdog: the lease is renewed while the
 /// completion is in flight, and marked lost if it runs out first.
-async fn complete_watched(claim: &Claimed, completion: &Completion) -> Result<bool, StoreError> {
-    let attempt = std::pin::pin!(complete(claim, completion));
+///
+/// An item of a `batch` sends its first completion with the batch's others, which the batch
+/// bounds and watches for all of them ([`Coalescing::complete_first`]); only what follows an
+/// error there (reading the record back, sending again) runs under this claim's own watchdog.
+async fn complete_watched(
+    claim: &Arc<Claimed>,
+    completion: &Completion,
+    batch: Option<&Coalescing>,
+) -> Result<bool, StoreError> {
+    let first = match batch {
+        Some(batch) => batch.complete_first(claim, completion).await,
+        None => None,
+    };
+    if let Some(Ok(answer)) = first {
+        return Ok(answer);
+    }
+    let attempt = std::pin::pin!(complete(claim, completion, first));
     match watch(attempt, claim, OnLostLease::Continue).await {
         Watched::Done(out) => out,
         // Never with `Continue`; an unknown outcome is what it would be.
@@ -281,7 +326,7 @@ async fn complete_in_background(claim: Arc<Claimed>, completion: Completion, tol
     let mut attempts = 0u32;
     loop {
         attempts += 1;
-        match complete_watched(&claim, &completion).await {
+        match complete_watched(&claim, &completion, None).await {
             Ok(true) => {
                 tracing::info!(key = %claim.key, attempts, "completion recorded after retrying");
                 return;
