@@ -408,21 +408,8 @@ fn push_part(out: &mut Vec<u8>, part: &[u8]) {
 
 /// Appends `n` in decimal (the formatting machinery costs several times more, on paths every
 /// call takes: keys, and the Redis records' fields).
-pub(crate) fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        // `n % 10` is a digit: the cast cannot truncate.
-        #[allow(clippy::cast_possible_truncation)]
-        let digit = (n % 10) as u8;
-        digits[at] = b'0' + digit;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[at..]);
+pub(crate) fn push_decimal(out: &mut Vec<u8>, n: u64) {
+    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
 }
 
 pub(crate) fn push_hex(out: &mut Vec<u8>, bytes: &[u8]) {

@@ -1,7 +1,6 @@
 //! Sending the store's statements: conflict retries, claims that resolve, batches, and
 //! owner-checked writes.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -75,17 +74,22 @@ pub(super) async fn claim_many_on<DB: Dialect>(
             ))
         })
         .collect();
-    let mut firsts = HashSet::with_capacity(reqs.len());
+    // One order for every batch, so that overlapping batches lock their rows alike. The sort
+    // is stable: of a key's occurrences, the first comes first, and goes in the batch.
+    let mut by_key: Vec<(usize, &ClaimRequest)> = reqs.iter().enumerate().collect();
+    by_key.sort_by(|(_, a), (_, b)| a.key.as_bytes().cmp(b.key.as_bytes()));
     let (mut distinct, mut later) = (Vec::with_capacity(reqs.len()), Vec::new());
-    for (i, req) in reqs.iter().enumerate() {
-        if firsts.insert(req.key.as_bytes()) {
-            distinct.push((i, req));
-        } else {
+    let mut previous: Option<&[u8]> = None;
+    for (i, req) in by_key {
+        let key = req.key.as_bytes();
+        if previous == Some(key) {
             later.push((i, req));
+        } else {
+            distinct.push((i, req));
         }
+        previous = Some(key);
     }
-    // One order for every batch, so that overlapping batches lock their rows alike.
-    distinct.sort_by(|(_, a), (_, b)| a.key.as_bytes().cmp(b.key.as_bytes()));
+    later.sort_unstable_by_key(|&(i, _)| i);
     for chunk in distinct.chunks(DB::BATCH.max(1)) {
         let indices: Vec<usize> = chunk.iter().map(|&(i, _)| i).collect();
         let batch: Vec<&ClaimRequest> = chunk.iter().map(|&(_, req)| req).collect();
@@ -257,8 +261,7 @@ pub(super) async fn complete_many_on<DB: Dialect>(
     max_result_size: usize,
 ) -> Vec<Result<bool, StoreError>> {
     let mut ended: Vec<Option<Result<bool, StoreError>>> = items.iter().map(|_| None).collect();
-    let mut firsts = HashSet::with_capacity(items.len());
-    let (mut distinct, mut single) = (Vec::with_capacity(items.len()), Vec::new());
+    let mut sendable = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
         if let End::Complete(completion) = &item.action {
             if let Err(err) = refuse_oversized(completion, max_result_size) {
@@ -266,17 +269,32 @@ pub(super) async fn complete_many_on<DB: Dialect>(
                 continue;
             }
         }
-        // A key met first in an item the batch statement does not take goes one by one, with
-        // every later item of it, in order.
-        let batchable = DB::BATCH_RELEASES || matches!(item.action, End::Complete(_));
-        if DB::COMPLETE_BATCH > 0 && firsts.insert(item.key.as_bytes()) && batchable {
-            distinct.push(i);
-        } else {
-            single.push(i);
-        }
+        sendable.push(i);
     }
-    // One order for every batch, so that overlapping batches lock their rows alike.
-    distinct.sort_by(|&a, &b| items[a].key.as_bytes().cmp(items[b].key.as_bytes()));
+    let (mut distinct, mut single) = (Vec::with_capacity(items.len()), Vec::new());
+    if DB::COMPLETE_BATCH == 0 {
+        single = sendable;
+    } else {
+        // One order for every batch, so that overlapping batches lock their rows alike. The
+        // sort is stable: of a key's items, the first comes first.
+        sendable.sort_by(|&a, &b| items[a].key.as_bytes().cmp(items[b].key.as_bytes()));
+        let mut previous: Option<&[u8]> = None;
+        for i in sendable {
+            let item = &items[i];
+            let key = item.key.as_bytes();
+            // A key's first item goes in the batch statement if the statement takes it; a key
+            // met first in an item it does not take goes one by one, with every later item
+            // of it, in order.
+            let batchable = DB::BATCH_RELEASES || matches!(item.action, End::Complete(_));
+            if previous != Some(key) && batchable {
+                distinct.push(i);
+            } else {
+                single.push(i);
+            }
+            previous = Some(key);
+        }
+        single.sort_unstable();
+    }
     let mut chunks: Vec<Vec<usize>> = Vec::new();
     let mut bytes = 0;
     for i in distinct {

@@ -1,15 +1,14 @@
 //! PostgreSQL: the claim is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE <free>` inside a
 //! statement that also reports the record when the claim did not take it.
 
-use std::collections::{HashMap, HashSet};
-
 use sqlx::pool::PoolOptions;
 use sqlx::postgres::{PgConnection, Postgres};
 use sqlx::{AssertSqlSafe, Pool};
 
 use crate::database::SqlDatabase;
 use crate::store::sql::dialect::{
-    ending_args, statement_fns, ticks, DialectImpl, Statements, Templates, HEADROOM,
+    claim_keys, ended_in_order, ending_args, in_request_order, statement_fns, ticks, DialectImpl,
+    Statements, Templates, HEADROOM,
 };
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::{BoxFuture, ClaimRequest, Ending};
@@ -411,15 +410,12 @@ impl DialectImpl for Postgres {
                 .bind(&ttls)
                 .fetch_all(conn)
                 .await?;
-            let mut seen = HashMap::with_capacity(rows.len());
+            let mut seen = claim_keys(reqs);
             for row in &rows {
                 let (key, step) = RecordRow::decode_keyed(row)?;
-                seen.insert(key, step);
+                seen.insert(&key, step);
             }
-            Ok(reqs
-                .iter()
-                .map(|req| seen.remove(req.key.as_bytes()).unwrap_or(Step::Seen(None)))
-                .collect())
+            Ok(in_request_order(seen))
         })
     }
 
@@ -451,11 +447,7 @@ impl DialectImpl for Postgres {
                 .bind(&completes)
                 .fetch_all(conn)
                 .await?;
-            let ended: HashSet<Vec<u8>> = ended.into_iter().collect();
-            Ok(items
-                .iter()
-                .map(|item| ended.contains(item.key.as_bytes()))
-                .collect())
+            Ok(ended_in_order(items, &ended))
         })
     }
 

@@ -1,7 +1,6 @@
 //! SQLite: the claim is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE <free> RETURNING`;
 //! a claim that did not take the key reads the record.
 
-use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -11,8 +10,8 @@ use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
 use crate::store::sql::dialect::{
-    bind_claims, bind_endings, in_request_order, statement_fns, ticks, Arg, DialectImpl,
-    Statements, Templates, HEADROOM,
+    bind_claims, bind_endings, claim_keys, ended_in_order, in_request_order, statement_fns, ticks,
+    Arg, DialectImpl, Statements, Templates, HEADROOM,
 };
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::{BoxFuture, ClaimRequest, Ending};
@@ -410,16 +409,12 @@ impl DialectImpl for Sqlite {
             let rows = vec!["(?, ?, ?, ?, ?, ?)"; reqs.len()].join(", ");
             let claim = sql.claim_many.replace("{rows}", &rows);
             let query = bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, Self::TICK);
-            let mut seen = HashMap::with_capacity(reqs.len());
+            let mut seen = claim_keys(reqs);
             for row in &query.fetch_all(&mut *conn).await? {
                 let (key, step) = RecordRow::decode_keyed(row)?;
-                seen.insert(key, step);
+                seen.insert(&key, step);
             }
-            let rest: Vec<&[u8]> = reqs
-                .iter()
-                .map(|req| req.key.as_bytes())
-                .filter(|key| !seen.contains_key(*key))
-                .collect();
+            let rest: Vec<&[u8]> = seen.missing().collect();
             if !rest.is_empty() {
                 let keys = vec!["?"; rest.len()].join(", ");
                 let read = sql.seen_many.replace("{keys}", &keys);
@@ -429,10 +424,10 @@ impl DialectImpl for Sqlite {
                 }
                 for row in &query.fetch_all(&mut *conn).await? {
                     let (key, step) = RecordRow::decode_keyed(row)?;
-                    seen.insert(key, step);
+                    seen.insert(&key, step);
                 }
             }
-            Ok(in_request_order(reqs, seen))
+            Ok(in_request_order(seen))
         })
     }
 
@@ -447,14 +442,11 @@ impl DialectImpl for Sqlite {
             let rows = vec!["(?, ?, ?, ?, ?)"; items.len()].join(", ");
             let end = sql.complete_many.replace("{rows}", &rows);
             let query = bind_endings(sqlx::query(AssertSqlSafe(end)), items, Self::TICK);
-            let mut ended = HashSet::with_capacity(items.len());
+            let mut ended = Vec::with_capacity(items.len());
             for row in query.fetch_all(&mut *conn).await? {
-                ended.insert(row.try_get::<Vec<u8>, _>(0)?);
+                ended.push(row.try_get::<Vec<u8>, _>(0)?);
             }
-            Ok(items
-                .iter()
-                .map(|item| ended.contains(item.key.as_bytes()))
-                .collect())
+            Ok(ended_in_order(items, &ended))
         })
     }
 

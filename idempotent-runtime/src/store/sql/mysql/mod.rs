@@ -6,16 +6,14 @@
 //! record with a locking read. A batch claim is one statement on MariaDB, a statement and
 //! a read on MySQL.
 
-use std::collections::HashMap;
-
 use sqlx::mysql::{MySql, MySqlConnection};
 use sqlx::pool::PoolOptions;
 use sqlx::{AssertSqlSafe, Pool};
 
 use crate::database::SqlDatabase;
 use crate::store::sql::dialect::{
-    bind_claims, bind_endings, in_request_order, statement_fns, Arg, DialectImpl, Statements,
-    Templates, HEADROOM,
+    bind_claims, bind_endings, claim_keys, in_request_order, statement_fns, Arg, ByKey,
+    DialectImpl, Statements, Templates, HEADROOM,
 };
 use crate::store::sql::record::{RecordRow, Step, Stored};
 use crate::store::{BoxFuture, ClaimRequest, Ending};
@@ -133,15 +131,15 @@ impl DialectImpl for MySql {
     ) -> BoxFuture<'c, Result<Vec<Step>, sqlx::Error>> {
         Box::pin(async move {
             let rows = vec![CLAIM_ROW; reqs.len()].join(", ");
-            let mut seen = HashMap::with_capacity(reqs.len());
+            let mut seen = claim_keys(reqs);
             if !sql.claim_many_reporting.is_empty() {
                 let claim = sql.claim_many_reporting.replace("{rows}", &rows);
                 let query = bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, Self::TICK);
                 for row in &query.fetch_all(&mut *conn).await? {
                     let (key, step) = RecordRow::decode_keyed(row)?;
-                    seen.insert(key, step);
+                    seen.insert(&key, step);
                 }
-                return Ok(in_request_order(reqs, seen));
+                return Ok(in_request_order(seen));
             }
             let claim = sql.claim_many.replace("{rows}", &rows);
             let query = bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, Self::TICK);
@@ -154,9 +152,9 @@ impl DialectImpl for MySql {
             }
             for row in &query.fetch_all(&mut *conn).await? {
                 let (key, step) = RecordRow::decode_keyed(row)?;
-                seen.insert(key, step);
+                seen.insert(&key, step);
             }
-            Ok(in_request_order(reqs, seen))
+            Ok(in_request_order(seen))
         })
     }
 
@@ -198,28 +196,27 @@ impl DialectImpl for MySql {
             for item in items {
                 query = query.bind(item.key.as_bytes());
             }
-            let mut records: HashMap<Vec<u8>, (Vec<u8>, String)> = HashMap::new();
+            let mut records = ByKey::new(items.iter().map(|item| item.key.as_bytes()));
             for row in &query.fetch_all(&mut *conn).await? {
                 // A record that is not readable was left alone: the item is answered as
                 // corrupt by reading it again.
                 if let (key, Step::Seen(Some(record))) = RecordRow::decode_keyed(row)? {
                     if Stored::from_row(record.clone(), Self::TICK).is_ok() {
-                        records.insert(key, (record.token, record.state));
+                        records.insert(&key, (record.token, record.state));
                     }
                 }
             }
             Ok(items
                 .iter()
-                .map(|item| {
+                .zip(records.into_found())
+                .map(|(item, record)| {
                     let left = match item.action {
                         crate::store::End::Complete(_) => "completed",
                         _ => "released",
                     };
-                    records
-                        .get(item.key.as_bytes())
-                        .is_some_and(|(token, state)| {
-                            token.as_slice() == item.token.as_bytes() && state == left
-                        })
+                    record.is_some_and(|(token, state)| {
+                        token.as_slice() == item.token.as_bytes() && state == left
+                    })
                 })
                 .collect())
         })
