@@ -366,13 +366,17 @@ async fn the_previous_layouts_read_goes_out_with_the_claim() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
-/// A previous-layout read that fails runs nothing: the request is `503 store-unavailable`
-/// and its claim is given back, so the retry, with the store back, runs once.
-#[tokio::test]
-async fn a_failed_previous_layout_read_runs_nothing_and_gives_the_key_back() {
+/// With the previous layout's reads in `mode`, a request is `503 store-unavailable` without
+/// running, and its key is given back: the retry, with the reads back, runs once.
+async fn refused_without_running_then_retried(mode: PreviousRead, body: &str) {
     let (server, reads, runs) = start_on_previous_reads().await;
-    reads.set(PreviousRead::Fail);
-    let refused = send(server.post("/pay/abc", "read-fails")).await;
+    reads.set(mode);
+    let refused = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        send(server.post("/pay/abc", body)),
+    )
+    .await
+    .expect("the previous layout's read held the request");
     assert_eq!(
         refused.status,
         StatusCode::SERVICE_UNAVAILABLE,
@@ -387,9 +391,16 @@ async fn a_failed_previous_layout_read_runs_nothing_and_gives_the_key_back() {
     );
 
     reads.set(PreviousRead::Pass);
-    let retry = send(server.post("/pay/abc", "read-fails")).await;
+    let retry = send(server.post("/pay/abc", body)).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A previous-layout read that fails runs nothing: the request is `503 store-unavailable`
+/// and its claim is given back, so the retry, with the store back, runs once.
+#[tokio::test]
+async fn a_failed_previous_layout_read_runs_nothing_and_gives_the_key_back() {
+    refused_without_running_then_retried(PreviousRead::Fail, "read-fails").await;
 }
 
 /// A previous-layout read that never answers does not hold a fresh request: it is abandoned
@@ -398,31 +409,7 @@ async fn a_failed_previous_layout_read_runs_nothing_and_gives_the_key_back() {
 /// once. The wrapper's read never reaches Redis, so only that bound can end it.
 #[tokio::test]
 async fn a_previous_layout_read_that_never_answers_is_abandoned_at_the_bound() {
-    let (server, reads, runs) = start_on_previous_reads().await;
-    reads.set(PreviousRead::Hang);
-    let refused = tokio::time::timeout(
-        std::time::Duration::from_secs(60),
-        send(server.post("/pay/abc", "read-hangs")),
-    )
-    .await
-    .expect("a previous-layout read that never answers held the request");
-    assert_eq!(
-        refused.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        refused.text()
-    );
-    assert_eq!(refused.problem(), "store-unavailable");
-    assert_eq!(
-        runs.load(Ordering::SeqCst),
-        0,
-        "ran without the read's answer"
-    );
-
-    reads.set(PreviousRead::Pass);
-    let retry = send(server.post("/pay/abc", "read-hangs")).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.text());
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    refused_without_running_then_retried(PreviousRead::Hang, "read-hangs").await;
 }
 
 /// A replay is answered from the record it finds, without waiting for the previous layout's
