@@ -41,3 +41,12 @@ pub(crate) async fn server_cpu(conn: &mut ConnectionManager) -> Result<f64, BoxE
 pub(crate) fn client_cpu() -> Option<f64> {
     crate::stats::process_cpu(std::path::Path::new("/proc/self"))
 }
+
+/// How many times the server ran `command` so far (`INFO commandstats`; a command a script
+/// runs counts too, the script's own `EVALSHA` once).
+pub(crate) async fn command_calls(
+    conn: &mut ConnectionManager,
+    command: &str,
+) -> Result<u64, BoxError> {
+    info_field(conn, "commandstats", &format!("cmdstat_{command}:calls=")).await
+}
