@@ -494,8 +494,13 @@ async fn measure(
     counter: &Counter,
     seed: &Seed,
     seed_counted: &Seed,
-    mut server: Option<redis::aio::ConnectionManager>,
+    server: Option<(redis::aio::ConnectionManager, &str)>,
 ) -> Result<(), BoxError> {
+    // Redis: a connection for `INFO`, and the server's address for the counted runs' probe.
+    let (mut server, scripts_url) = match server {
+        Some((conn, url)) => (Some(conn), Some(url)),
+        None => (None, None),
+    };
     // `IDEMPOTENT_BENCH_ONLY=<db>_batch` or `<db>_seed`: a warm-up batch and `batches`
     // batches of that side alone: what callgrind counts.
     if let Some((only, batches)) = instructions::only(INSTRUCTION_BATCHES)? {
@@ -647,21 +652,21 @@ async fn measure(
     }
     if instructions::enabled() {
         let item = BATCH as f64;
-        let scripts_before = match server.as_mut() {
-            Some(conn) => Some(redis_info::command_calls(conn, "evalsha").await?),
-            None => None,
-        };
-        let ours = instructions::per_cycle(&format!("{name}_batch"), INSTRUCTION_BATCHES)? / item;
-        if let (Some(before), Some(conn)) = (scripts_before, server.as_mut()) {
-            // The counted runs: a warm-up batch, then `n` batches; then the same with `2n`.
-            let batches = (3 * INSTRUCTION_BATCHES + 2) as f64;
-            let scripts = redis_info::command_calls(conn, "evalsha").await? - before;
-            figure(
-                &format!("{name}_batch_counted_scripts_per_item"),
-                scripts as f64 / (batches * item),
-                2,
-            );
-        }
+        let side = format!("{name}_batch");
+        let ours = match scripts_url {
+            Some(url) => {
+                let mut scripts = redis_info::script_calls(url)?;
+                let (count, scripts) =
+                    instructions::per_cycle_probed(&side, INSTRUCTION_BATCHES, &mut scripts)?;
+                figure(
+                    &format!("{name}_batch_counted_scripts_per_item"),
+                    scripts / item,
+                    2,
+                );
+                count
+            }
+            None => instructions::per_cycle(&side, INSTRUCTION_BATCHES)?,
+        } / item;
         let by_hand = instructions::per_cycle(&format!("{name}_seed"), INSTRUCTION_BATCHES)? / item;
         figure(&format!("{name}_batch_instructions_per_item"), ours, 0);
         figure(
@@ -689,7 +694,7 @@ async fn redis() -> Result<(), BoxError> {
     let info = redis::Client::open(url.as_str())?
         .get_connection_manager()
         .await?;
-    let server = Some(info);
+    let server = Some((info, url.as_str()));
     measure(
         "redis",
         direct,

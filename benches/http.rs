@@ -32,7 +32,10 @@
 //! per request under callgrind (see `support/instructions.rs`): `http_bare_instructions`,
 //! `http_layer_instructions` and `http_instructions_ratio` (bare's count over the layer's:
 //! read as the throughput ratio is, the higher the better), a figure the machine's load does
-//! not move. `IDEMPOTENT_BENCH_INSTRUCTIONS=0` skips it.
+//! not move, with `http_*_counted_scripts_per_request`: the scripts Redis ran per request of
+//! the counted runs (the layer: 1.0 when its claims were the fast `SET ... NX GET`, 2.0 when,
+//! slowed down under callgrind, they went through the script).
+//! `IDEMPOTENT_BENCH_INSTRUCTIONS=0` skips it.
 
 // A measurement program: failing loudly on a broken setup is the right behaviour.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -314,10 +317,15 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
     figure("http_bare_allocations", median(&bare_allocs), 1);
     figure("http_layer_allocations", median(&layer_allocs), 1);
     if instructions::enabled() {
-        let bare = instructions::per_cycle("bare", INSTRUCTION_OPS)?;
-        let layer = instructions::per_cycle("layer", INSTRUCTION_OPS)?;
+        let mut scripts = redis_info::script_calls(url)?;
+        let (bare, bare_scripts) =
+            instructions::per_cycle_probed("bare", INSTRUCTION_OPS, &mut scripts)?;
+        let (layer, layer_scripts) =
+            instructions::per_cycle_probed("layer", INSTRUCTION_OPS, &mut scripts)?;
         figure("http_bare_instructions", bare, 0);
         figure("http_layer_instructions", layer, 0);
+        figure("http_bare_counted_scripts_per_request", bare_scripts, 2);
+        figure("http_layer_counted_scripts_per_request", layer_scripts, 2);
         figure("http_instructions_ratio", bare / layer, 3);
     }
     Ok(())

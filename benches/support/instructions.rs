@@ -51,9 +51,21 @@ pub(crate) fn enabled() -> bool {
 /// Instructions per cycle of `side`: this bench run twice under callgrind with `ops` and
 /// `2 * ops` cycles of that side alone.
 pub(crate) fn per_cycle(side: &str, ops: usize) -> Result<f64, BoxError> {
+    per_cycle_probed(side, ops, &mut || Ok(0)).map(|(count, _)| count)
+}
+
+/// [`per_cycle`], and how much `probe` (a server's counter, read before and after each run)
+/// grew per cycle, the same way: what the cycles of the counted runs asked of the server.
+pub(crate) fn per_cycle_probed(
+    side: &str,
+    ops: usize,
+    probe: &mut dyn FnMut() -> Result<u64, BoxError>,
+) -> Result<(f64, f64), BoxError> {
     let exe = std::env::current_exe()?;
     let mut totals = [0u64; 2];
-    for (total, cycles) in totals.iter_mut().zip([ops, 2 * ops]) {
+    let mut probed = [0u64; 2];
+    for ((total, grew), cycles) in totals.iter_mut().zip(&mut probed).zip([ops, 2 * ops]) {
+        let before = probe()?;
         let out = std::env::temp_dir().join(format!(
             "idempotent-bench-{}-{side}-{cycles}.callgrind",
             std::process::id()
@@ -75,6 +87,7 @@ pub(crate) fn per_cycle(side: &str, ops: usize) -> Result<f64, BoxError> {
             return Err(format!("the {side} side failed under callgrind ({status})").into());
         }
         *total = read?;
+        *grew = probe()?.saturating_sub(before);
     }
     // A run of twice the cycles that executed no more is a broken count (work that differs
     // between the two runs, such as a cleanup of shared state): say so, not a figure.
@@ -87,7 +100,8 @@ pub(crate) fn per_cycle(side: &str, ops: usize) -> Result<f64, BoxError> {
         )
         .into());
     }
-    Ok((totals[1] - totals[0]) as f64 / ops as f64)
+    let grew = probed[1].saturating_sub(probed[0]) as f64 / ops as f64;
+    Ok(((totals[1] - totals[0]) as f64 / ops as f64, grew))
 }
 
 /// The instruction total of a callgrind output file (its `summary:` or `totals:` line).

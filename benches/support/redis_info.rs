@@ -42,11 +42,19 @@ pub(crate) fn client_cpu() -> Option<f64> {
     crate::stats::process_cpu(std::path::Path::new("/proc/self"))
 }
 
-/// How many times the server ran `command` so far (`INFO commandstats`; a command a script
-/// runs counts too, the script's own `EVALSHA` once).
-pub(crate) async fn command_calls(
-    conn: &mut ConnectionManager,
-    command: &str,
-) -> Result<u64, BoxError> {
-    info_field(conn, "commandstats", &format!("cmdstat_{command}:calls=")).await
+/// A probe of how many scripts (`EVALSHA`) the server at `url` ran so far, over a connection
+/// of its own, for [`per_cycle_probed`](crate::instructions::per_cycle_probed): a claim of
+/// ours is a script only when it cannot be the fast `SET ... NX GET`, which is what a count
+/// under callgrind, many times slower, has to be read with.
+pub(crate) fn script_calls(url: &str) -> Result<impl FnMut() -> Result<u64, BoxError>, BoxError> {
+    let mut conn = redis::Client::open(url)?.get_connection()?;
+    Ok(move || {
+        let info: String = redis::cmd("INFO").arg("commandstats").query(&mut conn)?;
+        let calls = info
+            .lines()
+            .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(Ok(0), str::parse)?;
+        Ok(calls)
+    })
 }
