@@ -188,6 +188,7 @@ use crate::error::StoreErrorKind;
 use crate::store::{Claim, Store, MAX_DURATION, MIN_DURATION};
 
 mod builder;
+mod by_key;
 pub(crate) mod dialect;
 mod exec;
 mod migrate;

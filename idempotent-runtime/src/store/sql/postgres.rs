@@ -6,9 +6,9 @@ use sqlx::postgres::{PgConnection, Postgres};
 use sqlx::{AssertSqlSafe, Pool};
 
 use crate::database::SqlDatabase;
+use crate::store::sql::by_key::{claim_keys, ended_in_order, in_request_order};
 use crate::store::sql::dialect::{
-    claim_keys, ended_in_order, ending_args, in_request_order, statement_fns, ticks, DialectImpl,
-    Statements, Templates, HEADROOM,
+    ending_args, statement_fns, ticks, DialectImpl, Statements, Templates, HEADROOM,
 };
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::{BoxFuture, ClaimRequest, Ending};
