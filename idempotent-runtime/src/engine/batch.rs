@@ -28,9 +28,6 @@ use crate::metrics;
 use crate::policy::{OnError, OnStoreError};
 use crate::store::{Claim, ClaimRequest, Fingerprint, SharedStore};
 
-/// The longest a batch item's completion waits for its siblings' (see `engine/coalesce.rs`).
-const MAX_COMPLETION_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
-
 /// Many idempotent calls at once, built by [`Idempotency::batch`] and refined like an
 /// [`Operation`]: a payload fingerprint per item, replay of stored results, an error policy,
 /// a business-status check per item. [`run`](Batch::run) claims every item's key in one
@@ -197,12 +194,7 @@ where
             ))
         }));
         // The items' completions and releases go to the store together.
-        let batch = Coalescing::new(
-            store,
-            reqs.iter().map(|req| req.token),
-            lease,
-            (lease / 10).min(MAX_COMPLETION_DELAY),
-        );
+        let batch = Coalescing::new(store, reqs.iter().map(|req| req.token), lease);
         let (settings, results, handler) = (&settings, &results, &handler);
         let runs = items.into_iter().zip(reqs.iter().cloned()).zip(claims).map(
             |(((_, item), req), first)| {

@@ -5,7 +5,7 @@
 //! [`Coalescing`] wraps the batch's store. An item's first `complete` or `release` joins the
 //! pending endings (a round); they are sent when every item of the batch has either ended or
 //! finished without ending ([`Coalescing::forget`]), or when the first of them has waited
-//! [`Coalescing::new`]'s `max_delay` (a slow sibling never holds the others' completions for
+//! [`Coalescing::new`]'s delay (a slow sibling never holds the others' completions for
 //! longer, so their leases never come close to running out while they wait). The last item
 //! in sends the round, or the round's first ending (its leader, the only one with a timer)
 //! when the round is due, and every waiter gets its own item's answer.
@@ -43,6 +43,9 @@ use crate::key::Key;
 use crate::store::{
     BoxFuture, Claim, ClaimRequest, Completion, Ending, Record, SharedStore, Store, Token,
 };
+
+/// The longest a batch item's first ending waits for its siblings'.
+const MAX_COMPLETION_DELAY: Duration = Duration::from_millis(20);
 
 /// An ending waiting to be sent with its round: its answer's sender, and its owner's claim
 /// for a completion the engine sent (renewed while the round is in flight).
@@ -101,16 +104,16 @@ impl Hasher for TokenHasher {
 
 impl Coalescing {
     /// The store of a batch whose items own `tokens`, claimed with `lease`; an ending waits
-    /// at most `max_delay` for the others.
+    /// for the others at most a tenth of the lease, and never more than
+    /// [`MAX_COMPLETION_DELAY`].
     pub(crate) fn new(
         inner: SharedStore,
         tokens: impl IntoIterator<Item = Token>,
         lease: Duration,
-        max_delay: Duration,
     ) -> Arc<Coalescing> {
         Arc::new(Coalescing {
             inner,
-            max_delay,
+            max_delay: (lease / 10).min(MAX_COMPLETION_DELAY),
             bound: call_bound(lease),
             state: Mutex::new(State {
                 waiting: tokens.into_iter().collect(),
