@@ -17,8 +17,8 @@
 //!   key = $2 AND token = $3`, which must affect one row. No lease, expiry, fence, takeover
 //!   of a crashed owner or payload check: the baseline the framework is held to.
 //! - **raw**: raw sqlx sending the store's own claim and completion SQL text to the store's
-//!   table, bound and checked by hand: the framework without its client-side work. On
-//!   MariaDB the claim is the insert-only statement the store sends first
+//!   table, bound and checked by hand: the framework without its client-side work. The
+//!   claim is the insert-only statement the store sends first on PostgreSQL and MariaDB
 //!   (`Statements::claim_fresh`), which acquires every fresh key alone.
 //! - **framework**: `Idempotency::run` on the `SqlStore`, with a body that returns `Ok(())`.
 //!

@@ -117,6 +117,53 @@ mod combined_calls {
     }
 }
 
+/// The conformance suite, the corrupt-row, resent-claim and transaction cases on the claim
+/// statement sent alone, with no insert-only claim before it: the statement that otherwise
+/// only meets keys that have a record inserts here every fresh key too.
+mod plain_claims {
+    use super::*;
+
+    async fn postgres_plain() -> Postgres {
+        let table = Scratch::table(Server::Postgres);
+        let store = PostgresStore::builder(table.url())
+            .table(table.name().to_string())
+            .plain_claims(true)
+            .build()
+            .await
+            .unwrap();
+        assert_eq!(store.statements().claim_fresh(), None);
+        Postgres {
+            store: Arc::new(store),
+            _table: table,
+        }
+    }
+
+    conformance_suite!(postgres_plain);
+
+    #[tokio::test]
+    async fn corrupt_records_are_reported_as_corrupt() {
+        let b = postgres_plain().await;
+        sql_cases::corrupt_records_are_reported_as_corrupt::<Pg>(&b.store).await;
+    }
+
+    #[tokio::test]
+    async fn claim_sent_again_with_its_token_is_acquired() {
+        let b = postgres_plain().await;
+        sql_cases::claim_sent_again_with_its_token_is_acquired::<Pg>(&b.store).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_transactions_on_one_key_wait_for_the_first() {
+        let b = postgres_plain().await;
+        let payments = Scratch::table(Server::Postgres);
+        sql_cases::concurrent_transactions_on_one_key_wait_for_the_first::<Pg>(
+            &b.store,
+            payments.name(),
+        )
+        .await;
+    }
+}
+
 struct Pg;
 
 impl Harness for Pg {
@@ -754,10 +801,11 @@ mod asynchronous_claims {
             .build()
             .await
             .unwrap();
-        assert!(store
-            .statements()
-            .claim()
-            .contains("set_config('synchronous_commit'"));
+        let statements = store.statements();
+        for claim in [Some(statements.claim()), statements.claim_fresh()] {
+            let claim = claim.expect("an insert-only claim is sent first");
+            assert!(claim.contains("set_config('synchronous_commit'"), "{claim}");
+        }
         let show = || async {
             let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
                 .fetch_one(&pool)

@@ -199,7 +199,8 @@ impl<DB: Dialect> SqlStoreBuilder<DB> {
 
     /// Sends the claims a server without `INSERT ... RETURNING` gets (MySQL), even to a
     /// server that has it (MariaDB 10.5 and later): a claim statement followed by a read of
-    /// the record it did not take. The test suite runs both forms on MariaDB with it; an
+    /// the record it did not take. On PostgreSQL, the claim statement alone, without the
+    /// insert-only claim sent before it. The test suite runs both forms with it; an
     /// application has no reason to set it.
     #[doc(hidden)]
     pub fn plain_claims(mut self, on: bool) -> Self {

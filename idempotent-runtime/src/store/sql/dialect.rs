@@ -73,10 +73,14 @@ pub struct Templates {
     /// store replaces with one placeholder per key.
     pub seen_many: &'static str,
     /// A claim that only inserts: it takes an absent key and leaves any record alone, and
-    /// is sent before [`claim_reporting`](Templates::claim_reporting), which answers the
-    /// keys it did not take. Empty where the claim statement is sent alone; dropped when the
-    /// server cannot send `claim_reporting` ([`DialectImpl::reports_claims`]).
+    /// is sent before the claim that answers the keys it did not take
+    /// ([`claim_reporting`](Templates::claim_reporting) on MariaDB, [`claim`](Templates::claim)
+    /// on PostgreSQL). Empty where the claim statement is sent alone; dropped when the
+    /// server cannot send it or its follower ([`DialectImpl::reports_claims`]).
     pub claim_fresh: &'static str,
+    /// [`claim_fresh`](Templates::claim_fresh) committed asynchronously (PostgreSQL); empty
+    /// otherwise.
+    pub claim_fresh_async: &'static str,
     /// The claim statement, returning the record it leaves (the record columns, as
     /// [`seen`](Templates::seen) reads them). Empty where the claim reports its outcome
     /// otherwise; dropped when the server cannot send it ([`DialectImpl::reports_claims`]).
@@ -124,6 +128,7 @@ impl Statements {
     pub(crate) fn render_async_claims(templates: &Templates, table: &TableName) -> Statements {
         let mut statements = Statements::render(templates, table);
         statements.claim = Arc::from(render(table, templates.claim_async));
+        statements.claim_fresh = Arc::from(render(table, templates.claim_fresh_async));
         statements.claim_many = Arc::from(render(table, templates.claim_many_async));
         statements
     }
@@ -167,10 +172,10 @@ impl Statements {
         &self.claim
     }
 
-    /// The insert-only claim sent first on MariaDB 10.5 and later, which acquires a key
-    /// that has no row and leaves any row alone (the full [`claim`](Self::claim) follows
-    /// it, returning the record, when the key had one), or `None` where the claim statement
-    /// is sent alone.
+    /// The insert-only claim sent first on PostgreSQL and on MariaDB 10.5 and later, which
+    /// acquires a key that has no row and leaves any row alone (the full
+    /// [`claim`](Self::claim) follows it, returning the record, when the key had one), or
+    /// `None` where the claim statement is sent alone.
     pub fn claim_fresh(&self) -> Option<&str> {
         Some(&*self.claim_fresh).filter(|sql| !sql.is_empty())
     }
@@ -239,11 +244,16 @@ pub trait DialectImpl: SqlDatabase {
         Box::pin(async { Ok(false) })
     }
 
-    /// Sends the claim statement for `req` and reports what it did.
+    /// Sends the claim statement for `req` and reports what it did. `fresh` says whether
+    /// the key may have no record: false once the caller has seen one (a later occurrence of
+    /// a key in a batch, a claim sent again). A dialect that sends an insert-only claim first
+    /// ([`Templates::claim_fresh`]) skips it when `fresh` is false, as it would only meet the
+    /// row.
     fn claim<'c>(
         conn: &'c mut Self::Connection,
         sql: &'c Statements,
         req: &'c ClaimRequest,
+        fresh: bool,
     ) -> BoxFuture<'c, Result<Step, sqlx::Error>>;
 
     /// The most distinct keys [`claim_batch`](DialectImpl::claim_batch) claims in one statement;
@@ -261,7 +271,7 @@ pub trait DialectImpl: SqlDatabase {
         Box::pin(async move {
             let mut steps = Vec::with_capacity(reqs.len());
             for req in reqs {
-                steps.push(Self::claim(&mut *conn, sql, req).await?);
+                steps.push(Self::claim(&mut *conn, sql, req, true).await?);
             }
             Ok(steps)
         })

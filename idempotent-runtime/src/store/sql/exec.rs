@@ -25,25 +25,32 @@ const RESOLVE_ATTEMPTS: u32 = 16;
 
 /// Sends the claim statement until its outcome is resolved (see the module docs). In autocommit
 /// mode a statement rolled back by a conflict is sent again; in a transaction it is not (the
-/// transaction may be aborted).
+/// transaction may be aborted). `fresh`: whether the key may have no record, as
+/// [`DialectImpl::claim`](super::dialect::DialectImpl::claim) takes it; a claim sent again
+/// saw one.
 pub(super) async fn claim_on<DB: Dialect>(
     conn: &mut DB::Connection,
     sql: &Statements,
     req: &ClaimRequest,
     autocommit: bool,
+    mut fresh: bool,
 ) -> Result<Claim, StoreError> {
     // One count of conflicts for every attempt.
     let mut conflicts = Conflicts::new(autocommit);
     let mut attempts = 0;
     loop {
         let step = conflicts
-            .send::<DB, _, _>(conn, &(sql, req), "claim", |conn, &(sql, req)| {
-                DB::claim(conn, sql, req)
-            })
+            .send::<DB, _, _>(
+                conn,
+                &(sql, req, fresh),
+                "claim",
+                |conn, &(sql, req, fresh)| DB::claim(conn, sql, req, fresh),
+            )
             .await?;
         if let Some(claim) = resolve(step, req, DB::TICK)? {
             return Ok(claim);
         }
+        fresh = false;
         attempts += 1;
         if attempts >= RESOLVE_ATTEMPTS {
             return Err(StoreError::new(
@@ -114,14 +121,15 @@ pub(super) async fn claim_many_on<DB: Dialect>(
         for (&(i, req), step) in chunk.iter().zip(steps) {
             let claim = match resolve(step, req, DB::TICK) {
                 Ok(Some(claim)) => Ok(claim),
-                Ok(None) => claim_on::<DB>(conn, sql, req, true).await,
+                Ok(None) => claim_on::<DB>(conn, sql, req, true, false).await,
                 Err(err) => Err(err),
             };
             put(&mut claims, i, claim);
         }
     }
     for (i, req) in later {
-        let claim = claim_on::<DB>(conn, sql, req, true).await;
+        // It meets the first occurrence's record.
+        let claim = claim_on::<DB>(conn, sql, req, true, false).await;
         put(&mut claims, i, claim);
     }
     claims

@@ -1,6 +1,8 @@
 //! PostgreSQL: the claim is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE <free>` inside a
 //! statement that also reports the record when the claim did not take it.
 
+use std::sync::Arc;
+
 use sqlx::pool::PoolOptions;
 use sqlx::postgres::{PgConnection, Postgres};
 use sqlx::{AssertSqlSafe, Pool};
@@ -71,14 +73,6 @@ macro_rules! take_if_free {
     };
 }
 
-/// Takes the key when its record is free (absent, expired, released, or in progress with a
-/// run-out lease and no other payload), and reports the record either way.
-///
-/// `ON CONFLICT DO UPDATE` locks the conflicting row and evaluates `WHERE` on its latest
-/// committed version, so exactly one of any number of concurrent claims takes a free record.
-/// When it does not take it, `taken` is empty and the second branch reports the record as
-/// of the statement's snapshot; `end` sends the statement again in the rare case that
-/// the snapshot shows a free record (it changed while the statement waited for the lock).
 /// The new record's state, `'in_progress'`, computed by a call that sets
 /// `synchronous_commit` to `off` for the current transaction only (`set_config(..., true)`,
 /// as `SET LOCAL` does): the autocommit transaction of the claim statement commits without
@@ -89,14 +83,13 @@ macro_rules! async_state {
     };
 }
 
-/// [`CLAIM`], with `$state` for the new record's state (an expression that is
-/// `'in_progress'`).
-macro_rules! claim_statement {
+/// The insert of a claim with `$state` for the new record's state (an expression that is
+/// `'in_progress'`): the record a key that has none gets, fenced by the clock.
+macro_rules! insert_claim {
     ($state:expr) => {
         concat!(
             "\
-WITH taken AS (
-    INSERT INTO idempotent_records AS r
+INSERT INTO idempotent_records AS r
         (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
          created_at, updated_at, expires_at)
     VALUES ($1, $2, $3, ",
@@ -106,7 +99,19 @@ WITH taken AS (
             ",
             statement_timestamp() + $4 * INTERVAL '1 microsecond',
             NULL, $5, statement_timestamp(), statement_timestamp(),
-            statement_timestamp() + $6 * INTERVAL '1 microsecond')
+            statement_timestamp() + $6 * INTERVAL '1 microsecond')"
+        )
+    };
+}
+
+/// [`CLAIM`], with `$state` for the new record's state (an expression that is
+/// `'in_progress'`).
+macro_rules! claim_statement {
+    ($state:expr) => {
+        concat!(
+            "WITH taken AS (\n    ",
+            insert_claim!($state),
+            "
     ",
             take_if_free!(),
             "
@@ -123,6 +128,36 @@ WHERE record_key = $1 AND expires_at > statement_timestamp()
     };
 }
 
+/// The insert-only claim sent before [`CLAIM`], with `$state` as in [`claim_statement!`]:
+/// it takes a key that has no record, as [`CLAIM`] would, and leaves any record alone
+/// (`DO NOTHING` waits for a concurrent insert of the key to commit or roll back, then
+/// conflicts with its row). It returns the new record, or no row, in which case [`CLAIM`]
+/// follows. The server does a fraction of [`CLAIM`]'s work for it: no `DO UPDATE` clause
+/// to plan and no second branch to report a record it did not take.
+macro_rules! claim_fresh_statement {
+    ($state:expr) => {
+        concat!(
+            insert_claim!($state),
+            "
+ON CONFLICT (record_key) DO NOTHING
+RETURNING state, token, fence, fingerprint, result, 0::int8 AS lease_left"
+        )
+    };
+}
+
+const CLAIM_FRESH: &str = claim_fresh_statement!("'in_progress'");
+
+/// [`CLAIM_FRESH`] committed asynchronously, as [`CLAIM_ASYNC`].
+const CLAIM_FRESH_ASYNC: &str = claim_fresh_statement!(async_state!());
+
+/// Takes the key when its record is free (absent, expired, released, or in progress with a
+/// run-out lease and no other payload), and reports the record either way.
+///
+/// `ON CONFLICT DO UPDATE` locks the conflicting row and evaluates `WHERE` on its latest
+/// committed version, so exactly one of any number of concurrent claims takes a free record.
+/// When it does not take it, `taken` is empty and the second branch reports the record as
+/// of the statement's snapshot; `end` sends the statement again in the rare case that
+/// the snapshot shows a free record (it changed while the statement waited for the lock).
 const CLAIM: &str = claim_statement!("'in_progress'");
 
 /// [`CLAIM`] committed asynchronously: the state's expression turns `synchronous_commit`
@@ -342,7 +377,8 @@ impl DialectImpl for Postgres {
         claim_many: CLAIM_MANY,
         // The batch statement reports the records it did not take.
         seen_many: "",
-        claim_fresh: "",
+        claim_fresh: CLAIM_FRESH,
+        claim_fresh_async: CLAIM_FRESH_ASYNC,
         claim_reporting: "",
         claim_many_reporting: "",
     };
@@ -359,21 +395,37 @@ impl DialectImpl for Postgres {
         Box::pin(options.connect(url))
     }
 
+    /// Every PostgreSQL `INSERT` takes a `RETURNING` clause: the claim sends
+    /// [`CLAIM_FRESH`] first, unless the store was built with `plain_claims`.
+    fn reports_claims(_: &Pool<Self>) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
+        Box::pin(async { Ok(true) })
+    }
+
+    /// [`CLAIM_FRESH`], and when it met a row, [`CLAIM`]: an absent key is acquired in one
+    /// round trip, any other claim is answered in two. Nothing happens between the two
+    /// statements: the first one changed nothing when the second one is sent.
     fn claim<'c>(
         conn: &'c mut PgConnection,
         sql: &'c Statements,
         req: &'c ClaimRequest,
+        fresh: bool,
     ) -> BoxFuture<'c, Result<Step, sqlx::Error>> {
         Box::pin(async move {
-            let row = sqlx::query(AssertSqlSafe(sql.claim.clone()))
-                .bind(req.key.as_bytes())
-                .bind(req.key.prefix())
-                .bind(&req.token.as_bytes()[..])
-                .bind(ticks(req.lease, Self::TICK))
-                .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-                .bind(ticks(req.record_lifetime(), Self::TICK))
-                .fetch_optional(conn)
-                .await?;
+            let send = |statement: &Arc<str>| {
+                sqlx::query(AssertSqlSafe(statement.clone()))
+                    .bind(req.key.as_bytes())
+                    .bind(req.key.prefix())
+                    .bind(&req.token.as_bytes()[..])
+                    .bind(ticks(req.lease, Self::TICK))
+                    .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
+                    .bind(ticks(req.record_lifetime(), Self::TICK))
+            };
+            if fresh && !sql.claim_fresh.is_empty() {
+                if let Some(row) = send(&sql.claim_fresh).fetch_optional(&mut *conn).await? {
+                    return Ok(Step::Seen(Some(RecordRow::decode(&row)?)));
+                }
+            }
+            let row = send(&sql.claim).fetch_optional(&mut *conn).await?;
             Ok(Step::Seen(row.as_ref().map(RecordRow::decode).transpose()?))
         })
     }

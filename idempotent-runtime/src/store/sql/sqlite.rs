@@ -334,6 +334,7 @@ impl DialectImpl for Sqlite {
         claim_many: CLAIM_MANY,
         seen_many: SEEN_MANY,
         claim_fresh: "",
+        claim_fresh_async: "",
         claim_reporting: "",
         claim_many_reporting: "",
     };
@@ -377,6 +378,7 @@ impl DialectImpl for Sqlite {
         conn: &'c mut SqliteConnection,
         sql: &'c Statements,
         req: &'c ClaimRequest,
+        _fresh: bool,
     ) -> BoxFuture<'c, Result<Step, sqlx::Error>> {
         Box::pin(async move {
             let taken = sqlx::query(AssertSqlSafe(sql.claim.clone()))

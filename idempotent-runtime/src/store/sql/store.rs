@@ -104,7 +104,7 @@ impl<DB: Dialect> Store for SqlStore<DB> {
     fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
             let mut conn = self.acquire().await?;
-            claim_on::<DB>(&mut conn, &self.sql, req, true).await
+            claim_on::<DB>(&mut conn, &self.sql, req, true, true).await
         })
     }
 

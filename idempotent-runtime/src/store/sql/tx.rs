@@ -29,7 +29,7 @@ impl<DB: Dialect> SqlStore<DB> {
         tx: &mut Transaction<'_, DB>,
         req: &ClaimRequest,
     ) -> Result<Claim, StoreError> {
-        claim_on::<DB>(&mut **tx, &self.tx_sql, req, false).await
+        claim_on::<DB>(&mut **tx, &self.tx_sql, req, false, true).await
     }
 
     /// Completes `key` for `token` inside `tx`: [`Store::complete`] in the caller's

@@ -53,6 +53,7 @@ impl DialectImpl for MySql {
         // item.
         seen_many: SEEN_MANY,
         claim_fresh: CLAIM_FRESH,
+        claim_fresh_async: "",
         claim_reporting: CLAIM_REPORTING,
         claim_many_reporting: CLAIM_MANY_REPORTING,
     };
@@ -81,16 +82,21 @@ impl DialectImpl for MySql {
 
     /// On MariaDB, [`CLAIM_FRESH`], and when it met a row, [`CLAIM_REPORTING`]: an absent
     /// key is acquired in one round trip, any other claim is answered in two (the second
-    /// one returns the record). On MySQL, [`CLAIM`]: it reports an acquisition in its reply
+    /// one returns the record), or in one when the caller already saw the key's record
+    /// (`fresh` is false: [`CLAIM_REPORTING`] alone). On MySQL, [`CLAIM`]: it reports an acquisition in its reply
     /// (one round trip), and a claim that did not take the key reads the record with a
     /// locking read (two).
     fn claim<'c>(
         conn: &'c mut MySqlConnection,
         sql: &'c Statements,
         req: &'c ClaimRequest,
+        fresh: bool,
     ) -> BoxFuture<'c, Result<Step, sqlx::Error>> {
         Box::pin(async move {
             let reporting = !sql.claim_reporting.is_empty();
+            if reporting && !fresh {
+                return claim_reporting(conn, sql, req).await;
+            }
             let first = if reporting {
                 &sql.claim_fresh
             } else {
@@ -107,11 +113,7 @@ impl DialectImpl for MySql {
                 return Ok(Step::Acquired(done.last_insert_id()));
             }
             if reporting {
-                let query = sqlx::query(AssertSqlSafe(sql.claim_reporting.clone()));
-                let row = bind_claims(query, &[req], Self::TICK)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-                return Ok(Step::Seen(row.as_ref().map(RecordRow::decode).transpose()?));
+                return claim_reporting(conn, sql, req).await;
             }
             let key = [Arg::Bytes(req.key.as_bytes())];
             Ok(Step::Seen(Self::fetch(conn, &sql.seen, &key).await?))
@@ -235,6 +237,19 @@ impl DialectImpl for MySql {
     }
 
     statement_fns!(MySqlConnection);
+}
+
+/// [`CLAIM_REPORTING`] for `req`: the record it takes or leaves.
+async fn claim_reporting(
+    conn: &mut MySqlConnection,
+    sql: &Statements,
+    req: &ClaimRequest,
+) -> Result<Step, sqlx::Error> {
+    let query = sqlx::query(AssertSqlSafe(sql.claim_reporting.clone()));
+    let row = bind_claims(query, &[req], MySql::TICK)
+        .fetch_optional(&mut *conn)
+        .await?;
+    Ok(Step::Seen(row.as_ref().map(RecordRow::decode).transpose()?))
 }
 
 /// Whether the server whose `VERSION()` is `version` takes `INSERT ... RETURNING`: MariaDB
