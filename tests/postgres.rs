@@ -117,9 +117,9 @@ mod combined_calls {
     }
 }
 
-/// The conformance suite, the corrupt-row, resent-claim and transaction cases on the claim
-/// statement sent alone, with no insert-only claim before it: the statement that otherwise
-/// only meets keys that have a record inserts here every fresh key too.
+/// The conformance suite, the batch, corrupt-row, resent-claim and transaction cases on the
+/// claim statements sent alone, with no insert-only claim before them: the statements that
+/// otherwise only meet keys that have a record insert here every fresh key too.
 mod plain_claims {
     use super::*;
 
@@ -132,6 +132,7 @@ mod plain_claims {
             .await
             .unwrap();
         assert_eq!(store.statements().claim_fresh(), None);
+        assert_eq!(store.statements().claim_many_fresh(), None);
         Postgres {
             store: Arc::new(store),
             _table: table,
@@ -144,6 +145,12 @@ mod plain_claims {
     async fn corrupt_records_are_reported_as_corrupt() {
         let b = postgres_plain().await;
         sql_cases::corrupt_records_are_reported_as_corrupt::<Pg>(&b.store).await;
+    }
+
+    #[tokio::test]
+    async fn batch_answers_as_single_claims_would() {
+        let b = postgres_plain().await;
+        sql_cases::batch_answers_as_single_claims_would::<Pg>(&b.store).await;
     }
 
     #[tokio::test]
@@ -802,7 +809,13 @@ mod asynchronous_claims {
             .await
             .unwrap();
         let statements = store.statements();
-        for claim in [Some(statements.claim()), statements.claim_fresh()] {
+        let claims = [
+            Some(statements.claim()),
+            statements.claim_fresh(),
+            statements.claim_many(),
+            statements.claim_many_fresh(),
+        ];
+        for claim in claims {
             let claim = claim.expect("an insert-only claim is sent first");
             assert!(claim.contains("set_config('synchronous_commit'"), "{claim}");
         }

@@ -81,6 +81,14 @@ pub struct Templates {
     /// [`claim_fresh`](Templates::claim_fresh) committed asynchronously (PostgreSQL); empty
     /// otherwise.
     pub claim_fresh_async: &'static str,
+    /// The insert-only claim of a batch of distinct keys, returning `record_key` and the
+    /// fence of each key it took, sent before [`claim_many`](Templates::claim_many), which
+    /// claims the others (PostgreSQL); empty otherwise, and dropped as
+    /// [`claim_fresh`](Templates::claim_fresh) is.
+    pub claim_many_fresh: &'static str,
+    /// [`claim_many_fresh`](Templates::claim_many_fresh) committed asynchronously
+    /// (PostgreSQL); empty otherwise.
+    pub claim_many_fresh_async: &'static str,
     /// The claim statement, returning the record it leaves (the record columns, as
     /// [`seen`](Templates::seen) reads them). Empty where the claim reports its outcome
     /// otherwise; dropped when the server cannot send it ([`DialectImpl::reports_claims`]).
@@ -117,6 +125,7 @@ pub struct Statements {
     #[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
     pub(crate) seen_many: Arc<str>,
     pub(crate) claim_fresh: Arc<str>,
+    pub(crate) claim_many_fresh: Arc<str>,
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     pub(crate) claim_reporting: Arc<str>,
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
@@ -129,6 +138,7 @@ impl Statements {
         let mut statements = Statements::render(templates, table);
         statements.claim = Arc::from(render(table, templates.claim_async));
         statements.claim_fresh = Arc::from(render(table, templates.claim_fresh_async));
+        statements.claim_many_fresh = Arc::from(render(table, templates.claim_many_fresh_async));
         statements.claim_many = Arc::from(render(table, templates.claim_many_async));
         statements
     }
@@ -151,6 +161,7 @@ impl Statements {
             claim_many: render(templates.claim_many),
             seen_many: render(templates.seen_many),
             claim_fresh: render(templates.claim_fresh),
+            claim_many_fresh: render(templates.claim_many_fresh),
             claim_reporting: render(templates.claim_reporting),
             claim_many_reporting: render(templates.claim_many_reporting),
         }
@@ -162,6 +173,7 @@ impl Statements {
     pub(crate) fn without_reporting(mut self) -> Statements {
         let none: Arc<str> = Arc::from("");
         self.claim_fresh = none.clone();
+        self.claim_many_fresh = none.clone();
         self.claim_reporting = none.clone();
         self.claim_many_reporting = none;
         self
@@ -210,6 +222,14 @@ impl Statements {
     /// of placeholders per key when it is sent.
     pub fn claim_many(&self) -> Option<&str> {
         Some(&*self.claim_many).filter(|sql| !sql.is_empty())
+    }
+
+    /// The insert-only claim of a batch sent before [`claim_many`](Self::claim_many) on
+    /// PostgreSQL, which acquires the keys that have no row and returns each with its fence
+    /// ([`claim_many`](Self::claim_many) follows for the others), or `None` where the batch
+    /// claim is sent alone.
+    pub fn claim_many_fresh(&self) -> Option<&str> {
+        Some(&*self.claim_many_fresh).filter(|sql| !sql.is_empty())
     }
 
     /// The statement that completes and releases a batch of keys at once (owner-checked), or

@@ -4,8 +4,9 @@
 use std::sync::Arc;
 
 use sqlx::pool::PoolOptions;
-use sqlx::postgres::{PgConnection, Postgres};
-use sqlx::{AssertSqlSafe, Pool};
+use sqlx::postgres::{PgArguments, PgConnection, Postgres};
+use sqlx::query::Query;
+use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
 use crate::store::sql::by_key::{claim_keys, ended_in_order, in_request_order};
@@ -164,33 +165,26 @@ const CLAIM: &str = claim_statement!("'in_progress'");
 /// off for the statement's own transaction (see `SqlStoreBuilder::asynchronous_claims`).
 const CLAIM_ASYNC: &str = claim_statement!(async_state!());
 
-/// The claim of a batch of distinct keys: [`CLAIM`] over the rows of six parallel arrays
-/// (key, prefix, token, lease, fingerprint, ttl), one statement whatever the outcomes. The
-/// rows are inserted in the arrays' order (the store sorts them by key, so that concurrent
-/// overlapping batches lock their rows in the same order). Each taken key is returned by
-/// `taken`; the live record of every other key is returned as of the statement's snapshot,
-/// as the single claim does. Rows come back in no particular order, `record_key` first.
-///
-/// The live records are looked up with `record_key = ANY($1)`, not by joining `input`: a
-/// connection keeps the generic plan of a prepared statement, and a join planned while the
-/// table was empty or never analyzed (a new table, one just truncated) is a sequential scan
-/// that every later batch then pays in full as the table grows. `ANY` on the primary key is
-/// an index lookup of the batch's keys whatever the table's statistics. Their expiry is
-/// tested as `expires_at - now > 0`, which no index answers: written `expires_at > now`,
-/// the generic plan made on a filled table without statistics ANDs the key lookup with a
-/// scan of the `expires_at` index, which reads an entry for every live record, batch after
-/// batch.
-/// [`CLAIM_MANY`], with `$state` as in [`claim_statement!`].
-macro_rules! claim_many_statement {
-    ($state:expr) => {
-        concat!(
-            "\
+/// The rows of a batch claim: six parallel arrays (key, prefix, token, lease, fingerprint,
+/// ttl) and each row's place in them.
+macro_rules! batch_input {
+    () => {
+        "\
 WITH input AS (
     SELECT * FROM unnest($1::bytea[], $2::text[], $3::bytea[], $4::int8[], $5::bytea[],
                          $6::int8[])
         WITH ORDINALITY AS i(record_key, prefix, token, lease, fingerprint, ttl, ord)
-), taken AS (
-    INSERT INTO idempotent_records AS r
+)"
+    };
+}
+
+/// The insert of a batch claim's `input` rows in their order, with `$state` as in
+/// [`insert_claim!`].
+macro_rules! insert_claims {
+    ($state:expr) => {
+        concat!(
+            "\
+INSERT INTO idempotent_records AS r
         (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
          created_at, updated_at, expires_at)
     SELECT record_key, prefix, token, ",
@@ -202,7 +196,19 @@ WITH input AS (
            statement_timestamp(), statement_timestamp(),
            statement_timestamp() + ttl * INTERVAL '1 microsecond'
     FROM input
-    ORDER BY ord
+    ORDER BY ord"
+        )
+    };
+}
+
+/// [`CLAIM_MANY`], with `$state` as in [`claim_statement!`].
+macro_rules! claim_many_statement {
+    ($state:expr) => {
+        concat!(
+            batch_input!(),
+            ", taken AS (\n    ",
+            insert_claims!($state),
+            "
     ",
             take_if_free!(),
             "
@@ -221,6 +227,44 @@ WHERE t.record_key = ANY($1::bytea[])
     };
 }
 
+/// The insert-only claim of a batch, sent before [`CLAIM_MANY`] as [`CLAIM_FRESH`] is before
+/// [`CLAIM`], with `$state` as in [`claim_statement!`]: it takes the keys that have no
+/// record and returns each with its fence, and nothing else. [`CLAIM_MANY`] follows for the
+/// keys it did not return.
+macro_rules! claim_many_fresh_statement {
+    ($state:expr) => {
+        concat!(
+            batch_input!(),
+            "\n",
+            insert_claims!($state),
+            "
+ON CONFLICT (record_key) DO NOTHING
+RETURNING record_key, fence"
+        )
+    };
+}
+
+const CLAIM_MANY_FRESH: &str = claim_many_fresh_statement!("'in_progress'");
+
+/// [`CLAIM_MANY_FRESH`] committed asynchronously, as [`CLAIM_ASYNC`].
+const CLAIM_MANY_FRESH_ASYNC: &str = claim_many_fresh_statement!(async_state!());
+
+/// The claim of a batch of distinct keys: [`CLAIM`] over the rows of six parallel arrays
+/// (key, prefix, token, lease, fingerprint, ttl), one statement whatever the outcomes. The
+/// rows are inserted in the arrays' order (the store sorts them by key, so that concurrent
+/// overlapping batches lock their rows in the same order). Each taken key is returned by
+/// `taken`; the live record of every other key is returned as of the statement's snapshot,
+/// as the single claim does. Rows come back in no particular order, `record_key` first.
+///
+/// The live records are looked up with `record_key = ANY($1)`, not by joining `input`: a
+/// connection keeps the generic plan of a prepared statement, and a join planned while the
+/// table was empty or never analyzed (a new table, one just truncated) is a sequential scan
+/// that every later batch then pays in full as the table grows. `ANY` on the primary key is
+/// an index lookup of the batch's keys whatever the table's statistics. Their expiry is
+/// tested as `expires_at - now > 0`, which no index answers: written `expires_at > now`,
+/// the generic plan made on a filled table without statistics ANDs the key lookup with a
+/// scan of the `expires_at` index, which reads an entry for every live record, batch after
+/// batch.
 const CLAIM_MANY: &str = claim_many_statement!("'in_progress'");
 
 /// [`CLAIM_MANY`] committed asynchronously, as [`CLAIM_ASYNC`].
@@ -379,6 +423,8 @@ impl DialectImpl for Postgres {
         seen_many: "",
         claim_fresh: CLAIM_FRESH,
         claim_fresh_async: CLAIM_FRESH_ASYNC,
+        claim_many_fresh: CLAIM_MANY_FRESH,
+        claim_many_fresh_async: CLAIM_MANY_FRESH_ASYNC,
         claim_reporting: "",
         claim_many_reporting: "",
     };
@@ -432,40 +478,41 @@ impl DialectImpl for Postgres {
 
     const BATCH: usize = 500;
 
+    /// [`CLAIM_MANY_FRESH`], then [`CLAIM_MANY`] for the keys it did not take, if any: a
+    /// batch of fresh keys is claimed in one round trip, whose rows carry a key and a fence
+    /// each; the other keys are answered in a second one, with their records.
     fn claim_batch<'c>(
         conn: &'c mut PgConnection,
         sql: &'c Statements,
         reqs: &'c [&'c ClaimRequest],
     ) -> BoxFuture<'c, Result<Vec<Step>, sqlx::Error>> {
         Box::pin(async move {
-            let keys: Vec<&[u8]> = reqs.iter().map(|req| req.key.as_bytes()).collect();
-            let prefixes: Vec<&str> = reqs.iter().map(|req| req.key.prefix()).collect();
-            let tokens: Vec<&[u8]> = reqs.iter().map(|req| &req.token.as_bytes()[..]).collect();
-            let leases: Vec<i64> = reqs
-                .iter()
-                .map(|req| ticks(req.lease, Self::TICK))
-                .collect();
-            let fingerprints: Vec<Option<&[u8]>> = reqs
-                .iter()
-                .map(|req| req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-                .collect();
-            let ttls: Vec<i64> = reqs
-                .iter()
-                .map(|req| ticks(req.record_lifetime(), Self::TICK))
-                .collect();
-            let rows = sqlx::query(AssertSqlSafe(sql.claim_many.clone()))
-                .bind(&keys)
-                .bind(&prefixes)
-                .bind(&tokens)
-                .bind(&leases)
-                .bind(&fingerprints)
-                .bind(&ttls)
-                .fetch_all(conn)
-                .await?;
             let mut seen = claim_keys(reqs);
-            for row in &rows {
-                let (key, step) = RecordRow::decode_keyed(row)?;
-                seen.insert(&key, step);
+            let rest: Vec<&ClaimRequest> = if sql.claim_many_fresh.is_empty() {
+                reqs.to_vec()
+            } else {
+                let rows = bind_batch(&sql.claim_many_fresh, reqs)
+                    .fetch_all(&mut *conn)
+                    .await?;
+                for row in &rows {
+                    let key: &[u8] = row.try_get(0)?;
+                    let fence: i64 = row.try_get(1)?;
+                    let step = match u64::try_from(fence) {
+                        Ok(fence) => Step::Acquired(fence),
+                        Err(_) => Step::Unreadable(sqlx::Error::Decode(
+                            format!("fence {fence} is negative").into(),
+                        )),
+                    };
+                    seen.insert(key, step);
+                }
+                seen.missing_at().map(|i| reqs[i]).collect()
+            };
+            if !rest.is_empty() {
+                let rows = bind_batch(&sql.claim_many, &rest).fetch_all(conn).await?;
+                for row in &rows {
+                    let (key, step) = RecordRow::decode_keyed(row)?;
+                    seen.insert(&key, step);
+                }
             }
             Ok(in_request_order(seen))
         })
@@ -509,4 +556,33 @@ impl DialectImpl for Postgres {
     }
 
     statement_fns!(PgConnection);
+}
+
+/// `statement` ([`CLAIM_MANY`] or [`CLAIM_MANY_FRESH`]) with the six arrays of `reqs`.
+fn bind_batch<'q>(
+    statement: &Arc<str>,
+    reqs: &[&'q ClaimRequest],
+) -> Query<'q, Postgres, PgArguments> {
+    let keys: Vec<&[u8]> = reqs.iter().map(|req| req.key.as_bytes()).collect();
+    let prefixes: Vec<&str> = reqs.iter().map(|req| req.key.prefix()).collect();
+    let tokens: Vec<&[u8]> = reqs.iter().map(|req| &req.token.as_bytes()[..]).collect();
+    let leases: Vec<i64> = reqs
+        .iter()
+        .map(|req| ticks(req.lease, Postgres::TICK))
+        .collect();
+    let fingerprints: Vec<Option<&[u8]>> = reqs
+        .iter()
+        .map(|req| req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
+        .collect();
+    let ttls: Vec<i64> = reqs
+        .iter()
+        .map(|req| ticks(req.record_lifetime(), Postgres::TICK))
+        .collect();
+    sqlx::query(AssertSqlSafe(statement.clone()))
+        .bind(keys)
+        .bind(prefixes)
+        .bind(tokens)
+        .bind(leases)
+        .bind(fingerprints)
+        .bind(ttls)
 }

@@ -335,6 +335,8 @@ impl DialectImpl for Sqlite {
         seen_many: SEEN_MANY,
         claim_fresh: "",
         claim_fresh_async: "",
+        claim_many_fresh: "",
+        claim_many_fresh_async: "",
         claim_reporting: "",
         claim_many_reporting: "",
     };

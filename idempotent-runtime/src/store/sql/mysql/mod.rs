@@ -54,6 +54,8 @@ impl DialectImpl for MySql {
         seen_many: SEEN_MANY,
         claim_fresh: CLAIM_FRESH,
         claim_fresh_async: "",
+        claim_many_fresh: "",
+        claim_many_fresh_async: "",
         claim_reporting: CLAIM_REPORTING,
         claim_many_reporting: CLAIM_MANY_REPORTING,
     };
