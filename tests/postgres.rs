@@ -423,6 +423,56 @@ async fn batch_statements_look_their_keys_up_on_a_table_without_statistics() {
     drop(records);
 }
 
+/// A batch claim is two statements: the insert-only claim of its fresh keys, then the full
+/// claim of the others. When the second one fails, the keys the first one took are still
+/// acquired (their owners run, or give them back), and only the other keys' claims fail:
+/// a failed claim means the key was not taken, so no key is left held by a claim that
+/// reported failure. The failure is a trigger that refuses the full claim's statement.
+#[tokio::test]
+async fn a_failed_full_batch_claim_leaves_the_fresh_keys_acquired() {
+    let schema = Scratch::schema();
+    let table = format!("{}.records", schema.name());
+    let store = PostgresStore::builder(schema.url())
+        .table(table.clone())
+        .build()
+        .await
+        .unwrap();
+    let hour = Duration::from_secs(3600);
+    let held = req(&Key::new("refused", 1, &[&"held"]).unwrap(), hour, hour);
+    acquired(store.claim(&held).await);
+    let refuse = [
+        format!(
+            "CREATE FUNCTION {schema}.refuse() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN IF current_query() LIKE '%DO UPDATE%' THEN \
+             RAISE EXCEPTION 'full claim refused'; END IF; RETURN NULL; END $$",
+            schema = schema.name()
+        ),
+        format!(
+            "CREATE TRIGGER refuse AFTER INSERT ON {table} \
+             FOR EACH STATEMENT EXECUTE FUNCTION {}.refuse()",
+            schema.name()
+        ),
+    ];
+    for sql in refuse {
+        sqlx::query(AssertSqlSafe(sql))
+            .execute(store.pool())
+            .await
+            .unwrap();
+    }
+
+    let fresh = req(&Key::new("refused", 1, &[&"fresh"]).unwrap(), hour, hour);
+    let other = req(&held.key, hour, hour);
+    let mut claims = store.claim_many(&[fresh.clone(), other]).await.into_iter();
+    let fence = acquired(claims.next().unwrap());
+    let record = store.read(&fresh.key).await.unwrap().unwrap();
+    assert_eq!((record.token, record.fence), (fresh.token, fence));
+    let refused = claims.next().unwrap().unwrap_err();
+    assert!(!refused.is_outcome_unknown(), "{refused}");
+    // The held key is untouched: still its first owner's.
+    let record = store.read(&held.key).await.unwrap().unwrap();
+    assert_eq!(record.token, held.token);
+}
+
 #[tokio::test]
 async fn batch_answers_as_single_claims_would() {
     // In a scratch schema: the statement counter's table and function go with it, even when

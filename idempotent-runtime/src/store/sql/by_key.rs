@@ -38,17 +38,11 @@ impl<'k, T> ByKey<'k, T> {
     /// The keys of the items nothing was found for, in the items' order.
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn missing(&self) -> impl Iterator<Item = &'k [u8]> + '_ {
-        self.missing_at().map(|i| self.keys[i])
-    }
-
-    /// The indices of the items nothing was found for, in the items' order.
-    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
-    pub(crate) fn missing_at(&self) -> impl Iterator<Item = usize> + '_ {
-        self.found
+        self.keys
             .iter()
-            .enumerate()
+            .zip(&self.found)
             .filter(|(_, found)| found.is_none())
-            .map(|(i, _)| i)
+            .map(|(key, _)| *key)
     }
 
     /// What was found for each item, in the items' order.
@@ -97,7 +91,6 @@ mod tests {
         found.insert(b"k:3", 30);
         found.insert(b"k:3", 31); // the last one counts
         assert_eq!(found.missing().collect::<Vec<_>>(), [&b"k:1"[..], b"k:2"]);
-        assert_eq!(found.missing_at().collect::<Vec<_>>(), [1, 3]);
         assert_eq!(found.into_found(), [Some(31), None, Some(40), None]);
         let none: ByKey<'_, ()> = ByKey::new(std::iter::empty());
         assert!(none.into_found().is_empty());

@@ -297,6 +297,20 @@ pub trait DialectImpl: SqlDatabase {
         })
     }
 
+    /// Sends the insert-only claim of `reqs` ([`Templates::claim_many_fresh`], which the
+    /// caller checked this dialect has: distinct keys, at most [`BATCH`](DialectImpl::BATCH)
+    /// of them) and reports, for each request in order, the step of a key it took, or
+    /// `None` for a key it left to [`claim_batch`](DialectImpl::claim_batch). The default
+    /// takes none.
+    fn claim_batch_fresh<'c>(
+        conn: &'c mut Self::Connection,
+        sql: &'c Statements,
+        reqs: &'c [&'c ClaimRequest],
+    ) -> BoxFuture<'c, Result<Vec<Option<Step>>, sqlx::Error>> {
+        let _ = (conn, sql);
+        Box::pin(async move { Ok(reqs.iter().map(|_| None).collect()) })
+    }
+
     /// The most endings [`complete_batch`](DialectImpl::complete_batch) sends in one statement;
     /// zero when the dialect ends a batch one key at a time.
     const COMPLETE_BATCH: usize = 0;

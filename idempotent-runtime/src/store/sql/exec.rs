@@ -98,32 +98,44 @@ pub(super) async fn claim_many_on<DB: Dialect>(
     }
     later.sort_unstable_by_key(|&(i, _)| i);
     for chunk in distinct.chunks(DB::BATCH.max(1)) {
-        let indices: Vec<usize> = chunk.iter().map(|&(i, _)| i).collect();
+        let mut chunk = chunk.to_vec();
+        if sql.claim_many_fresh().is_some() {
+            // The insert-only claim first; its statement is applied or not as a whole, so
+            // a failure of the full claim that follows concerns the other keys alone.
+            let batch: Vec<&ClaimRequest> = chunk.iter().map(|&(_, req)| req).collect();
+            let sent = Conflicts::new(true)
+                .send::<DB, _, _>(
+                    conn,
+                    &(sql, &batch[..]),
+                    "batch claim",
+                    |conn, &(sql, reqs)| DB::claim_batch_fresh(conn, sql, reqs),
+                )
+                .await;
+            let Some(taken) = reported::<DB, _>(&mut claims, &chunk, sent) else {
+                continue;
+            };
+            let mut rest = Vec::with_capacity(chunk.len());
+            for (&(i, req), step) in chunk.iter().zip(taken) {
+                match step {
+                    Some(step) => {
+                        let claim = settle::<DB>(conn, sql, req, step).await;
+                        put(&mut claims, i, claim);
+                    }
+                    None => rest.push((i, req)),
+                }
+            }
+            chunk = rest;
+        }
+        if chunk.is_empty() {
+            continue;
+        }
         let batch: Vec<&ClaimRequest> = chunk.iter().map(|&(_, req)| req).collect();
-        let steps = match claim_batch_on::<DB>(conn, sql, &batch).await {
-            Ok(steps) if steps.len() == chunk.len() => steps,
-            Ok(_) => {
-                let err = StoreError::new(
-                    StoreErrorKind::Protocol,
-                    format!(
-                        "{} batch claim did not report every key",
-                        <DB as Database>::NAME
-                    ),
-                );
-                place(&mut claims, &indices, err);
-                continue;
-            }
-            Err(err) => {
-                place(&mut claims, &indices, err);
-                continue;
-            }
+        let sent = claim_batch_on::<DB>(conn, sql, &batch).await;
+        let Some(steps) = reported::<DB, _>(&mut claims, &chunk, sent) else {
+            continue;
         };
         for (&(i, req), step) in chunk.iter().zip(steps) {
-            let claim = match resolve(step, req, DB::TICK) {
-                Ok(Some(claim)) => Ok(claim),
-                Ok(None) => claim_on::<DB>(conn, sql, req, true, false).await,
-                Err(err) => Err(err),
-            };
+            let claim = settle::<DB>(conn, sql, req, step).await;
             put(&mut claims, i, claim);
         }
     }
@@ -133,6 +145,44 @@ pub(super) async fn claim_many_on<DB: Dialect>(
         put(&mut claims, i, claim);
     }
     claims
+}
+
+/// A batch statement's answer for the items of `chunk` (one per item), or `None` once its
+/// failure, or an answer of the wrong length, is placed in `claims` for each of them.
+fn reported<DB: Dialect, T>(
+    claims: &mut [Result<Claim, StoreError>],
+    chunk: &[(usize, &ClaimRequest)],
+    sent: Result<Vec<T>, StoreError>,
+) -> Option<Vec<T>> {
+    let err = match sent {
+        Ok(steps) if steps.len() == chunk.len() => return Some(steps),
+        Ok(_) => StoreError::new(
+            StoreErrorKind::Protocol,
+            format!(
+                "{} batch claim did not report every key",
+                <DB as Database>::NAME
+            ),
+        ),
+        Err(err) => err,
+    };
+    let indices: Vec<usize> = chunk.iter().map(|&(i, _)| i).collect();
+    place(claims, &indices, err);
+    None
+}
+
+/// The claim of one item of a batch from its `step`; a reported record that is free is
+/// claimed again on its own.
+async fn settle<DB: Dialect>(
+    conn: &mut DB::Connection,
+    sql: &Statements,
+    req: &ClaimRequest,
+    step: Step,
+) -> Result<Claim, StoreError> {
+    match resolve(step, req, DB::TICK) {
+        Ok(Some(claim)) => Ok(claim),
+        Ok(None) => claim_on::<DB>(conn, sql, req, true, false).await,
+        Err(err) => Err(err),
+    }
 }
 
 fn put(claims: &mut [Result<Claim, StoreError>], i: usize, claim: Result<Claim, StoreError>) {

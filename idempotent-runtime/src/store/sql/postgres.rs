@@ -9,7 +9,7 @@ use sqlx::query::Query;
 use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
-use crate::store::sql::by_key::{claim_keys, ended_in_order, in_request_order};
+use crate::store::sql::by_key::{claim_keys, ended_in_order, in_request_order, ByKey};
 use crate::store::sql::dialect::{
     ending_args, statement_fns, ticks, DialectImpl, Statements, Templates, HEADROOM,
 };
@@ -478,43 +478,47 @@ impl DialectImpl for Postgres {
 
     const BATCH: usize = 500;
 
-    /// [`CLAIM_MANY_FRESH`], then [`CLAIM_MANY`] for the keys it did not take, if any: a
-    /// batch of fresh keys is claimed in one round trip, whose rows carry a key and a fence
-    /// each; the other keys are answered in a second one, with their records.
+    /// [`CLAIM_MANY`]: the records of the keys it took and of those it did not.
     fn claim_batch<'c>(
         conn: &'c mut PgConnection,
         sql: &'c Statements,
         reqs: &'c [&'c ClaimRequest],
     ) -> BoxFuture<'c, Result<Vec<Step>, sqlx::Error>> {
         Box::pin(async move {
+            let rows = bind_batch(&sql.claim_many, reqs).fetch_all(conn).await?;
             let mut seen = claim_keys(reqs);
-            let rest: Vec<&ClaimRequest> = if sql.claim_many_fresh.is_empty() {
-                reqs.to_vec()
-            } else {
-                let rows = bind_batch(&sql.claim_many_fresh, reqs)
-                    .fetch_all(&mut *conn)
-                    .await?;
-                for row in &rows {
-                    let key: &[u8] = row.try_get(0)?;
-                    let fence: i64 = row.try_get(1)?;
-                    let step = match u64::try_from(fence) {
-                        Ok(fence) => Step::Acquired(fence),
-                        Err(_) => Step::Unreadable(sqlx::Error::Decode(
-                            format!("fence {fence} is negative").into(),
-                        )),
-                    };
-                    seen.insert(key, step);
-                }
-                seen.missing_at().map(|i| reqs[i]).collect()
-            };
-            if !rest.is_empty() {
-                let rows = bind_batch(&sql.claim_many, &rest).fetch_all(conn).await?;
-                for row in &rows {
-                    let (key, step) = RecordRow::decode_keyed(row)?;
-                    seen.insert(&key, step);
-                }
+            for row in &rows {
+                let (key, step) = RecordRow::decode_keyed(row)?;
+                seen.insert(&key, step);
             }
             Ok(in_request_order(seen))
+        })
+    }
+
+    /// [`CLAIM_MANY_FRESH`]: a batch of fresh keys is claimed in one round trip whose rows
+    /// carry a key and a fence each; the store sends [`CLAIM_MANY`] for the other keys.
+    fn claim_batch_fresh<'c>(
+        conn: &'c mut PgConnection,
+        sql: &'c Statements,
+        reqs: &'c [&'c ClaimRequest],
+    ) -> BoxFuture<'c, Result<Vec<Option<Step>>, sqlx::Error>> {
+        Box::pin(async move {
+            let rows = bind_batch(&sql.claim_many_fresh, reqs)
+                .fetch_all(conn)
+                .await?;
+            let mut taken = ByKey::new(reqs.iter().map(|req| req.key.as_bytes()));
+            for row in &rows {
+                let key: &[u8] = row.try_get(0)?;
+                let fence: i64 = row.try_get(1)?;
+                let step = match u64::try_from(fence) {
+                    Ok(fence) => Step::Acquired(fence),
+                    Err(_) => Step::Unreadable(sqlx::Error::Decode(
+                        format!("fence {fence} is negative").into(),
+                    )),
+                };
+                taken.insert(key, step);
+            }
+            Ok(taken.into_found())
         })
     }
 
