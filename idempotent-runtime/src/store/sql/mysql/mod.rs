@@ -85,9 +85,9 @@ impl DialectImpl for MySql {
     /// On MariaDB, [`CLAIM_FRESH`], and when it met a row, [`CLAIM_REPORTING`]: an absent
     /// key is acquired in one round trip, any other claim is answered in two (the second
     /// one returns the record), or in one when the caller already saw the key's record
-    /// (`fresh` is false: [`CLAIM_REPORTING`] alone). On MySQL, [`CLAIM`]: it reports an acquisition in its reply
-    /// (one round trip), and a claim that did not take the key reads the record with a
-    /// locking read (two).
+    /// (`fresh` is false: [`CLAIM_REPORTING`] alone). On MySQL, [`CLAIM`]: it reports an
+    /// acquisition in its reply (one round trip), and a claim that did not take the key
+    /// reads the record with a locking read (two).
     fn claim<'c>(
         conn: &'c mut MySqlConnection,
         sql: &'c Statements,
