@@ -556,9 +556,9 @@ async fn lost_complete_reply_on_a_real_connection_is_resolved_as_completed() {
 }
 
 /// A server that does not have the scripts (a fresh server, or after `SCRIPT FLUSH`): the
-/// claim and ending pipelines meet `NOSCRIPT` for every item, each item is sent again on
-/// its own (which loads the script), and the batch runs each handler once. A server of the
-/// test's own, so that flushing its scripts touches no other test.
+/// claim and ending pipelines meet `NOSCRIPT` for every item, the script is loaded and the
+/// items are sent again in one more pipeline, and the batch runs each handler once. A server
+/// of the test's own, so that flushing its scripts touches no other test.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_on_a_server_without_the_scripts_load_them_and_run_once() {
     let server = RedisServer::start(&[]);

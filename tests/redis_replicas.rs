@@ -15,6 +15,8 @@
 
 #[path = "support/failover.rs"]
 mod failover;
+#[path = "support/proxy.rs"]
+mod proxy;
 #[path = "support/redis_server.rs"]
 mod redis_server;
 
@@ -24,7 +26,7 @@ use std::time::Duration;
 
 use idempotency::redis::{RedisStore, UnsafeConfig};
 use idempotency::store::{
-    Claim, ClaimRequest, Completion, RecordState, Store, StoreErrorKind, Token,
+    Claim, ClaimRequest, Completion, Ending, RecordState, Store, StoreErrorKind, Token,
 };
 use idempotency::{Error, Idempotency, Key, SharedStore};
 use redis_server::{free_port, redis_cli, RedisServer, SentinelGroup};
@@ -313,7 +315,11 @@ fn primary_and_replica() -> (RedisServer, RedisServer) {
 
 /// A store on `primary` whose writes wait for one replica, at most 300 ms.
 async fn durable(primary: &RedisServer, fast_claims: bool) -> RedisStore {
-    RedisStore::builder(&primary.url())
+    durable_at(&primary.url(), fast_claims).await
+}
+
+async fn durable_at(url: &str, fast_claims: bool) -> RedisStore {
+    RedisStore::builder(url)
         .on_unsafe_config(UnsafeConfig::Warn)
         .fast_claims(fast_claims)
         .wait_for_replicas(1, Duration::from_millis(300))
@@ -363,26 +369,26 @@ async fn an_unreplicated_claim_is_given_back_and_fails_closed() {
     }
 }
 
-/// A batch's claims with the replica paused: every item fails closed and is given back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unreplicated_batch_claim_fails_every_item_closed() {
-    let (primary, replica) = primary_and_replica();
-    let store = durable(&primary, true).await;
-    let minute = Duration::from_secs(60);
-    let reqs: Vec<ClaimRequest> = (0..5)
-        .map(|i| {
-            ClaimRequest::new(
-                key(&format!("batch-{i}")),
-                Token::generate(),
-                minute,
-                minute,
+/// A completion with the result `7` of each claim in `reqs`.
+fn completions(reqs: &[ClaimRequest]) -> Vec<Ending> {
+    reqs.iter()
+        .map(|req| {
+            Ending::complete(
+                req.key.clone(),
+                req.token,
+                Completion::new(Some(b"7".to_vec()), Duration::from_secs(60)),
             )
         })
-        .collect();
-    replica.pause();
-    let claims = store.claim_many(&reqs).await;
-    replica.resume();
-    for (req, claim) in reqs.iter().zip(&claims) {
+        .collect()
+}
+
+/// Every claim of `reqs` failed closed (unavailable) and was given back.
+async fn failed_closed(
+    store: &RedisStore,
+    reqs: &[ClaimRequest],
+    claims: &[Result<Claim, idempotency::store::StoreError>],
+) {
+    for (req, claim) in reqs.iter().zip(claims) {
         match claim {
             Err(err) => assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}"),
             Ok(other) => panic!("{}: expected an error, got {other:?}", req.key),
@@ -390,16 +396,181 @@ async fn an_unreplicated_batch_claim_fails_every_item_closed() {
         let record = store.read(&req.key).await.unwrap();
         assert!(
             !matches!(record, Some(ref r) if matches!(r.state, RecordState::InProgress { .. })),
-            "{record:?}"
+            "{}: the claim was not given back: {record:?}",
+            req.key
         );
     }
-    let again = store.claim_many(&reqs).await;
-    assert!(
-        again
-            .iter()
-            .all(|c| matches!(c, Ok(Claim::Acquired { .. }))),
-        "{again:?}"
-    );
+}
+
+/// The most pipelines a batch is sent in, each with one `WAIT`: the fast claims, the scripts
+/// for the items they leave undecided (released records here), and once more after loading a
+/// script the server did not have (a new server). A `WAIT` per item would be 20 here.
+const MAX_PIPELINES: u64 = 3;
+
+/// How many `WAIT`s the server has answered.
+fn waits(server: &RedisServer) -> u64 {
+    server
+        .cli(&["info", "commandstats"])
+        .lines()
+        .find_map(|line| line.strip_prefix("cmdstat_wait:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+fn batch_requests(name: &str, count: usize) -> Vec<ClaimRequest> {
+    let minute = Duration::from_secs(60);
+    (0..count)
+        .map(|i| {
+            ClaimRequest::new(
+                key(&format!("{name}-{i}")),
+                Token::generate(),
+                minute,
+                minute,
+            )
+        })
+        .collect()
+}
+
+/// A batch's claims with the replica paused: every item fails closed and is given back, for
+/// the fast claim and the script. The batch waits once per pipeline, not once per item:
+/// items waiting one after the other would answer past the response timeout (1 s + the
+/// wait) and their give-backs with them, leaving keys held until their leases run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreplicated_batch_claim_fails_every_item_closed() {
+    let (primary, replica) = primary_and_replica();
+    for fast in [true, false] {
+        let store = durable(&primary, fast).await;
+        let reqs = batch_requests(&format!("batch-{fast}"), 20);
+        replica.pause();
+        let before = waits(&primary);
+        let claims = tokio::time::timeout(NO_HANG, store.claim_many(&reqs))
+            .await
+            .expect("the batch hung");
+        let waited = waits(&primary) - before;
+        replica.resume();
+        assert!(
+            waited <= MAX_PIPELINES,
+            "{waited} WAITs for one batch (fast claims: {fast})"
+        );
+        failed_closed(&store, &reqs, &claims).await;
+        let before = waits(&primary);
+        let again = store.claim_many(&reqs).await;
+        assert!(waits(&primary) - before <= MAX_PIPELINES);
+        assert!(
+            again
+                .iter()
+                .all(|c| matches!(c, Ok(Claim::Acquired { .. }))),
+            "{again:?}"
+        );
+        assert!(
+            on_server(replica.port(), &format!("batch-{fast}-19")),
+            "a reported claim is not on the replica"
+        );
+    }
+}
+
+/// A batch's completions with the replica paused: every completion fails as unavailable (the
+/// engine sends it again), waiting once per pipeline; none is released, and sent again with the replica
+/// back they all succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreplicated_batch_completion_fails_until_replicated() {
+    let (primary, replica) = primary_and_replica();
+    let store = durable(&primary, true).await;
+    let reqs = batch_requests("batch-completion", 20);
+    let claims = store.claim_many(&reqs).await;
+    assert!(claims
+        .iter()
+        .all(|c| matches!(c, Ok(Claim::Acquired { .. }))));
+    let endings = completions(&reqs);
+    replica.pause();
+    let before = waits(&primary);
+    let ended = tokio::time::timeout(NO_HANG, store.complete_many(&endings))
+        .await
+        .expect("the batch hung");
+    let waited = waits(&primary) - before;
+    replica.resume();
+    assert!(waited <= MAX_PIPELINES, "{waited} WAITs for one batch");
+    for (req, end) in reqs.iter().zip(&ended) {
+        assert_eq!(
+            end.as_ref().unwrap_err().kind(),
+            StoreErrorKind::Unavailable,
+            "{}: {end:?}",
+            req.key
+        );
+    }
+    let again = store.complete_many(&endings).await;
+    assert!(again.iter().all(|e| matches!(e, Ok(true))), "{again:?}");
+    for req in &reqs {
+        let record = store.read(&req.key).await.unwrap().unwrap();
+        assert!(matches!(record.state, RecordState::Completed), "{record:?}");
+    }
+}
+
+/// A durable store on `primary` reached through a proxy that can lose a reply.
+async fn durable_behind_proxy(
+    primary: &RedisServer,
+    fast_claims: bool,
+) -> (proxy::Proxy, RedisStore) {
+    let upstream = format!("127.0.0.1:{}", primary.port()).parse().unwrap();
+    let proxy = proxy::Proxy::start(upstream).await;
+    let store = durable_at(&proxy.url(), fast_claims).await;
+    (proxy, store)
+}
+
+/// A durable batch claim whose pipeline reached the server but whose reply was lost (the
+/// connection cut before the answers came back): its replication is unknown, so every item
+/// is given back and fails closed, none is read back as held; the same batch claimed again
+/// is acquired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_batch_claim_whose_reply_is_lost_is_given_back() {
+    let (primary, _replica) = primary_and_replica();
+    for fast in [true, false] {
+        let (proxy, store) = durable_behind_proxy(&primary, fast).await;
+        let reqs = batch_requests(&format!("lost-claims-{fast}"), 20);
+        proxy.lose_reply_to(b"WAIT");
+        let claims = tokio::time::timeout(NO_HANG, store.claim_many(&reqs))
+            .await
+            .expect("the batch hung");
+        assert_eq!(proxy.lost(), 1, "the proxy lost no reply");
+        failed_closed(&store, &reqs, &claims).await;
+        let again = store.claim_many(&reqs).await;
+        assert!(
+            again
+                .iter()
+                .all(|c| matches!(c, Ok(Claim::Acquired { .. }))),
+            "{again:?}"
+        );
+    }
+}
+
+/// A durable batch of completions whose reply was lost: each completion is unavailable (the
+/// engine sends it again with its `WAIT`), none is taken as applied or released, and sent
+/// again they all succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_batch_completion_whose_reply_is_lost_is_sent_again() {
+    let (primary, _replica) = primary_and_replica();
+    let (proxy, store) = durable_behind_proxy(&primary, true).await;
+    let reqs = batch_requests("lost-completions", 20);
+    let claims = store.claim_many(&reqs).await;
+    assert!(claims
+        .iter()
+        .all(|c| matches!(c, Ok(Claim::Acquired { .. }))));
+    let endings = completions(&reqs);
+    proxy.lose_reply_to(b"WAIT");
+    let ended = tokio::time::timeout(NO_HANG, store.complete_many(&endings))
+        .await
+        .expect("the batch hung");
+    assert_eq!(proxy.lost(), 1, "the proxy lost no reply");
+    for (req, end) in reqs.iter().zip(&ended) {
+        assert_eq!(
+            end.as_ref().unwrap_err().kind(),
+            StoreErrorKind::Unavailable,
+            "{}: {end:?}",
+            req.key
+        );
+    }
+    let again = store.complete_many(&endings).await;
+    assert!(again.iter().all(|e| matches!(e, Ok(true))), "{again:?}");
 }
 
 /// A renewal the replica did not acknowledge fails (the watchdog treats it as a failed

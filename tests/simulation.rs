@@ -9,8 +9,10 @@
 //! decides everything a real deployment leaves to chance:
 //!
 //! - at every store command: applied and answered, refused before being applied, applied with
-//!   its reply lost, never answered (not applied), applied and never answered, or left in
-//!   flight for later (and possibly applied after its caller is gone);
+//!   its reply lost, never answered (not applied), applied and never answered, applied and
+//!   answered unavailable (a durable write its replicas did not acknowledge; a claim is given
+//!   back, or its give-back is lost), or left in flight for later (and possibly applied after
+//!   its caller is gone);
 //! - at every await point of a caller: poll it now, later, or drop it (a timeout, a client
 //!   hanging up);
 //! - between steps: let background tasks run, or move the clock (the store's clock and Tokio's
@@ -30,7 +32,7 @@
 //! 4. a lock holder whose guard says the lock is held is the store's live holder;
 //! 5. every caller answers, though some store commands never do; once every caller is gone and
 //!    a lease has passed, no key is in progress, except one whose claim the store applied and
-//!    never answered (its lease is all that frees it);
+//!    never answered, or whose give-back was lost (its lease is all that frees it);
 //! 6. every duplicate answer follows an applied effect, and every replayed value is one a body
 //!    of that key returned.
 //!
@@ -185,8 +187,9 @@ struct World {
     token_fences: BTreeMap<Vec<u8>, u64>,
     /// Completed records an operator deleted (an explicit "run it again"), per key index.
     rerun_by_operator: BTreeMap<usize, usize>,
-    /// Keys with a command the store applied and never answered: a claim that may hold the
-    /// key until its lease runs out, with no one to give it back.
+    /// Keys with a command the store applied and never answered, or a claim whose give-back
+    /// was lost: a claim that may hold the key until its lease runs out, with no one to give
+    /// it back.
     applied_unanswered: BTreeSet<usize>,
     violations: Vec<String>,
     trace: Option<Vec<String>>,
@@ -352,7 +355,9 @@ impl SimStore {
     /// (a request lost on a silent connection), 4 applied and never answered (a silent
     /// connection after the server applied it), 5 applied and answered "unavailable" (a
     /// durable Redis write its replicas did not acknowledge: a claim it acquired is given
-    /// back by its token before the answer, any other write stays applied).
+    /// back by its token before the answer, any other write stays applied), 6 the same with
+    /// the give-back lost (the claims it acquired stay held, with no owner, until their
+    /// leases run out).
     fn end(&self, index: usize, fault: u32) {
         let mut world = self.world.lock().unwrap();
         let command = world.in_flight[index].command.clone();
@@ -363,7 +368,7 @@ impl SimStore {
                 Some(fail(&command, StoreErrorKind::OutcomeUnknown))
             }
             3 => None,
-            5 => {
+            5 | 6 => {
                 let reply = self.apply(&command, &mut world);
                 let acquired: Vec<&ClaimRequest> = match (&command, &reply) {
                     (Command::Claim(req), Reply::Claim(Ok(Claim::Acquired { .. }))) => vec![req],
@@ -376,7 +381,11 @@ impl SimStore {
                     _ => Vec::new(),
                 };
                 for req in acquired {
-                    let _ = ready(self.inner.release(&req.key, &req.token));
+                    if fault == 5 {
+                        let _ = ready(self.inner.release(&req.key, &req.token));
+                    } else {
+                        world.applied_unanswered.insert(self.key_index(&req.key));
+                    }
                 }
                 Some(fail(&command, StoreErrorKind::Unavailable))
             }
@@ -404,7 +413,8 @@ impl SimStore {
                     "applied, reply lost",
                     "never answered",
                     "applied, never answered",
-                    "applied, answered unavailable"
+                    "applied, answered unavailable",
+                    "applied, answered unavailable, give-back lost"
                 ][fault as usize]
             )
         });
@@ -1215,6 +1225,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                         4 => 3,
                         5 => 4,
                         6 => 5,
+                        7 => 6,
                         _ => 0,
                     };
                     store.end(index, fault);

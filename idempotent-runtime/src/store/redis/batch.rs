@@ -173,6 +173,12 @@ impl Conn {
     }
 }
 
+/// Whether a pipelined reply is `NOSCRIPT`: the server does not have the script (a restart,
+/// a failover, `SCRIPT FLUSH`).
+pub(super) fn no_script(reply: &Value) -> bool {
+    matches!(reply, Value::ServerError(err) if err.kind() == Some(ServerErrorKind::NoScript))
+}
+
 /// Whether a pipelined reply asks for the command to be sent again on its own: a script the
 /// server does not have (`NOSCRIPT`; the single call loads it), or a key the node does not
 /// serve (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`; the single call is routed by the

@@ -124,8 +124,9 @@ impl RedisStoreBuilder {
     /// not counts as failed. With `replicas` equal to the number of replicas Sentinel may
     /// promote, a failover keeps every claim and completion the store reported; with fewer,
     /// it keeps them when the promoted replica is one that acknowledged. The reply timeout
-    /// grows by `timeout`. A batch's items are sent as single calls (concurrently on the one
-    /// connection). Standalone servers and Sentinel only.
+    /// grows by `timeout`. A batch is one pipeline with one `WAIT` behind its writes, whose
+    /// verdict is every item's (an unreplicated batch of claims is given back whole).
+    /// Standalone servers and Sentinel only.
     ///
     /// ```no_run
     /// use std::time::Duration;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use ::redis::Value;
 
 use crate::error::{StoreError, StoreErrorKind};
-use crate::store::redis::batch::send_again;
+use crate::store::redis::batch::{no_script, send_again};
 use crate::store::redis::clock::{fast_durations, Estimate};
 use crate::store::redis::conn::{command_error, script_error};
 use crate::store::redis::store::RedisStore;
@@ -53,23 +53,25 @@ impl RedisStore {
                 pipe.add_command(cmd);
             }
         }
-        let mut replies = if fast.iter().any(|&f| f) {
-            match self.inner.conn.pipeline(pipe, 0).await {
-                Ok(replies) => replies.into_iter(),
+        let (mut replies, replicated) = if fast.iter().any(|&f| f) {
+            match self.pipeline_waited(pipe, 0).await {
+                Ok((replies, replicated)) => (replies.into_iter(), replicated),
                 Err(err) => {
                     if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
                         self.inner.recheck.store(true, Ordering::Release);
                     }
-                    // Every item may have been applied: each is resolved by token.
-                    return Some(
-                        reqs.iter()
-                            .map(|req| Err(script_error(&req.key, err.clone())))
-                            .collect(),
-                    );
+                    // Every item may have been applied: each is resolved by token (given
+                    // back, in durable mode).
+                    let mut claims: Vec<_> = reqs
+                        .iter()
+                        .map(|req| Some(Err(script_error(&req.key, err.clone()))))
+                        .collect();
+                    self.settle_claims(reqs, &mut claims, false).await;
+                    return Some(claims.into_iter().map(answered).collect());
                 }
             }
         } else {
-            Vec::new().into_iter()
+            (Vec::new().into_iter(), true)
         };
         let mut claims: Vec<Option<Result<Claim, StoreError>>> = Vec::with_capacity(reqs.len());
         let mut scripted = Vec::new();
@@ -92,6 +94,7 @@ impl RedisStore {
             }
             claims.push(decided);
         }
+        self.settle_claims(reqs, &mut claims, replicated).await;
         let mut rest = if scripted.is_empty() {
             Vec::new().into_iter()
         } else {
@@ -100,64 +103,104 @@ impl RedisStore {
         Some(
             claims
                 .into_iter()
-                .map(|claim| {
-                    claim.or_else(|| rest.next()).unwrap_or_else(|| {
-                        Err(StoreError::new(
-                            StoreErrorKind::Protocol,
-                            "no reply for a claim",
-                        ))
-                    })
-                })
+                .map(|claim| answered(claim.or_else(|| rest.next())))
                 .collect(),
         )
     }
 
-    /// Every claim by script in one pipeline. Items the server answers `NOSCRIPT` (the script
-    /// was flushed) are claimed again one by one, which reloads it.
+    /// Every claim by script in one pipeline. When the server answers `NOSCRIPT` (a restart,
+    /// a failover, `SCRIPT FLUSH`), the script is loaded and those items are sent again in
+    /// one more pipeline. Items a cluster node does not serve (`MOVED` and the like), and on a
+    /// cluster those answered `NOSCRIPT`, are claimed again one by one.
     async fn claim_scripted(
         &self,
         reqs: &[&ClaimRequest],
         slot: u16,
     ) -> Vec<Result<Claim, StoreError>> {
+        let mut claims: Vec<Option<Result<Claim, StoreError>>> =
+            reqs.iter().map(|_| None).collect();
+        let mut pending: Vec<usize> = (0..reqs.len()).collect();
+        let mut loaded = false;
+        while !pending.is_empty() {
+            let sent: Vec<&ClaimRequest> = pending.iter().map(|&i| reqs[i]).collect();
+            let (decided, unloaded) = self.claim_scripted_once(&sent, slot).await;
+            let unloaded: Vec<usize> = unloaded.into_iter().map(|at| pending[at]).collect();
+            for (&i, claim) in pending.iter().zip(decided) {
+                claims[i] = claim;
+            }
+            // One reload per batch; what is still unanswered after it goes alone.
+            let reload = !loaded
+                && !unloaded.is_empty()
+                && !self.inner.conn.is_cluster()
+                && self.inner.conn.load(&self.inner.script).await.is_ok();
+            loaded = true;
+            pending = if reload { unloaded } else { Vec::new() };
+        }
+        for (i, claim) in claims.iter_mut().enumerate() {
+            if claim.is_none() {
+                // Sent again alone (with its own `WAIT` in durable mode).
+                *claim = Some(self.claim_one_by_script(reqs[i]).await);
+            }
+        }
+        claims.into_iter().map(answered).collect()
+    }
+
+    /// One pipeline of claims by script: what it decided (settled for durable mode, `None`
+    /// where an item must be sent again), and the positions the server answered `NOSCRIPT`.
+    async fn claim_scripted_once(
+        &self,
+        reqs: &[&ClaimRequest],
+        slot: u16,
+    ) -> (Vec<Option<Result<Claim, StoreError>>>, Vec<usize>) {
         let mut pipe = ::redis::pipe();
         pipe.ignore_errors();
         for req in reqs {
             pipe.add_command(claim_cmd(&self.inner.script, req));
         }
-        let replies: Vec<Value> = match self.inner.conn.pipeline(pipe, slot).await {
-            Ok(replies) => replies,
+        let (replies, replicated) = match self.pipeline_waited(pipe, slot).await {
+            Ok(sent) => sent,
             Err(err) => {
                 if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
                     self.inner.recheck.store(true, Ordering::Release);
                 }
-                return reqs
+                let mut claims: Vec<_> = reqs
                     .iter()
-                    .map(|_| Err(command_error(err.clone())))
+                    .map(|_| Some(Err(command_error(err.clone()))))
                     .collect();
+                self.settle_claims(reqs, &mut claims, false).await;
+                return (claims, Vec::new());
             }
         };
         let mut claims = Vec::with_capacity(reqs.len());
+        let mut unloaded = Vec::new();
         let mut replies = replies.into_iter();
-        for req in reqs {
+        for (i, req) in reqs.iter().enumerate() {
             let claim = match replies.next() {
-                None => Err(StoreError::new(
+                None => Some(Err(StoreError::new(
                     StoreErrorKind::Protocol,
                     "a pipeline answered fewer replies than it was sent",
-                )),
+                ))),
+                Some(reply) if no_script(&reply) => {
+                    unloaded.push(i);
+                    None
+                }
                 Some(reply) => match (send_again(&reply), reply) {
                     (Some(moved), _) => {
                         if moved {
                             self.inner.slots.invalidate();
                         }
-                        self.claim_one_by_script(req).await
+                        None
                     }
-                    (None, Value::ServerError(err)) => Err(script_error(&req.key, err.into())),
-                    (None, reply) => decode_claim(reply),
+                    (None, Value::ServerError(err)) => {
+                        Some(Err(script_error(&req.key, err.into())))
+                    }
+                    (None, reply) => Some(decode_claim(reply)),
                 },
             };
             claims.push(claim);
         }
-        claims
+        self.settle_claims(reqs, &mut claims, replicated).await;
+        (claims, unloaded)
     }
 
     /// One claim by script (which a `NOSCRIPT` reply reloads), without the replica wait.
@@ -266,6 +309,16 @@ impl RedisStore {
         }
         Ok(claim)
     }
+}
+
+/// A batch item's claim, once every pipeline has answered.
+fn answered(claim: Option<Result<Claim, StoreError>>) -> Result<Claim, StoreError> {
+    claim.unwrap_or_else(|| {
+        Err(StoreError::new(
+            StoreErrorKind::Protocol,
+            "no reply for a claim",
+        ))
+    })
 }
 
 /// The fast claim of `req` at the estimate `at`: `SET key <in-progress record> NX PX

@@ -42,15 +42,22 @@ impl Conn {
         }
     }
 
+    /// Loads `lua` into the server's script cache (`SCRIPT LOAD`): after a restart, a
+    /// failover or a `SCRIPT FLUSH`, calls of it are answered `NOSCRIPT` until then.
+    pub(super) async fn load(&self, lua: &Lua) -> Result<(), RedisError> {
+        self.query(::redis::cmd("SCRIPT").arg("LOAD").arg(lua.code))
+            .await
+            .and_then(Value::extract_error)
+            .map(drop)
+    }
+
     /// Sends `cmd`, a call of `lua`, a server's error reply as an error; when the server does
     /// not have the script (a restarted server, `SCRIPT FLUSH`), loads it and sends the call
     /// again.
     pub(super) async fn eval(&self, lua: &Lua, cmd: &Cmd) -> Result<Value, RedisError> {
         match self.query(cmd).await.and_then(Value::extract_error) {
             Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                self.query(::redis::cmd("SCRIPT").arg("LOAD").arg(lua.code))
-                    .await
-                    .and_then(Value::extract_error)?;
+                self.load(lua).await?;
                 self.query(cmd).await.and_then(Value::extract_error)
             }
             other => other,
@@ -67,11 +74,6 @@ pub(super) struct Lua {
 }
 
 impl Lua {
-    /// The script's source, for `SCRIPT LOAD`.
-    pub(super) fn code(&self) -> &'static str {
-        self.code
-    }
-
     pub(super) fn new(code: &'static str) -> Lua {
         Lua {
             script: Script::new(code),

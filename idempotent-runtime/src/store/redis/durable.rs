@@ -24,17 +24,23 @@
 //!   lease meanwhile) until a completion and its `WAIT` succeed together; it is never released,
 //!   because the effect ran.
 //!
-//! A batch's items are sent as single durable calls, concurrently on the one connection.
+//! A batch's claims or endings are sent in one pipeline with one `WAIT` behind them, whose
+//! verdict is every item's: Redis answers a connection's commands in order and a `WAIT` holds
+//! the connection until it is answered, so a `WAIT` per item would make the items wait one
+//! after the other (a batch of 100 with a replica down would take 100 times the timeout, past
+//! the response timeout, and the give-backs queued behind them with it). An item the pipeline
+//! could not decide (a script the server had flushed, a released record the fast claim leaves
+//! to the script) is sent again in a later pipeline or alone, with a `WAIT` of its own.
 
 use std::time::Duration;
 
-use ::redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
+use ::redis::{Cmd, ErrorKind, Pipeline, RedisError, ServerErrorKind, Value};
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::redis::conn::{script_error, Conn, Lua};
 use crate::store::redis::store::RedisStore;
-use crate::store::ClaimRequest;
+use crate::store::{Claim, ClaimRequest};
 
 #[cfg(doc)]
 use crate::store::redis::RedisStoreBuilder;
@@ -52,9 +58,7 @@ impl Conn {
             let mut pipe = ::redis::pipe();
             pipe.ignore_errors();
             pipe.add_command(cmd.clone());
-            pipe.cmd("WAIT")
-                .arg(replicas)
-                .arg(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
+            add_wait(&mut pipe, (replicas, timeout));
             let mut replies = self.pipeline(pipe, 0).await?.into_iter();
             let reply = replies.next().unwrap_or(Value::Nil).extract_error()?;
             let acked = match replies.next() {
@@ -66,14 +70,19 @@ impl Conn {
         match send().await {
             Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 let Some(lua) = lua else { return Err(err) };
-                self.query(::redis::cmd("SCRIPT").arg("LOAD").arg(lua.code()))
-                    .await
-                    .and_then(Value::extract_error)?;
+                self.load(lua).await?;
                 send().await
             }
             other => other,
         }
     }
+}
+
+/// Adds `WAIT replicas timeout` to `pipe`.
+fn add_wait(pipe: &mut Pipeline, (replicas, timeout): (u32, Duration)) {
+    pipe.cmd("WAIT")
+        .arg(replicas)
+        .arg(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
 }
 
 /// A write's reply, and whether the replicas the store waits for have it.
@@ -115,6 +124,85 @@ impl RedisStore {
                     reply,
                     replicated: acked >= i64::from(wait.0),
                 })
+            }
+        }
+    }
+
+    /// Sends a batch's pipeline of writes (to the node of `slot` on a cluster): their replies,
+    /// and whether the replicas the store waits for have them all. In durable mode one `WAIT`
+    /// follows the writes in the same pipeline and covers them all; a pipeline that answered
+    /// fewer replies than it was sent counts as not replicated.
+    pub(super) async fn pipeline_waited(
+        &self,
+        mut pipe: Pipeline,
+        slot: u16,
+    ) -> Result<(Vec<Value>, bool), RedisError> {
+        let Some(wait) = self.durable() else {
+            let replies = self.inner.conn.pipeline(pipe, slot).await?;
+            return Ok((replies, true));
+        };
+        let writes = pipe.len();
+        add_wait(&mut pipe, wait);
+        let mut replies = self.inner.conn.pipeline(pipe, slot).await?;
+        let acked = match replies.len() == writes + 1 {
+            true => match replies.pop() {
+                Some(Value::Int(n)) => n,
+                _ => 0,
+            },
+            false => 0,
+        };
+        Ok((replies, acked >= i64::from(wait.0)))
+    }
+
+    /// In durable mode, the claims one batch pipeline decided (`None` for an item it left to
+    /// a later call, which settles it): an acquired claim its pipeline's `WAIT` did not cover
+    /// (`replicated` false) and a claim whose reply was lost are given back, all in one
+    /// pipeline, and fail closed. Other answers stand.
+    pub(super) async fn settle_claims(
+        &self,
+        reqs: &[&ClaimRequest],
+        claims: &mut [Option<Result<Claim, StoreError>>],
+        replicated: bool,
+    ) {
+        if self.durable().is_none() {
+            return;
+        }
+        let mut given: Vec<&ClaimRequest> = Vec::new();
+        for (req, claim) in reqs.iter().zip(claims.iter_mut()) {
+            let why = match claim {
+                Some(Ok(Claim::Acquired { .. })) if !replicated => self.short("claim"),
+                Some(Err(err)) if err.is_outcome_unknown() => format!(
+                    "the claim's reply was lost, so its replication is unknown ({err}); given back"
+                ),
+                _ => continue,
+            };
+            given.push(req);
+            *claim = Some(Err(StoreError::new(StoreErrorKind::Unavailable, why)));
+        }
+        self.give_back_all(&given).await;
+    }
+
+    /// Releases `reqs`' claims by their tokens in one pipeline; a release the pipeline could
+    /// not apply is sent alone (which loads a flushed script), and one that still fails leaves
+    /// its key held until its lease runs out.
+    async fn give_back_all(&self, reqs: &[&ClaimRequest]) {
+        if reqs.is_empty() {
+            return;
+        }
+        let mut pipe = ::redis::pipe();
+        pipe.ignore_errors();
+        for req in reqs {
+            let mut cmd = self.inner.ending.call(req.key.as_bytes());
+            cmd.arg("release").arg(req.token.as_bytes());
+            pipe.add_command(cmd);
+        }
+        let replies = self.inner.conn.pipeline(pipe, 0).await.unwrap_or_default();
+        for (i, req) in reqs.iter().enumerate() {
+            if matches!(replies.get(i), Some(Value::Int(_))) {
+                continue;
+            }
+            if let Err(err) = self.by_token("release", &req.key, &req.token).await {
+                tracing::warn!(key = %req.key, error = %err, "cannot give back a claim that was not replicated; it stays until its lease runs out");
             }
         }
     }

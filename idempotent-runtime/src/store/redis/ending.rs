@@ -6,7 +6,7 @@ use ::redis::Value;
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
-use crate::store::redis::batch::send_again;
+use crate::store::redis::batch::{no_script, send_again};
 use crate::store::redis::clock::{fast_durations, MIN_FAST_DURATION};
 use crate::store::redis::conn::{command_error, script_error};
 use crate::store::redis::store::RedisStore;
@@ -66,18 +66,64 @@ impl RedisStore {
         Ok(cmd)
     }
 
-    /// Ends `items` in one pipeline (to the node of `slot` on a cluster). Items the
-    /// server answers `NOSCRIPT`, `MOVED` and the like are sent again one by one.
+    /// Ends `items` in one pipeline (to the node of `slot` on a cluster). When the server
+    /// answers `NOSCRIPT` (a restart, a failover, `SCRIPT FLUSH`), the script is loaded and
+    /// those items are sent again in one more pipeline. Items a cluster node does not serve
+    /// (`MOVED` and the like), and on a cluster those answered `NOSCRIPT`, are sent again one
+    /// by one.
     pub(super) async fn end_pipelined(
         &self,
         items: &[&Ending],
         slot: u16,
     ) -> Vec<Result<bool, StoreError>> {
+        let mut ended: Vec<Option<Result<bool, StoreError>>> = items.iter().map(|_| None).collect();
+        let mut pending: Vec<usize> = (0..items.len()).collect();
+        let mut loaded = false;
+        while !pending.is_empty() {
+            let sent: Vec<&Ending> = pending.iter().map(|&i| items[i]).collect();
+            let (answers, unloaded) = self.end_pipelined_once(&sent, slot).await;
+            let unloaded: Vec<usize> = unloaded.into_iter().map(|at| pending[at]).collect();
+            for (&i, answer) in pending.iter().zip(answers) {
+                ended[i] = answer;
+            }
+            // One reload per batch; what is still unanswered after it goes alone.
+            let reload = !loaded
+                && !unloaded.is_empty()
+                && !self.inner.conn.is_cluster()
+                && self.inner.conn.load(&self.inner.ending).await.is_ok();
+            loaded = true;
+            pending = if reload { unloaded } else { Vec::new() };
+        }
+        let mut answers = Vec::with_capacity(items.len());
+        for (item, answer) in items.iter().zip(ended) {
+            answers.push(match answer {
+                Some(answer) => answer,
+                // Sent again alone (with its own `WAIT` in durable mode).
+                None => match &item.action {
+                    End::Complete(completion) => {
+                        self.complete(&item.key, &item.token, completion).await
+                    }
+                    End::Release => self.release(&item.key, &item.token).await,
+                },
+            });
+        }
+        answers
+    }
+
+    /// One pipeline of endings: each item's answer (`None` where it must be sent again), and
+    /// the positions the server answered `NOSCRIPT`. In durable mode, a completion the
+    /// pipeline's `WAIT` did not cover, or whose reply was lost, is unavailable (sent again
+    /// with its `WAIT`, never taken as applied).
+    async fn end_pipelined_once(
+        &self,
+        items: &[&Ending],
+        slot: u16,
+    ) -> (Vec<Option<Result<bool, StoreError>>>, Vec<usize>) {
         let mut ended: Vec<Option<Result<bool, StoreError>>> = Vec::with_capacity(items.len());
         let mut pipe = ::redis::pipe();
         pipe.ignore_errors();
-        let mut sent = 0;
-        for item in items {
+        let mut sent = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
             let cmd = match &item.action {
                 End::Complete(completion) => self.complete_cmd(&item.key, &item.token, completion),
                 End::Release => {
@@ -89,64 +135,66 @@ impl RedisStore {
             match cmd {
                 Ok(cmd) => {
                     pipe.add_command(cmd);
-                    sent += 1;
+                    sent.push(i);
                     ended.push(None);
                 }
                 Err(err) => ended.push(Some(Err(err))),
             }
         }
-        if sent > 0 {
-            let replies = self.inner.conn.pipeline(pipe, slot).await;
-            if let Err(err) = &replies {
-                if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
-                    self.inner.recheck.store(true, Ordering::Release);
-                }
-            }
-            let mut replies = match replies {
-                Ok(replies) => replies.into_iter().map(Ok).collect::<Vec<_>>().into_iter(),
-                Err(err) => vec![Err(err); sent].into_iter(),
-            };
-            for (item, answer) in items.iter().zip(ended.iter_mut()) {
-                if answer.is_some() {
-                    continue;
-                }
-                let reply = replies.next().unwrap_or_else(|| {
-                    Err(::redis::RedisError::from((
-                        ::redis::ErrorKind::Parse,
-                        "a pipeline answered fewer replies than it was sent",
-                    )))
-                });
-                *answer = Some(match reply {
-                    Err(err) => Err(command_error(err)),
-                    Ok(reply) => match (send_again(&reply), reply) {
-                        (Some(moved), _) => {
-                            if moved {
-                                self.inner.slots.invalidate();
-                            }
-                            match &item.action {
-                                End::Complete(completion) => {
-                                    self.complete(&item.key, &item.token, completion).await
-                                }
-                                End::Release => self.release(&item.key, &item.token).await,
-                            }
-                        }
-                        (None, Value::ServerError(err)) => Err(script_error(&item.key, err.into())),
-                        (None, reply) => int(&reply).map(|n| n == 1),
-                    },
-                });
+        let mut unloaded = Vec::new();
+        if sent.is_empty() {
+            return (ended, unloaded);
+        }
+        let replies = self.pipeline_waited(pipe, slot).await;
+        if let Err(err) = &replies {
+            if err.is_io_error() || err.is_connection_dropped() || err.is_timeout() {
+                self.inner.recheck.store(true, Ordering::Release);
             }
         }
-        ended
-            .into_iter()
-            .map(|answer| {
-                answer.unwrap_or_else(|| {
-                    Err(StoreError::new(
-                        StoreErrorKind::Protocol,
-                        "no reply for an ending",
-                    ))
-                })
-            })
-            .collect()
+        let (replies, replicated) = match replies {
+            Ok((replies, replicated)) => (replies.into_iter().map(Ok).collect(), replicated),
+            Err(err) => (vec![Err(err); sent.len()], false),
+        };
+        let mut replies = replies.into_iter();
+        for i in sent {
+            let item = items[i];
+            let reply = replies.next().unwrap_or_else(|| {
+                Err(::redis::RedisError::from((
+                    ::redis::ErrorKind::Parse,
+                    "a pipeline answered fewer replies than it was sent",
+                )))
+            });
+            let completion = matches!(item.action, End::Complete(_));
+            ended[i] = match reply {
+                // Not known to be applied, in durable mode: sent again with its `WAIT`.
+                Err(err) if completion => Some(Err(self.write_unknown(&item.key, err))),
+                Err(err) => Some(Err(command_error(err))),
+                Ok(reply) if no_script(&reply) => {
+                    unloaded.push(i);
+                    None
+                }
+                Ok(reply) => match (send_again(&reply), reply) {
+                    (Some(moved), _) => {
+                        if moved {
+                            self.inner.slots.invalidate();
+                        }
+                        None
+                    }
+                    (None, Value::ServerError(err)) => {
+                        Some(Err(script_error(&item.key, err.into())))
+                    }
+                    (None, reply) => Some(match int(&reply).map(|n| n == 1) {
+                        // A completion its `WAIT` did not cover is not counted.
+                        Ok(true) if completion && !replicated => Err(StoreError::new(
+                            StoreErrorKind::Unavailable,
+                            self.short("completion"),
+                        )),
+                        other => other,
+                    }),
+                },
+            };
+        }
+        (ended, unloaded)
     }
 
     /// Releases `claim`, which `token` acquired: where this store's fast claim may have

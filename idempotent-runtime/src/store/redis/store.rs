@@ -209,11 +209,7 @@ impl Store for RedisStore {
         reqs: &'a [ClaimRequest],
     ) -> BoxFuture<'a, Vec<Result<Claim, StoreError>>> {
         Box::pin(async move {
-            if self.durable().is_some() {
-                // Each with its `WAIT`, concurrently on the one connection.
-                let each = reqs.iter().map(|req| self.claim(req));
-                return futures_util::future::join_all(each).await;
-            }
+            // In durable mode (never on a cluster), one pipeline with one `WAIT`.
             let all: Vec<&ClaimRequest> = reqs.iter().collect();
             match &self.inner.conn {
                 Conn::Single(_) | Conn::Sentinel(_) => self.claim_pipelined(&all, 0).await,
@@ -281,11 +277,7 @@ impl Store for RedisStore {
         items: &'a [Ending],
     ) -> BoxFuture<'a, Vec<Result<bool, StoreError>>> {
         Box::pin(async move {
-            if self.durable().is_some() {
-                // Each with its `WAIT`, concurrently on the one connection.
-                let each = items.iter().map(|item| item.send_alone(self));
-                return futures_util::future::join_all(each).await;
-            }
+            // In durable mode (never on a cluster), one pipeline with one `WAIT`.
             let all: Vec<&Ending> = items.iter().collect();
             match &self.inner.conn {
                 Conn::Single(_) | Conn::Sentinel(_) => self.end_pipelined(&all, 0).await,
