@@ -21,7 +21,7 @@
 //! default `postgres://postgres@127.0.0.1:5432/test`).
 //!
 //! ```text
-//! cargo run --release --example failover_test -- [--rounds 3] [--keys 2000]
+//! cargo run --release --example failover_test -- [--rounds 3] [--keys 2000] [--scenario pause]
 //! ```
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -59,7 +59,18 @@ async fn main() {
     };
     // (scenario, config) -> (runs, effects, duplicates, lost, store errors, failover ms, runs that lost writes)
     let mut summary: BTreeMap<(&str, &str), [u128; 7]> = BTreeMap::new();
-    for scenario in [Scenario::Kill, Scenario::Pause, Scenario::KillLagging] {
+    let only = std::env::args().skip_while(|a| a != "--scenario").nth(1);
+    let scenarios = [Scenario::Kill, Scenario::Pause, Scenario::KillLagging];
+    if let Some(name) = &only {
+        assert!(
+            scenarios.iter().any(|s| s.name() == name),
+            "--scenario takes kill, pause or kill_lagging"
+        );
+    }
+    for scenario in scenarios {
+        if only.as_deref().is_some_and(|name| name != scenario.name()) {
+            continue;
+        }
         for _ in 0..rounds {
             for outcome in failover::run(scenario, load).await {
                 println!("{outcome}");

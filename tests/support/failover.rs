@@ -108,6 +108,9 @@ pub struct Outcome {
     /// Bytes of the replication stream the old primary had applied (at least) and the
     /// promoted replica did not have: whether the failover lost acknowledged writes.
     pub unreplicated_bytes: i64,
+    /// Each key applied more than once, with its effects' times in milliseconds from the
+    /// fault: what a duplicate followed (the failover itself, or a lease run out later).
+    pub duplicates: Vec<(String, Vec<i64>)>,
 }
 
 impl std::fmt::Display for Outcome {
@@ -123,7 +126,11 @@ impl std::fmt::Display for Outcome {
             self.store_errors,
             self.failover_ms,
             self.unreplicated_bytes
-        )
+        )?;
+        for (key, at) in &self.duplicates {
+            write!(f, " {key}@{at:?}ms")?;
+        }
+        Ok(())
     }
 }
 
@@ -172,7 +179,7 @@ pub async fn run(scenario: Scenario, load: Load) -> Vec<Outcome> {
         let effects = format!("failover_effects_{suffix}");
         let records = format!("failover_records_{suffix}");
         sqlx::query(sqlx::AssertSqlSafe(format!(
-            "CREATE TABLE {effects} (key TEXT NOT NULL)"
+            "CREATE TABLE {effects} (key TEXT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())"
         )))
         .execute(&pool)
         .await
@@ -235,6 +242,10 @@ pub async fn run(scenario: Scenario, load: Load) -> Vec<Outcome> {
     while finished.load(Ordering::SeqCst) < third {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    let fault_at: f64 = sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
     let (group, failover_ms, unreplicated) = tokio::task::spawn_blocking(move || {
         let old = group.primary_port().expect("no primary");
         let others: Vec<u16> = group
@@ -297,6 +308,15 @@ pub async fn run(scenario: Scenario, load: Load) -> Vec<Outcome> {
         .fetch_one(&pool)
         .await
         .unwrap();
+        let duplicates: Vec<(String, Vec<i64>)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT key, array_agg(round((extract(epoch FROM at) - $1) * 1000)::int8 ORDER BY at) \
+             FROM {} GROUP BY key HAVING count(*) > 1 ORDER BY key",
+            g.effects
+        )))
+        .bind(fault_at)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
         for table in [&g.effects, &g.records] {
             let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
                 .execute(&pool)
@@ -312,6 +332,7 @@ pub async fn run(scenario: Scenario, load: Load) -> Vec<Outcome> {
             store_errors: g.store_errors.load(Ordering::SeqCst) as u64,
             failover_ms,
             unreplicated_bytes: unreplicated,
+            duplicates,
         });
     }
     drop(group);
