@@ -506,6 +506,60 @@ async fn an_unreplicated_batch_completion_fails_until_replicated() {
     }
 }
 
+/// Through the engine's batch door: with the replica paused every item fails closed and no
+/// handler runs; with the replica back each handler runs once, and a redelivery of the batch
+/// runs none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreplicated_batch_runs_no_handler_then_each_once() {
+    let (primary, replica) = primary_and_replica();
+    let store: SharedStore = Arc::new(durable(&primary, true).await);
+    let idem = Idempotency::new(Duration::from_secs(600)).store(store);
+    let runs = AtomicUsize::new(0);
+    let items = || -> Vec<(Key, u32)> {
+        (0..20u32)
+            .map(|i| (key(&format!("engine-batch-{i}")), i))
+            .collect()
+    };
+    let handler = |i: u32| {
+        let runs = &runs;
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<u32, Error>(i * 2)
+        }
+    };
+    replica.pause();
+    let first: Vec<Result<u32, Error>> =
+        tokio::time::timeout(NO_HANG, idem.run_batch(items(), handler))
+            .await
+            .expect("the batch hung");
+    replica.resume();
+    for out in &first {
+        match out {
+            Err(Error::Store(err)) => assert_eq!(err.kind(), StoreErrorKind::Unavailable),
+            other => panic!("expected a fail-closed store error, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "a handler ran on an unreplicated claim"
+    );
+    let second: Vec<Result<u32, Error>> = idem.run_batch(items(), handler).await;
+    assert_eq!(
+        second.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+        (0..20u32).map(|i| i * 2).collect::<Vec<_>>()
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 20);
+    let third: Vec<Result<u32, Error>> = idem.run_batch(items(), handler).await;
+    assert!(
+        third
+            .iter()
+            .all(|out| matches!(out, Err(Error::Duplicate { .. }))),
+        "{third:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 20);
+}
+
 /// A durable store on `primary` reached through a proxy that can lose a reply.
 async fn durable_behind_proxy(
     primary: &RedisServer,
