@@ -9,7 +9,9 @@
 //!
 //! Durable writes (`wait_for_replicas`, a primary and a replica): with the replica paused
 //! (SIGSTOP, so it acknowledges nothing), a claim is given back and the call fails closed, a
-//! renewal fails, and a completion is retried, never released, until the replica is back.
+//! renewal fails, and a completion is retried, never released, until the replica is back; a
+//! batch waits once per pipeline, not once per item, and is given back whole, also when the
+//! reply to its pipeline is lost.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
