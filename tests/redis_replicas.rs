@@ -240,6 +240,96 @@ async fn a_paused_primary_is_left_and_demoted_when_it_resumes() {
 }
 
 /// No sentinel answers: a typed error at build time, not a hang.
+/// Whether a sentinel of `group` reports a failover of its primary under way.
+fn failing_over(group: &SentinelGroup) -> bool {
+    group.sentinels.iter().any(|s| {
+        s.cli(&["sentinel", "master", &group.name])
+            .contains("failover_in_progress")
+    })
+}
+
+/// A primary that stalls (SIGSTOP) and comes back while the sentinels fail it over: until the
+/// failover ends, the sentinels that have not heard of it name the old primary again, no
+/// longer down, and it still answers `ROLE` as a master. Every claim the store reports
+/// acquired meanwhile must be on the new primary at the end; a claim the old primary took
+/// would be lost with its data when the sentinels demote it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_back_during_its_failover_is_not_written_to() {
+    let group = SentinelGroup::start(2, &[]);
+    let old = group.primary_port().unwrap();
+    let store = RedisStore::builder(&group.url())
+        .on_unsafe_config(UnsafeConfig::Warn)
+        .response_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let minute = Duration::from_secs(60);
+    let claim = |i: usize| {
+        ClaimRequest::new(
+            key(&format!("back-during-failover-{i}")),
+            Token::generate(),
+            minute,
+            minute,
+        )
+    };
+    assert!(matches!(
+        store.claim(&claim(0)).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+
+    group.server(old).pause();
+    let deadline = std::time::Instant::now() + NO_HANG;
+    let mut i = 1;
+    // Claims while it is paused: they time out, and the store suspects the primary.
+    while !failing_over(&group) {
+        assert!(std::time::Instant::now() < deadline, "no failover started");
+        let _ = store.claim(&claim(i)).await;
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    group.server(old).resume();
+    // Claims until the old primary is demoted: each acquired one must survive.
+    let mut acquired = Vec::new();
+    while !redis_cli(old, &["role"]).starts_with("slave") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the old primary was never demoted"
+        );
+        let req = claim(i);
+        if let Ok(Claim::Acquired { .. }) = store.claim(&req).await {
+            acquired.push(req.key);
+        }
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let new = group.primary_port().unwrap();
+    assert_ne!(new, old);
+    // Served by the new primary once the old one is demoted.
+    let last = claim(i);
+    let until = std::time::Instant::now() + NO_HANG;
+    while !matches!(store.claim(&last).await, Ok(Claim::Acquired { .. })) {
+        assert!(
+            std::time::Instant::now() < until,
+            "the store never reached the new primary"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    acquired.push(last.key);
+    let direct = build(&format!("redis://127.0.0.1:{new}")).await;
+    let mut lost = Vec::new();
+    for key in &acquired {
+        if direct.read(key).await.unwrap().is_none() {
+            lost.push(key.to_string());
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "{} of {} claims reported acquired were lost with the old primary: {lost:?}",
+        lost.len(),
+        acquired.len()
+    );
+}
+
 #[tokio::test]
 async fn no_reachable_sentinel_is_a_typed_error() {
     let url = format!(

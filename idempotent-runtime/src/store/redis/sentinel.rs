@@ -4,8 +4,12 @@
 //! once, each within the lookup timeout). Sentinels that see the primary down or a failover
 //! in progress do not count; of the others, the answer with the highest configuration epoch
 //! wins (a sentinel that has not yet heard of the last failover names the old primary with an
-//! older epoch), and the node it names must answer `ROLE` as a master. The store never moves
-//! to a primary of an older epoch than the one it uses.
+//! older epoch), and the node it names must answer `ROLE` as a master. While a sentinel sees
+//! a failover under way (or the primary objectively down), no primary of that epoch or an
+//! older one is confirmed: the sentinels that have not heard of the failover yet name the old
+//! primary, which, if it stalled and came back, answers as a master until it is demoted, and
+//! loses what it took then. The store never moves to a primary of an older epoch than the one
+//! it uses.
 //!
 //! **Following it.** Commands go to that primary through one auto-reconnecting connection,
 //! as to a standalone server. `READONLY` (a demoted primary) or a refused connection (the
@@ -76,6 +80,9 @@ struct Named {
     epoch: u64,
     /// The sentinel sees the primary down, or a failover under way.
     doubtful: bool,
+    /// The sentinel sees a failover of this primary under way, or the primary objectively
+    /// down (the quorum agrees): no primary of this epoch or an older one is confirmed then.
+    failing_over: bool,
 }
 
 impl Primary {
@@ -175,6 +182,11 @@ impl Finder {
         let mut unknown = 0;
         let mut last_error = None;
         let mut best: Option<Named> = None;
+        // The newest epoch a sentinel sees failing over: while a failover is under way the
+        // sentinels that have not heard of it yet name the old primary, no longer down if it
+        // came back, and it still answers `ROLE` as a master; what it takes then is lost
+        // when the sentinels demote it.
+        let mut failing_over: Option<u64> = None;
         for answer in answers {
             match answer {
                 Ok(Some(named)) if !named.doubtful => {
@@ -182,7 +194,11 @@ impl Finder {
                         best = Some(named);
                     }
                 }
-                Ok(Some(_)) => {}
+                Ok(Some(named)) => {
+                    if named.failing_over {
+                        failing_over = failing_over.max(Some(named.epoch));
+                    }
+                }
                 Ok(None) => unknown += 1,
                 Err(err) => last_error = Some(err),
             }
@@ -201,6 +217,12 @@ impl Finder {
                 None => err,
             });
         };
+        if let Some(epoch) = failing_over.filter(|&epoch| named.epoch <= epoch) {
+            return Err(unavailable(format!(
+                "a sentinel of {name} sees a failover of `{service}` under way (epoch {epoch}); \
+                 no primary is confirmed until it ends"
+            )));
+        }
         let client = ConnectionAddr::Tcp(named.addr.0.clone(), named.addr.1)
             .into_connection_info()
             .map(|info: ConnectionInfo| info.set_redis_settings(self.node.clone()))
@@ -270,15 +292,18 @@ impl Finder {
             return Ok(None);
         };
         let flags = field("flags").unwrap_or_default();
-        let doubtful = ["s_down", "o_down", "failover_in_progress", "disconnected"]
-            .iter()
-            .any(|flag| flags.split(',').any(|f| f == *flag));
+        let flagged = |names: &[&str]| {
+            names
+                .iter()
+                .any(|flag| flags.split(',').any(|f| f == *flag))
+        };
         Ok(Some(Named {
             addr: (ip.to_string(), port),
             epoch: field("config-epoch")
                 .and_then(|e| e.parse().ok())
                 .unwrap_or(0),
-            doubtful,
+            doubtful: flagged(&["s_down", "o_down", "failover_in_progress", "disconnected"]),
+            failing_over: flagged(&["o_down", "failover_in_progress"]),
         }))
     }
 
