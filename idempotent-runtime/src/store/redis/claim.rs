@@ -117,25 +117,11 @@ impl RedisStore {
         reqs: &[&ClaimRequest],
         slot: u16,
     ) -> Vec<Result<Claim, StoreError>> {
-        let mut claims: Vec<Option<Result<Claim, StoreError>>> =
-            reqs.iter().map(|_| None).collect();
-        let mut pending: Vec<usize> = (0..reqs.len()).collect();
-        let mut loaded = false;
-        while !pending.is_empty() {
-            let sent: Vec<&ClaimRequest> = pending.iter().map(|&i| reqs[i]).collect();
-            let (decided, unloaded) = self.claim_scripted_once(&sent, slot).await;
-            let unloaded: Vec<usize> = unloaded.into_iter().map(|at| pending[at]).collect();
-            for (&i, claim) in pending.iter().zip(decided) {
-                claims[i] = claim;
-            }
-            // One reload per batch; what is still unanswered after it goes alone.
-            let reload = !loaded
-                && !unloaded.is_empty()
-                && !self.inner.conn.is_cluster()
-                && self.inner.conn.load(&self.inner.script).await.is_ok();
-            loaded = true;
-            pending = if reload { unloaded } else { Vec::new() };
-        }
+        let mut claims = self
+            .reloading(&self.inner.script, reqs, |sent| async move {
+                self.claim_scripted_once(&sent, slot).await
+            })
+            .await;
         for (i, claim) in claims.iter_mut().enumerate() {
             if claim.is_none() {
                 // Sent again alone (with its own `WAIT` in durable mode).

@@ -154,6 +154,41 @@ impl RedisStore {
         Ok((replies, acked >= i64::from(wait.0)))
     }
 
+    /// Sends a batch's `items` in pipelines of calls of `lua`: `once` sends the items it is
+    /// given and answers each (`None` where the item must be sent again alone), with the
+    /// positions the server answered `NOSCRIPT`. When the server does not have the script (a
+    /// restart, a failover, `SCRIPT FLUSH`), it is loaded once and those items are sent again
+    /// in one more pipeline; on a cluster, or if the load fails, they are left unanswered,
+    /// to be sent alone.
+    pub(super) async fn reloading<'i, I, T, F, Fut>(
+        &self,
+        lua: &Lua,
+        items: &[&'i I],
+        mut once: F,
+    ) -> Vec<Option<T>>
+    where
+        F: FnMut(Vec<&'i I>) -> Fut,
+        Fut: std::future::Future<Output = (Vec<Option<T>>, Vec<usize>)>,
+    {
+        let mut answers: Vec<Option<T>> = items.iter().map(|_| None).collect();
+        let mut pending: Vec<usize> = (0..items.len()).collect();
+        let mut loaded = false;
+        while !pending.is_empty() {
+            let (decided, unloaded) = once(pending.iter().map(|&i| items[i]).collect()).await;
+            let unloaded: Vec<usize> = unloaded.into_iter().map(|at| pending[at]).collect();
+            for (&i, answer) in pending.iter().zip(decided) {
+                answers[i] = answer;
+            }
+            let reload = !loaded
+                && !unloaded.is_empty()
+                && !self.inner.conn.is_cluster()
+                && self.inner.conn.load(lua).await.is_ok();
+            loaded = true;
+            pending = if reload { unloaded } else { Vec::new() };
+        }
+        answers
+    }
+
     /// In durable mode, the claims one batch pipeline decided (`None` for an item it left to
     /// a later call, which settles it): an acquired claim its pipeline's `WAIT` did not cover
     /// (`replicated` false) and a claim whose reply was lost are given back, all in one

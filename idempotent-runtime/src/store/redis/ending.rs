@@ -76,24 +76,11 @@ impl RedisStore {
         items: &[&Ending],
         slot: u16,
     ) -> Vec<Result<bool, StoreError>> {
-        let mut ended: Vec<Option<Result<bool, StoreError>>> = items.iter().map(|_| None).collect();
-        let mut pending: Vec<usize> = (0..items.len()).collect();
-        let mut loaded = false;
-        while !pending.is_empty() {
-            let sent: Vec<&Ending> = pending.iter().map(|&i| items[i]).collect();
-            let (answers, unloaded) = self.end_pipelined_once(&sent, slot).await;
-            let unloaded: Vec<usize> = unloaded.into_iter().map(|at| pending[at]).collect();
-            for (&i, answer) in pending.iter().zip(answers) {
-                ended[i] = answer;
-            }
-            // One reload per batch; what is still unanswered after it goes alone.
-            let reload = !loaded
-                && !unloaded.is_empty()
-                && !self.inner.conn.is_cluster()
-                && self.inner.conn.load(&self.inner.ending).await.is_ok();
-            loaded = true;
-            pending = if reload { unloaded } else { Vec::new() };
-        }
+        let ended = self
+            .reloading(&self.inner.ending, items, |sent| async move {
+                self.end_pipelined_once(&sent, slot).await
+            })
+            .await;
         let mut answers = Vec::with_capacity(items.len());
         for (item, answer) in items.iter().zip(ended) {
             answers.push(match answer {
