@@ -65,7 +65,7 @@ pub(crate) fn claim_keys<'k>(reqs: &[&'k ClaimRequest]) -> ByKey<'k, Step> {
 }
 
 /// Whether each of `items` is among the keys a batch ending returned.
-#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 pub(crate) fn ended_in_order(items: &[&Ending], ended: &[Vec<u8>]) -> Vec<bool> {
     let mut found = ByKey::new(items.iter().map(|item| item.key.as_bytes()));
     for key in ended {
@@ -78,9 +78,78 @@ pub(crate) fn ended_in_order(items: &[&Ending], ended: &[Vec<u8>]) -> Vec<bool> 
         .collect()
 }
 
+/// The values a batch statement answered by position (from 1) for `len` items, in the items'
+/// order (`None` for an item it did not answer): every item in order when `positions` is
+/// `None`. A position out of range, or positions and values that do not pair, is an error.
+#[cfg(feature = "postgres")]
+pub(crate) fn by_position<T>(
+    len: usize,
+    positions: Option<Vec<i64>>,
+    values: Vec<T>,
+) -> Result<Vec<Option<T>>, sqlx::Error> {
+    let positions =
+        positions.unwrap_or_else(|| (1..=len).filter_map(|n| i64::try_from(n).ok()).collect());
+    if positions.len() != values.len() {
+        return Err(sqlx::Error::Decode(
+            format!(
+                "a batch statement answered {} positions for {} values",
+                positions.len(),
+                values.len()
+            )
+            .into(),
+        ));
+    }
+    let mut answered: Vec<Option<T>> = (0..len).map(|_| None).collect();
+    for (n, value) in positions.into_iter().zip(values) {
+        let slot = usize::try_from(n)
+            .ok()
+            .and_then(|n| n.checked_sub(1))
+            .and_then(|i| answered.get_mut(i))
+            .ok_or_else(|| {
+                sqlx::Error::Decode(
+                    format!("a batch statement answered position {n} of {len}").into(),
+                )
+            })?;
+        *slot = Some(value);
+    }
+    Ok(answered)
+}
+
+/// Which of `len` items a batch ending that answers by position ended (see
+/// [`by_position`]).
+#[cfg(feature = "postgres")]
+pub(crate) fn ended_at(len: usize, ended: Option<Vec<i64>>) -> Result<Vec<bool>, sqlx::Error> {
+    let values = vec![(); ended.as_ref().map_or(len, Vec::len)];
+    Ok(by_position(len, ended, values)?
+        .into_iter()
+        .map(|ended| ended.is_some())
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[cfg(feature = "postgres")]
+    fn positions_say_which_items_ended() {
+        assert_eq!(ended_at(3, None).unwrap(), [true, true, true]);
+        assert_eq!(ended_at(3, Some(vec![3, 1])).unwrap(), [true, false, true]);
+        assert_eq!(ended_at(2, Some(vec![])).unwrap(), [false, false]);
+        for out_of_range in [0, -1, 3] {
+            assert!(ended_at(2, Some(vec![out_of_range])).is_err());
+        }
+        assert_eq!(
+            by_position(3, Some(vec![2]), vec!["b"]).unwrap(),
+            [None, Some("b"), None]
+        );
+        assert_eq!(
+            by_position(2, None, vec![7, 8]).unwrap(),
+            [Some(7), Some(8)]
+        );
+        assert!(by_position(2, None, vec![7]).is_err());
+        assert!(by_position(2, Some(vec![1, 2]), vec![7]).is_err());
+    }
 
     #[test]
     fn rows_find_their_items_by_key_in_any_order() {

@@ -9,7 +9,7 @@ use sqlx::query::Query;
 use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
-use crate::store::sql::by_key::{claim_keys, ended_in_order, in_request_order, ByKey};
+use crate::store::sql::by_key::{by_position, claim_keys, ended_at, in_request_order};
 use crate::store::sql::dialect::{
     ending_args, statement_fns, ticks, DialectImpl, Statements, Templates, HEADROOM,
 };
@@ -229,17 +229,23 @@ WHERE t.record_key = ANY($1::bytea[])
 
 /// The insert-only claim of a batch, sent before [`CLAIM_MANY`] as [`CLAIM_FRESH`] is before
 /// [`CLAIM`], with `$state` as in [`claim_statement!`]: it takes the keys that have no
-/// record and returns each with its fence, and nothing else. [`CLAIM_MANY`] follows for the
-/// keys it did not return.
+/// record, and answers in one row the positions (from 1) of the keys it took, `NULL` when it
+/// took them all, and their fences in the same order. [`CLAIM_MANY`] follows for the keys it
+/// did not take.
 macro_rules! claim_many_fresh_statement {
     ($state:expr) => {
         concat!(
             batch_input!(),
-            "\n",
+            ", taken AS (\n",
             insert_claims!($state),
             "
 ON CONFLICT (record_key) DO NOTHING
-RETURNING record_key, fence"
+RETURNING record_key, fence
+)
+SELECT CASE WHEN count(*) = cardinality($1::bytea[]) THEN NULL
+            ELSE coalesce(array_agg(i.ord ORDER BY i.ord), ARRAY[]::int8[]) END,
+       coalesce(array_agg(t.fence ORDER BY i.ord), ARRAY[]::int8[])
+FROM taken AS t JOIN input AS i USING (record_key)"
         )
     };
 }
@@ -303,7 +309,9 @@ LIMIT $4"
 );
 
 /// Completes and releases the items of five parallel arrays (key, token, result, ttl,
-/// complete?), each as [`COMPLETE`] or [`RELEASE`] would, and returns the keys it ended.
+/// complete?), each as [`COMPLETE`] or [`RELEASE`] would, and answers in one row: `NULL`
+/// when it ended every item, otherwise the positions (from 1) of the items it ended (an
+/// empty array when none; `array_agg` of no rows is `NULL`).
 /// An item whose record is already completed by its token is ended again (unchanged), as a
 /// retried completion is. `record_key = ANY($1)` makes the rows an index lookup of the
 /// batch's keys whatever the table's statistics, as in [`CLAIM_MANY`]: joined with `input`
@@ -313,8 +321,8 @@ const COMPLETE_MANY: &str = concat!(
     "\
 WITH input AS (
     SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], $4::int8[], $5::bool[])
-        AS i(record_key, token, result, ttl, complete)
-)
+        WITH ORDINALITY AS i(record_key, token, result, ttl, complete, n)
+), ended AS (
 UPDATE idempotent_records AS r SET
     result = CASE WHEN i.complete AND r.state = 'in_progress' THEN i.result ELSE r.result END,
     expires_at = CASE WHEN i.complete AND r.state = 'in_progress'
@@ -329,7 +337,11 @@ WHERE r.record_key = ANY($1::bytea[]) AND r.record_key = i.record_key AND r.toke
   AND ",
     readable!("r."),
     " AND r.expires_at - statement_timestamp() > INTERVAL '0'
-RETURNING r.record_key"
+RETURNING i.n
+)
+SELECT CASE WHEN count(*) = cardinality($1::bytea[]) THEN NULL
+            ELSE coalesce(array_agg(n), ARRAY[]::int8[]) END
+FROM ended"
 );
 
 const DELETE: &str = concat!(
@@ -495,30 +507,19 @@ impl DialectImpl for Postgres {
         })
     }
 
-    /// [`CLAIM_MANY_FRESH`]: a batch of fresh keys is claimed in one round trip whose rows
-    /// carry a key and a fence each; the store sends [`CLAIM_MANY`] for the other keys.
+    /// [`CLAIM_MANY_FRESH`]: a batch of fresh keys is claimed in one round trip, answered
+    /// in one row of positions and fences; the store sends [`CLAIM_MANY`] for the other keys.
     fn claim_batch_fresh<'c>(
         conn: &'c mut PgConnection,
         sql: &'c Statements,
         reqs: &'c [&'c ClaimRequest],
     ) -> BoxFuture<'c, Result<Vec<Option<Step>>, sqlx::Error>> {
         Box::pin(async move {
-            let rows = bind_batch(&sql.claim_many_fresh, reqs)
-                .fetch_all(conn)
+            let row = bind_batch(&sql.claim_many_fresh, reqs)
+                .fetch_one(conn)
                 .await?;
-            let mut taken = ByKey::new(reqs.iter().map(|req| req.key.as_bytes()));
-            for row in &rows {
-                let key: &[u8] = row.try_get(0)?;
-                let fence: i64 = row.try_get(1)?;
-                let step = match u64::try_from(fence) {
-                    Ok(fence) => Step::Acquired(fence),
-                    Err(_) => Step::Unreadable(sqlx::Error::Decode(
-                        format!("fence {fence} is negative").into(),
-                    )),
-                };
-                taken.insert(key, step);
-            }
-            Ok(taken.into_found())
+            let taken = by_position(reqs.len(), row.try_get(0)?, row.try_get(1)?)?;
+            Ok(taken.into_iter().map(|f| f.map(Step::taken)).collect())
         })
     }
 
@@ -542,15 +543,16 @@ impl DialectImpl for Postgres {
                 ttls.push(ttl);
                 completes.push(complete);
             }
-            let ended: Vec<Vec<u8>> = sqlx::query_scalar(AssertSqlSafe(sql.complete_many.clone()))
-                .bind(&keys)
-                .bind(&tokens)
-                .bind(&results)
-                .bind(&ttls)
-                .bind(&completes)
-                .fetch_all(conn)
-                .await?;
-            Ok(ended_in_order(items, &ended))
+            let ended: Option<Vec<i64>> =
+                sqlx::query_scalar(AssertSqlSafe(sql.complete_many.clone()))
+                    .bind(&keys)
+                    .bind(&tokens)
+                    .bind(&results)
+                    .bind(&ttls)
+                    .bind(&completes)
+                    .fetch_one(conn)
+                    .await?;
+            ended_at(items.len(), ended)
         })
     }
 

@@ -190,6 +190,19 @@ pub enum Step {
     Unreadable(sqlx::Error),
 }
 
+impl Step {
+    /// A key taken with the fence a statement returned: unreadable if it is negative.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn taken(fence: i64) -> Step {
+        match u64::try_from(fence) {
+            Ok(fence) => Step::Acquired(fence),
+            Err(_) => Step::Unreadable(sqlx::Error::Decode(
+                format!("fence {fence} is negative").into(),
+            )),
+        }
+    }
+}
+
 /// Reads a claim's outcome from the record the claim statement reported.
 ///
 /// Returns `None` when the claim must be sent again: the reported record is free (absent,
