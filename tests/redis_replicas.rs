@@ -689,6 +689,31 @@ async fn a_durable_batch_claim_whose_reply_is_lost_is_given_back() {
     }
 }
 
+/// A durable batch claim whose pipeline never reaches the server and is never answered (a
+/// silent connection): the batch answers, every item failed, none acquired, and no key is
+/// held. Its give-backs go out in one pipeline, not one by one: on the silent connection 60
+/// single give-backs would each wait out the reply timeout (1.3 s), past `NO_HANG`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_batch_claim_that_is_never_answered_fails_every_item() {
+    let (primary, _replica) = primary_and_replica();
+    let (proxy, store) = durable_behind_proxy(&primary, true).await;
+    let reqs = batch_requests("stalled-claims", 60);
+    proxy.stall_request(b"WAIT");
+    let claims = tokio::time::timeout(NO_HANG, store.claim_many(&reqs))
+        .await
+        .expect("the batch hung on a silent connection");
+    assert_eq!(proxy.stalled(), 1, "the batch was not stalled");
+    assert!(
+        claims.iter().all(Result::is_err),
+        "an item of a batch never answered was reported: {claims:?}"
+    );
+    let direct = durable(&primary, true).await;
+    for req in &reqs {
+        let record = direct.read(&req.key).await.unwrap();
+        assert!(record.is_none(), "{}: {record:?}", req.key);
+    }
+}
+
 /// A durable batch of completions whose reply was lost: each completion is unavailable (the
 /// engine sends it again with its `WAIT`), none is taken as applied or released, and sent
 /// again they all succeed.

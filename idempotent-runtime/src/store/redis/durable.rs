@@ -38,6 +38,7 @@ use ::redis::{Cmd, ErrorKind, Pipeline, RedisError, ServerErrorKind, Value};
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
+use crate::store::redis::batch::no_script;
 use crate::store::redis::conn::{script_error, Conn, Lua};
 use crate::store::redis::store::RedisStore;
 use crate::store::{Claim, ClaimRequest};
@@ -217,28 +218,54 @@ impl RedisStore {
         self.give_back_all(&given).await;
     }
 
-    /// Releases `reqs`' claims by their tokens in one pipeline; a release the pipeline could
-    /// not apply is sent alone (which loads a flushed script), and one that still fails leaves
-    /// its key held until its lease runs out.
+    /// Releases `reqs`' claims by their tokens in one pipeline (and one more after loading a
+    /// script the server did not have). A claim the pipeline did not release (its connection
+    /// failed, or the server refused) is not sent again one by one, which on a silent
+    /// connection would wait out the reply timeout once per item: its key stays held until
+    /// its lease runs out, and the call has failed closed all the same.
     async fn give_back_all(&self, reqs: &[&ClaimRequest]) {
         if reqs.is_empty() {
             return;
         }
-        let mut pipe = ::redis::pipe();
-        pipe.ignore_errors();
-        for req in reqs {
-            let mut cmd = self.inner.ending.call(req.key.as_bytes());
-            cmd.arg("release").arg(req.token.as_bytes());
-            pipe.add_command(cmd);
-        }
-        let replies = self.inner.conn.pipeline(pipe, 0).await.unwrap_or_default();
-        for (i, req) in reqs.iter().enumerate() {
-            if matches!(replies.get(i), Some(Value::Int(_))) {
-                continue;
-            }
-            if let Err(err) = self.by_token("release", &req.key, &req.token).await {
-                tracing::warn!(key = %req.key, error = %err, "cannot give back a claim that was not replicated; it stays until its lease runs out");
-            }
+        let released = self
+            .reloading(&self.inner.ending, reqs, |sent| async move {
+                let mut pipe = ::redis::pipe();
+                pipe.ignore_errors();
+                for req in &sent {
+                    let mut cmd = self.inner.ending.call(req.key.as_bytes());
+                    cmd.arg("release").arg(req.token.as_bytes());
+                    pipe.add_command(cmd);
+                }
+                let replies = match self.inner.conn.pipeline(pipe, 0).await {
+                    Ok(replies) => replies,
+                    Err(err) => {
+                        let why = Some(Err(err.to_string()));
+                        return (sent.iter().map(|_| why.clone()).collect(), Vec::new());
+                    }
+                };
+                let mut unloaded = Vec::new();
+                let mut replies = replies.into_iter();
+                let answers = (0..sent.len())
+                    .map(|i| match replies.next() {
+                        Some(Value::Int(_)) => Some(Ok(())),
+                        Some(reply) if no_script(&reply) => {
+                            unloaded.push(i);
+                            None
+                        }
+                        Some(other) => Some(Err(format!("{other:?}"))),
+                        None => Some(Err("no reply".to_owned())),
+                    })
+                    .collect();
+                (answers, unloaded)
+            })
+            .await;
+        for (req, released) in reqs.iter().zip(released) {
+            let why = match released {
+                Some(Ok(())) => continue,
+                Some(Err(why)) => why,
+                None => "the server does not have the script".to_owned(),
+            };
+            tracing::warn!(key = %req.key, error = %why, "cannot give back a claim that was not replicated; it stays until its lease runs out");
         }
     }
 
