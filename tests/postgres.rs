@@ -324,6 +324,19 @@ async fn expired_records_are_purged_in_batches() {
 }
 
 /// A store on a table of its own, and the table (dropped after the store).
+/// A store whose table is `records` in a scratch schema of its own (dropped with the
+/// schema), and the table's qualified name.
+async fn in_scratch_schema() -> (Scratch, String, PostgresStore) {
+    let schema = Scratch::schema();
+    let table = format!("{}.records", schema.name());
+    let store = PostgresStore::builder(schema.url())
+        .table(table.clone())
+        .build()
+        .await
+        .unwrap();
+    (schema, table, store)
+}
+
 async fn fresh() -> (Scratch, PostgresStore) {
     let records = Scratch::table(Server::Postgres);
     let store = store_on(&records).await;
@@ -430,13 +443,7 @@ async fn batch_statements_look_their_keys_up_on_a_table_without_statistics() {
 /// reported failure. The failure is a trigger that refuses the full claim's statement.
 #[tokio::test]
 async fn a_failed_full_batch_claim_leaves_the_fresh_keys_acquired() {
-    let schema = Scratch::schema();
-    let table = format!("{}.records", schema.name());
-    let store = PostgresStore::builder(schema.url())
-        .table(table.clone())
-        .build()
-        .await
-        .unwrap();
+    let (schema, table, store) = in_scratch_schema().await;
     let hour = Duration::from_secs(3600);
     let held = req(&Key::new("refused", 1, &[&"held"]).unwrap(), hour, hour);
     acquired(store.claim(&held).await);
@@ -477,12 +484,7 @@ async fn a_failed_full_batch_claim_leaves_the_fresh_keys_acquired() {
 async fn batch_answers_as_single_claims_would() {
     // In a scratch schema: the statement counter's table and function go with it, even when
     // the test fails.
-    let schema = Scratch::schema();
-    let store = PostgresStore::builder(schema.url())
-        .table(format!("{}.records", schema.name()))
-        .build()
-        .await
-        .unwrap();
+    let (_schema, _, store) = in_scratch_schema().await;
     sql_cases::batch_answers_as_single_claims_would::<Pg>(&store).await;
 }
 
@@ -525,13 +527,7 @@ async fn result_size_limit_defaults_and_is_clamped_to_bytea() {
 
 #[tokio::test]
 async fn schema_qualified_table_is_created_with_its_schema() {
-    let schema = Scratch::schema();
-    let table = format!("{}.records", schema.name());
-    let store = PostgresStore::builder(schema.url())
-        .table(table.clone())
-        .build()
-        .await
-        .unwrap();
+    let (schema, table, store) = in_scratch_schema().await;
     assert_eq!(store.table(), table);
     let key = Key::new("schema", 1, &[&1u8]).unwrap();
     let r = req(&key, Duration::from_secs(30), Duration::from_secs(60));

@@ -81,10 +81,10 @@ pub struct Templates {
     /// [`claim_fresh`](Templates::claim_fresh) committed asynchronously (PostgreSQL); empty
     /// otherwise.
     pub claim_fresh_async: &'static str,
-    /// The insert-only claim of a batch of distinct keys, returning `record_key` and the
-    /// fence of each key it took, sent before [`claim_many`](Templates::claim_many), which
-    /// claims the others (PostgreSQL); empty otherwise, and dropped as
-    /// [`claim_fresh`](Templates::claim_fresh) is.
+    /// The insert-only claim of a batch of distinct keys, answering in one row the positions
+    /// (from 1) of the keys it took (`NULL` when all) and their fences, sent before
+    /// [`claim_many`](Templates::claim_many), which claims the others (PostgreSQL); empty
+    /// otherwise, and dropped as [`claim_fresh`](Templates::claim_fresh) is.
     pub claim_many_fresh: &'static str,
     /// [`claim_many_fresh`](Templates::claim_many_fresh) committed asynchronously
     /// (PostgreSQL); empty otherwise.
@@ -225,7 +225,8 @@ impl Statements {
     }
 
     /// The insert-only claim of a batch sent before [`claim_many`](Self::claim_many) on
-    /// PostgreSQL, which acquires the keys that have no row and returns each with its fence
+    /// PostgreSQL, which acquires the keys that have no row and answers their positions and
+    /// fences in one row
     /// ([`claim_many`](Self::claim_many) follows for the others), or `None` where the batch
     /// claim is sent alone.
     pub fn claim_many_fresh(&self) -> Option<&str> {
