@@ -1,10 +1,13 @@
-//! The server's clock as the client can know it between two `TIME` calls: the last reading,
-//! moved forward by the local monotonic time since, with a bound on how far off it may be.
+//! The server's clock as the client can know it between two `TIME` calls: a reading moved
+//! forward by the local monotonic time since, with a bound on how far off it may be. Of the
+//! recent readings, the one with the smallest bound now is used, so one slow reply (a loaded
+//! server or network) does not turn the fast claim off; a reading that contradicts it (the
+//! server's clock was set) replaces it.
 //!
 //! The fast claim ([`RedisStore`](super::RedisStore)'s `SET ... NX GET`) writes a record
 //! whose fence and lease end come from this estimate instead of a `TIME` call inside a
 //! script. It is used only while the bound is small against the claim's durations (see
-//! [`FastClaim`]); otherwise claims go through the script, on the server's own clock.
+//! [`fast_durations`]); otherwise claims go through the script, on the server's own clock.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -36,10 +39,32 @@ struct Reading {
     half_rtt_us: u64,
 }
 
-/// The server's clock, estimated from the last `TIME` reading.
+impl Reading {
+    /// The reading's estimate at `now`: the server's clock in microseconds, and how far off
+    /// it may be (the reading's own error, widened by the drift since).
+    fn at(&self, now: Instant) -> Option<(u64, u64)> {
+        let age = now.checked_duration_since(self.at)?;
+        if age > MAX_AGE {
+            return None;
+        }
+        let age_us = u64::try_from(age.as_micros()).ok()?;
+        let error_us = self.half_rtt_us + age_us / DRIFT_PER_US + 1;
+        Some((self.server_us.checked_add(age_us)?, error_us))
+    }
+}
+
+/// The reading estimates are made from, and when the server's clock was last read.
+#[derive(Debug, Default)]
+struct Slot {
+    reading: Option<Reading>,
+    /// When the last `TIME` reply came, kept or not: refreshes are paced by it.
+    last_read: Option<Instant>,
+}
+
+/// The server's clock, estimated from the most precise recent `TIME` reading.
 #[derive(Debug, Default)]
 pub(super) struct ServerClock {
-    reading: Mutex<Option<Reading>>,
+    slot: Mutex<Slot>,
     refreshing: AtomicBool,
     /// Which server the reading is of: the primary's generation behind Sentinel (0 for a
     /// server reached directly). Another server's clock is another clock.
@@ -73,14 +98,21 @@ impl ServerClock {
             at: received,
             half_rtt_us,
         };
-        if let Ok(mut slot) = self.reading.lock() {
-            // Keep the more precise of two fresh readings.
-            let keep_old = slot.is_some_and(|old| {
-                received.saturating_duration_since(old.at) < REFRESH_AFTER
-                    && old.half_rtt_us < half_rtt_us
-            });
+        if let Ok(mut slot) = self.slot.lock() {
+            slot.last_read = Some(slot.last_read.map_or(received, |last| last.max(received)));
+            // Keep the older reading while, widened by its age, it is still the more precise
+            // and the new one agrees with it: one slow reply (a loaded server or network)
+            // does not turn the fast claim off. A new reading that contradicts it (the
+            // server's clock was set) replaces it, however imprecise.
+            let keep_old = slot.reading.and_then(|old| old.at(received)).is_some_and(
+                |(old_us, old_error_us)| {
+                    let agrees =
+                        old_us.abs_diff(reading.server_us) <= old_error_us + reading.half_rtt_us;
+                    agrees && old_error_us < reading.half_rtt_us + 1
+                },
+            );
             if !keep_old {
-                *slot = Some(reading);
+                slot.reading = Some(reading);
             }
         }
     }
@@ -91,24 +123,18 @@ impl ServerClock {
     /// changed): claims use the script until the new server's clock is read.
     pub(super) fn of_server(&self, generation: u64) {
         if self.server.swap(generation, Ordering::AcqRel) != generation {
-            if let Ok(mut reading) = self.reading.lock() {
-                *reading = None;
+            if let Ok(mut slot) = self.slot.lock() {
+                *slot = Slot::default();
             }
         }
     }
 
     pub(super) fn estimate(&self, now: Instant) -> Option<Estimate> {
-        let reading = (*self.reading.lock().ok()?)?;
-        let age = now.checked_duration_since(reading.at)?;
-        if age > MAX_AGE {
-            return None;
-        }
-        let age_us = u64::try_from(age.as_micros()).ok()?;
-        let error_us = reading.half_rtt_us + age_us / DRIFT_PER_US + 1;
+        let reading = self.slot.lock().ok()?.reading?;
+        let (mid_us, error_us) = reading.at(now)?;
         if error_us > MAX_ERROR_US {
             return None;
         }
-        let mid_us = reading.server_us.checked_add(age_us)?;
         Some(Estimate {
             upper_us: mid_us.checked_add(error_us)?,
             now_ms: mid_us / 1_000,
@@ -119,8 +145,10 @@ impl ServerClock {
     /// Whether a refresh should start now: the reading is missing or getting old, and no
     /// refresh is running. The caller that gets `true` must call [`done`](Self::done).
     pub(super) fn should_refresh(&self, now: Instant) -> bool {
-        let stale = match self.reading.lock() {
-            Ok(slot) => slot.is_none_or(|r| now.saturating_duration_since(r.at) >= REFRESH_AFTER),
+        let stale = match self.slot.lock() {
+            Ok(slot) => slot
+                .last_read
+                .is_none_or(|at| now.saturating_duration_since(at) >= REFRESH_AFTER),
             Err(_) => false,
         };
         stale
@@ -198,6 +226,60 @@ mod tests {
             fast + Duration::from_micros(900),
         );
         assert_eq!(clock.estimate(fast).unwrap().error_us, 51);
+    }
+
+    #[test]
+    fn a_slow_refresh_keeps_the_older_reading_while_it_is_the_more_precise() {
+        // A loaded server or network answers a refresh slowly: its reading alone would turn
+        // the fast claim off, and every claim would cost the server a script run until the
+        // next refresh, the more so the more it is loaded.
+        let clock = ServerClock::default();
+        let sent = Instant::now();
+        let received = sent + Duration::from_micros(200);
+        clock.record(1_700_000_000, 0, sent, received);
+        let refresh = received + Duration::from_millis(600);
+        assert!(clock.should_refresh(refresh));
+        let slow = refresh + Duration::from_millis(3);
+        clock.record(1_700_000_000, 603_200, refresh, slow);
+        clock.done();
+        let at = clock
+            .estimate(slow)
+            .expect("the older reading is still precise enough");
+        assert_eq!(
+            at.error_us,
+            100 + 301 + 1,
+            "the older reading, widened by its age"
+        );
+        assert_eq!(at.upper_us, 1_700_000_000_000_000 + 100 + 603_000 + 402);
+        // The slow answer counts as a refresh: the next one is not due at once.
+        assert!(!clock.should_refresh(slow));
+        assert!(clock.should_refresh(slow + Duration::from_millis(500)));
+        clock.done();
+        // Once the older reading has aged past the bound, no estimate is given.
+        assert_eq!(
+            clock.estimate(received + Duration::from_millis(1_900)),
+            None
+        );
+    }
+
+    #[test]
+    fn a_reading_that_contradicts_the_kept_one_replaces_it() {
+        // The server's clock was stepped: the new reading is right whatever its precision.
+        let clock = ServerClock::default();
+        let sent = Instant::now();
+        let received = sent + Duration::from_micros(200);
+        clock.record(1_700_000_000, 0, sent, received);
+        let refresh = received + Duration::from_millis(600);
+        let answered = refresh + Duration::from_millis(3);
+        clock.record(1_700_000_005, 0, refresh, answered);
+        let at = clock.estimate(answered + Duration::from_micros(100));
+        assert_eq!(at, None, "the new reading is too imprecise to use");
+        let precise = answered + Duration::from_micros(100);
+        clock.record(1_700_000_005, 1_000, answered, precise);
+        let at = clock
+            .estimate(precise)
+            .expect("a precise reading of the stepped clock");
+        assert_eq!(at.now_ms, 1_700_000_005_001);
     }
 
     #[test]
