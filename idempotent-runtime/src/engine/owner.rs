@@ -290,8 +290,13 @@ async fn complete_watched(
     if let Some(Ok(answer)) = first {
         return Ok(answer);
     }
-    let attempt = std::pin::pin!(complete(claim, completion, first));
-    match watch(attempt, claim, OnLostLease::Continue).await {
+    // Boxed: the rare path (a first completion that failed) would otherwise make every
+    // owner's future, and every batch item's, as large as itself.
+    let watched = Box::pin(async move {
+        let attempt = std::pin::pin!(complete(claim, completion, first));
+        watch(attempt, claim, OnLostLease::Continue).await
+    });
+    match watched.await {
         Watched::Done(out) => out,
         // Never with `Continue`; an unknown outcome is what it would be.
         Watched::Cancelled => Err(StoreError::new(
