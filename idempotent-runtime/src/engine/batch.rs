@@ -4,7 +4,6 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use futures_util::future::join_all;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tracing::Instrument;
@@ -17,6 +16,7 @@ use crate::engine::current::Current;
 use crate::engine::decide::{decide, Busy, Next, Waiting};
 use crate::engine::handler::{BusinessCheck, CheckEach, HandlerResult, ItemCheck, NoCheck};
 use crate::engine::idempotency::Idempotency;
+use crate::engine::join::join_woken;
 use crate::engine::operation::Operation;
 use crate::engine::owner::Owner;
 use crate::engine::pending::{self, PendingBatch};
@@ -215,7 +215,7 @@ where
                 .instrument(span)
             },
         );
-        join_all(runs).await
+        join_woken(runs).await
     }
 }
 

@@ -34,6 +34,7 @@ mod deadline;
 mod decide;
 mod handler;
 mod idempotency;
+mod join;
 mod lock;
 mod loss;
 mod operation;
