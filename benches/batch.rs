@@ -656,8 +656,18 @@ async fn measure(
         let ours = match scripts_url {
             Some(url) => {
                 let mut scripts = redis_info::script_calls(url)?;
-                let (count, scripts) =
-                    instructions::per_cycle_probed(&side, INSTRUCTION_BATCHES, &mut scripts)?;
+                // One script per item: its completion. A run whose claims fell back to the
+                // script is taken again.
+                let expected = instructions::Expected {
+                    warm_cycles: 1,
+                    per_cycle: BATCH as f64,
+                };
+                let (count, scripts) = instructions::per_cycle_expected(
+                    &side,
+                    INSTRUCTION_BATCHES,
+                    &mut scripts,
+                    Some(expected),
+                )?;
                 figure(
                     &format!("{name}_batch_counted_scripts_per_item"),
                     scripts / item,

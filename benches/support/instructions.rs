@@ -61,33 +61,48 @@ pub(crate) fn per_cycle_probed(
     ops: usize,
     probe: &mut dyn FnMut() -> Result<u64, BoxError>,
 ) -> Result<(f64, f64), BoxError> {
-    let exe = std::env::current_exe()?;
+    per_cycle_expected(side, ops, probe, None)
+}
+
+/// What a run of a side is expected to ask of the server: at most `per_cycle` of the probed
+/// calls for each of its cycles and of its `warm_cycles` warm-up cycles.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Expected {
+    pub(crate) warm_cycles: usize,
+    pub(crate) per_cycle: f64,
+}
+
+/// How many times a run that asked more of the server than expected is taken again.
+const ATTEMPTS: usize = 3;
+
+/// [`per_cycle_probed`], with each run taken again (up to [`ATTEMPTS`] times, keeping the
+/// run that asked least) while its probe grew by more than `expected` allows: a run on which
+/// the code took a slower path than the one to count (the Redis store's fast claim falls back
+/// to its script while its estimate of the server's clock is not precise enough, and under
+/// callgrind the clock's readings are slow) is not the figure wanted.
+pub(crate) fn per_cycle_expected(
+    side: &str,
+    ops: usize,
+    probe: &mut dyn FnMut() -> Result<u64, BoxError>,
+    expected: Option<Expected>,
+) -> Result<(f64, f64), BoxError> {
     let mut totals = [0u64; 2];
     let mut probed = [0u64; 2];
     for ((total, grew), cycles) in totals.iter_mut().zip(&mut probed).zip([ops, 2 * ops]) {
-        let before = probe()?;
-        let out = std::env::temp_dir().join(format!(
-            "idempotent-bench-{}-{side}-{cycles}.callgrind",
-            std::process::id()
-        ));
-        let status = Command::new("valgrind")
-            .arg("--tool=callgrind")
-            .arg(format!("--callgrind-out-file={}", out.display()))
-            .arg(&exe)
-            .arg("--bench")
-            .env("IDEMPOTENT_BENCH_ONLY", side)
-            .env("IDEMPOTENT_BENCH_OPS", cycles.to_string())
-            .env("IDEMPOTENT_BENCH_INSTRUCTIONS", "0")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()?;
-        let read = total_of(&out);
-        let _ = std::fs::remove_file(&out);
-        if !status.success() {
-            return Err(format!("the {side} side failed under callgrind ({status})").into());
+        let most = expected.map(|e| (e.per_cycle * (cycles + e.warm_cycles) as f64) as u64);
+        let mut best: Option<(u64, u64)> = None;
+        for _ in 0..ATTEMPTS {
+            let run = count_run(side, cycles, probe)?;
+            if best.is_none_or(|(_, least)| run.1 < least) {
+                best = Some(run);
+            }
+            if most.is_none_or(|most| run.1 <= most) {
+                break;
+            }
         }
-        *total = read?;
-        *grew = probe()?.saturating_sub(before);
+        if let Some((counted, asked)) = best {
+            (*total, *grew) = (counted, asked);
+        }
     }
     // A run of twice the cycles that executed no more is a broken count (work that differs
     // between the two runs, such as a cleanup of shared state): say so, not a figure.
@@ -102,6 +117,38 @@ pub(crate) fn per_cycle_probed(
     }
     let grew = probed[1].saturating_sub(probed[0]) as f64 / ops as f64;
     Ok(((totals[1] - totals[0]) as f64 / ops as f64, grew))
+}
+
+/// One run of `side` with `cycles` cycles under callgrind: its instruction total, and how
+/// much `probe` grew over it.
+fn count_run(
+    side: &str,
+    cycles: usize,
+    probe: &mut dyn FnMut() -> Result<u64, BoxError>,
+) -> Result<(u64, u64), BoxError> {
+    let exe = std::env::current_exe()?;
+    let before = probe()?;
+    let out = std::env::temp_dir().join(format!(
+        "idempotent-bench-{}-{side}-{cycles}.callgrind",
+        std::process::id()
+    ));
+    let status = Command::new("valgrind")
+        .arg("--tool=callgrind")
+        .arg(format!("--callgrind-out-file={}", out.display()))
+        .arg(&exe)
+        .arg("--bench")
+        .env("IDEMPOTENT_BENCH_ONLY", side)
+        .env("IDEMPOTENT_BENCH_OPS", cycles.to_string())
+        .env("IDEMPOTENT_BENCH_INSTRUCTIONS", "0")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()?;
+    let read = total_of(&out);
+    let _ = std::fs::remove_file(&out);
+    if !status.success() {
+        return Err(format!("the {side} side failed under callgrind ({status})").into());
+    }
+    Ok((read?, probe()?.saturating_sub(before)))
 }
 
 /// The instruction total of a callgrind output file (its `summary:` or `totals:` line).
