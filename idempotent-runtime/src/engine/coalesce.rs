@@ -29,11 +29,14 @@
 //! first completion or release. Both send through [`Store::complete_many`].
 
 use std::collections::HashSet;
+use std::future::Future;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::Notify;
 
 use crate::engine::claimed::Claimed;
 use crate::engine::deadline::{bounded, call_bound};
@@ -47,12 +50,117 @@ use crate::store::{
 /// The longest a batch item's first ending waits for its siblings'.
 const MAX_COMPLETION_DELAY: Duration = Duration::from_millis(20);
 
-/// An ending waiting to be sent with its round: its answer's sender, and its owner's claim
-/// for a completion the engine sent (renewed while the round is in flight).
+/// An ending waiting to be sent with its round, and its owner's claim for a completion the
+/// engine sent (renewed while the round is in flight).
 struct Pending {
     item: Ending,
-    answer: oneshot::Sender<Result<bool, StoreError>>,
     claim: Option<Arc<Claimed>>,
+}
+
+/// A round's answers, one slot per ending in the order they joined, shared by the round's
+/// sender and its waiters: one allocation per round, not a channel per ending.
+#[derive(Default)]
+struct Answers {
+    slots: Mutex<Answering>,
+}
+
+#[derive(Default)]
+struct Answering {
+    slots: Vec<Slot>,
+    /// The round was answered, or abandoned: a slot without an answer then is an unknown
+    /// outcome.
+    closed: bool,
+}
+
+#[derive(Default)]
+struct Slot {
+    answer: Option<Result<bool, StoreError>>,
+    waker: Option<Waker>,
+}
+
+impl Answers {
+    fn lock(&self) -> MutexGuard<'_, Answering> {
+        self.slots.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Hands each ending of the round its answer, in order (a store that answered fewer
+    /// items than it was given leaves the rest unknown), and wakes its waiter.
+    fn answer(&self, answers: impl Iterator<Item = Result<bool, StoreError>>) {
+        let wakers: Vec<Waker> = {
+            let mut answering = self.lock();
+            answering.closed = true;
+            let mut answers = answers;
+            answering
+                .slots
+                .iter_mut()
+                .filter_map(|slot| {
+                    slot.answer = Some(answers.next().unwrap_or_else(|| Err(abandoned())));
+                    slot.waker.take()
+                })
+                .collect()
+        };
+        wakers.into_iter().for_each(Waker::wake);
+    }
+
+    /// Closes a round that will not be answered: its waiters get an unknown outcome.
+    fn abandon(&self) {
+        let wakers: Vec<Waker> = {
+            let mut answering = self.lock();
+            if answering.closed {
+                return;
+            }
+            answering.closed = true;
+            answering
+                .slots
+                .iter_mut()
+                .filter_map(|slot| slot.waker.take())
+                .collect()
+        };
+        wakers.into_iter().for_each(Waker::wake);
+    }
+}
+
+/// A round of endings taken to be sent, and where their answers go. Dropped before it was
+/// answered (its sender dropped mid-flight, or before it started), its waiters get an
+/// unknown outcome.
+struct Round {
+    pending: Vec<Pending>,
+    answers: Arc<Answers>,
+}
+
+impl Drop for Round {
+    fn drop(&mut self) {
+        self.answers.abandon();
+    }
+}
+
+/// One ending's answer, once its round has it.
+struct Answer {
+    answers: Arc<Answers>,
+    index: usize,
+}
+
+impl Future for Answer {
+    type Output = Result<bool, StoreError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut answering = self.answers.lock();
+        let closed = answering.closed;
+        let Some(slot) = answering.slots.get_mut(self.index) else {
+            return Poll::Ready(Err(abandoned()));
+        };
+        if let Some(answer) = slot.answer.take() {
+            return Poll::Ready(answer);
+        }
+        if closed {
+            return Poll::Ready(Err(abandoned()));
+        }
+        match &mut slot.waker {
+            Some(waker) if waker.will_wake(cx.waker()) => {}
+            waker => *waker = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
 }
 
 /// A batch's store: the first ending of each item is sent with the others'.
@@ -70,6 +178,8 @@ struct State {
     /// Items that may still end through the batch.
     waiting: HashSet<Token, BuildHasherDefault<TokenHasher>>,
     pending: Vec<Pending>,
+    /// The answers of the pending endings' round.
+    answers: Arc<Answers>,
     /// When the first pending ending arrived.
     since: Option<tokio::time::Instant>,
 }
@@ -118,6 +228,7 @@ impl Coalescing {
             state: Mutex::new(State {
                 waiting: tokens.into_iter().collect(),
                 pending: Vec::new(),
+                answers: Arc::default(),
                 since: None,
             }),
             changed: Notify::new(),
@@ -175,16 +286,16 @@ impl Coalescing {
         if !state.waiting.remove(&item.token) {
             return Err(item);
         }
-        let (tx, answer) = oneshot::channel();
         let leads = state.pending.is_empty();
         if leads {
             state.since = Some(tokio::time::Instant::now());
         }
-        state.pending.push(Pending {
-            item,
-            answer: tx,
-            claim,
-        });
+        let answer = Answer {
+            answers: state.answers.clone(),
+            index: state.pending.len(),
+        };
+        state.answers.lock().slots.push(Slot::default());
+        state.pending.push(Pending { item, claim });
         // The last item that could end: the round is complete, and this caller sends it.
         let round = state.waiting.is_empty().then(|| take_round(&mut state));
         Ok(Joined {
@@ -233,15 +344,13 @@ impl Coalescing {
                 }
                 let Some(due) = due else { break };
                 tokio::select! {
-                    answered = &mut answer => {
-                        return answered.unwrap_or_else(|_| Err(abandoned()));
-                    }
+                    answered = &mut answer => return answered,
                     () = &mut notified => {}
                     () = tokio::time::sleep_until(due) => {}
                 }
             }
         }
-        answer.await.unwrap_or_else(|_| Err(abandoned()))
+        answer.await
     }
 
     /// Sends a round of endings and hands each waiter its answer. The round is bounded as
@@ -249,31 +358,21 @@ impl Coalescing {
     /// ending in it is an unknown outcome, which its owner resolves by reading its record
     /// back), and the leases of the owners whose completions it carries are renewed while it
     /// is in flight ([`watch_many`]).
-    async fn flush(&self, round: Vec<Pending>) {
-        let mut items = Vec::with_capacity(round.len());
-        let mut answers = Vec::with_capacity(round.len());
+    async fn flush(&self, mut round: Round) {
+        let pending = std::mem::take(&mut round.pending);
+        let mut items = Vec::with_capacity(pending.len());
         let mut claims = Vec::new();
-        for pending in round {
+        for pending in pending {
             items.push(pending.item);
-            answers.push(pending.answer);
             claims.extend(pending.claim);
         }
         let send = async { Ok(self.inner.complete_many(&items).await) };
         let send = std::pin::pin!(bounded(self.bound, "batch's endings", send));
         match watch_many(send, &claims).await {
-            Ok(ended) => {
-                let mut ended = ended.into_iter();
-                for answer in answers {
-                    // A store that answered fewer items than it was given leaves the rest
-                    // unknown.
-                    let _ = answer.send(ended.next().unwrap_or_else(|| Err(abandoned())));
-                }
-            }
-            Err(err) => {
-                for answer in answers {
-                    let _ = answer.send(Err(StoreError::new(err.kind(), err.to_string())));
-                }
-            }
+            Ok(ended) => round.answers.answer(ended.into_iter()),
+            Err(err) => round.answers.answer(std::iter::repeat_with(|| {
+                Err(StoreError::new(err.kind(), err.to_string()))
+            })),
         }
     }
 }
@@ -281,15 +380,18 @@ impl Coalescing {
 /// An ending that joined a round: its answer, whether it leads the round, and the round
 /// itself when it completed it.
 struct Joined {
-    answer: oneshot::Receiver<Result<bool, StoreError>>,
+    answer: Answer,
     leads: bool,
-    round: Option<Vec<Pending>>,
+    round: Option<Round>,
 }
 
-/// The pending endings, taken to be sent.
-fn take_round(state: &mut State) -> Vec<Pending> {
+/// The pending endings, taken to be sent; the next round gets answers of its own.
+fn take_round(state: &mut State) -> Round {
     state.since = None;
-    std::mem::take(&mut state.pending)
+    Round {
+        pending: std::mem::take(&mut state.pending),
+        answers: std::mem::take(&mut state.answers),
+    }
 }
 
 fn abandoned() -> StoreError {
@@ -367,5 +469,63 @@ pub(crate) struct Forget {
 impl Drop for Forget {
     fn drop(&mut self) {
         self.batch.forget(&self.token);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Answers with `slots` slots, and a waiter on each.
+    fn waiting(slots: usize) -> (Arc<Answers>, Vec<Answer>) {
+        let answers = Arc::new(Answers::default());
+        answers.lock().slots.resize_with(slots, Slot::default);
+        let waiters = (0..slots)
+            .map(|index| Answer {
+                answers: answers.clone(),
+                index,
+            })
+            .collect();
+        (answers, waiters)
+    }
+
+    #[tokio::test]
+    async fn each_waiter_gets_its_own_answer_and_a_short_answer_leaves_the_rest_unknown() {
+        let (answers, waiters) = waiting(3);
+        let waited = tokio::spawn(futures_util::future::join_all(waiters));
+        tokio::task::yield_now().await;
+        answers.answer([Ok(true), Ok(false)].into_iter());
+        let got = waited.await.expect("the waiters ran");
+        assert!(matches!(got[0], Ok(true)));
+        assert!(matches!(got[1], Ok(false)));
+        assert!(matches!(&got[2], Err(e) if e.kind() == StoreErrorKind::OutcomeUnknown));
+    }
+
+    #[tokio::test]
+    async fn a_round_dropped_before_it_was_answered_answers_unknown() {
+        let (answers, waiters) = waiting(2);
+        let waited = tokio::spawn(futures_util::future::join_all(waiters));
+        tokio::task::yield_now().await;
+        drop(Round {
+            pending: Vec::new(),
+            answers,
+        });
+        let got = waited.await.expect("the waiters ran");
+        assert!(got
+            .iter()
+            .all(|answer| matches!(answer, Err(e) if e.kind() == StoreErrorKind::OutcomeUnknown)));
+    }
+
+    #[tokio::test]
+    async fn an_answered_round_is_not_abandoned_when_dropped() {
+        let (answers, waiters) = waiting(1);
+        let round = Round {
+            pending: Vec::new(),
+            answers: answers.clone(),
+        };
+        answers.answer(std::iter::once(Ok(true)));
+        drop(round);
+        let got = futures_util::future::join_all(waiters).await;
+        assert!(matches!(got[0], Ok(true)));
     }
 }
