@@ -539,6 +539,64 @@ async fn the_call_span_is_a_child_of_the_span_the_call_runs_in() {
     }
 }
 
+/// Records the names of the spans fields were recorded into after they opened.
+struct Recorded(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl<S> tracing_subscriber::Layer<S> for Recorded
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        _: &tracing::span::Record<'_>,
+        ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if let Some(span) = ctx.span(id) {
+            self.0.lock().unwrap().push(span.name().to_string());
+        }
+    }
+}
+
+/// A call records its key, fence and outcome into its own span: when the subscriber does not
+/// record that span (its level is `DEBUG`), they go nowhere, never into the span of the code
+/// that made the call, which may have fields of the same names.
+#[tokio::test]
+async fn a_call_whose_span_is_off_records_nothing_into_its_callers_span() {
+    use tracing::Instrument;
+    use tracing_subscriber::layer::SubscriberExt;
+    let recorded = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let subscriber = tracing_subscriber::Registry::default()
+        .with(Recorded(recorded.clone()))
+        .with(tracing_subscriber::filter::LevelFilter::INFO);
+    let _default = tracing::subscriber::set_default(subscriber);
+    let guard =
+        idempotency::Idempotency::new(Duration::from_secs(60)).store(Arc::new(MemoryStore::new()));
+    let consumer = tracing::info_span!(
+        "consumer",
+        key = tracing::field::Empty,
+        fence = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+    );
+    let key = |n: u32| Key::new("quiet", 1, &[&n]).unwrap();
+    let calls = async {
+        guard
+            .run(key(1), async { Ok::<u8, idempotency::Error>(7) })
+            .await
+            .unwrap();
+        let batch: Vec<Result<u32, idempotency::Error>> = guard
+            .run_batch(vec![(key(2), 2), (key(3), 3)], |n| async move { Ok(n) })
+            .await;
+        assert!(batch.iter().all(Result::is_ok));
+        let lock =
+            idempotency::lock::Lock::new(Arc::new(MemoryStore::new()), Duration::from_secs(5));
+        drop(lock.try_lock(key(4)).await.unwrap());
+    };
+    calls.instrument(consumer).await;
+    let recorded = recorded.lock().unwrap();
+    assert!(recorded.is_empty(), "fields recorded into {recorded:?}");
+}
+
 /// `OnInProgress::Wait(Duration::MAX)` (wait as long as it takes) runs the handler on a free key
 /// and, on a held one, waits for the owner and then answers as for a completed key, instead of
 /// overflowing the clock on every call.

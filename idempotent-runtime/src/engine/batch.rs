@@ -204,9 +204,11 @@ where
                     token: req.token,
                 };
                 let span = Report::span(&req.key);
+                let report = span.clone();
                 async move {
                     let out = run_item(
                         settings, results, &forget, req, first, sent_at, item, check, handler,
+                        report,
                     )
                     .await;
                     drop(forget);
@@ -277,6 +279,7 @@ async fn run_item<T, R, C, F, Fut>(
     item: T,
     mut check: C,
     handler: &F,
+    span: tracing::Span,
 ) -> Result<R::Ok, R::Err>
 where
     R: HandlerResult,
@@ -286,7 +289,7 @@ where
     Fut: Future<Output = R>,
 {
     let store: SharedStore = batch.batch.clone();
-    let report = Report::current(store.name());
+    let report = Report::new(span, store.name());
     let body = move |_: Current| handler(item);
     let claim = match pending::claim_or_give_back(&store, &req, first).await {
         Ok(claim) => claim,

@@ -80,13 +80,16 @@ where
     D: BusinessCheck,
 {
     let span = Report::span(&call.key);
-    run_in(bound, call, body).instrument(span).await
+    run_in(bound, call, body, span.clone())
+        .instrument(span)
+        .await
 }
 
 async fn run_in<B, T, E, D>(
     bound: &mut B,
     call: BoundCall<T, E, D>,
     body: impl AsyncFnOnce(&mut B::Conn) -> Result<T, E>,
+    span: tracing::Span,
 ) -> Result<T, E>
 where
     B: Bound,
@@ -101,7 +104,7 @@ where
         mut done,
     } = call;
     let req = Idempotency::new(ttl).lifetime()?.request(key, fingerprint);
-    let report = Report::current(bound.store_name());
+    let report = Report::new(span, bound.store_name());
     let claim = match bound.claim(&req).await {
         Ok(claim) => claim,
         Err(err) => return report.refuse(req.key, Refusal::Store(err), &results),

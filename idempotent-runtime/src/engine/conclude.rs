@@ -96,22 +96,20 @@ pub(crate) struct Report {
 }
 
 impl Report {
-    /// The call whose span is the current one, on the store called `store`.
-    pub(crate) fn current(store: &'static str) -> Report {
-        Report {
-            span: Span::current(),
-            store,
-        }
+    /// The call whose span is `span` (made by [`Report::span`]: the call records into its
+    /// own span, never into a caller's), on the store called `store`.
+    pub(crate) fn new(span: Span, store: &'static str) -> Report {
+        Report { span, store }
     }
 
     /// The span every door's call runs in, with the fields this module records.
     pub(crate) fn span(key: &Key) -> Span {
-        tracing::debug_span!(
+        quiet(tracing::debug_span!(
             "idempotency",
             key = %key,
             fence = tracing::field::Empty,
             outcome = tracing::field::Empty,
-        )
+        ))
     }
 
     /// The name of the store the call uses.
@@ -174,5 +172,18 @@ fn completed_outcome<R: HandlerResult>(results: &Results<R>, result: Option<&[u8
         Some((&codec::HELD, _)) => Outcome::Held,
         Some((&tag, _)) if results.replays(tag) => Outcome::Replayed,
         _ => Outcome::Duplicate,
+    }
+}
+
+/// `span`, or no span at all when nothing would ever see it: no subscriber records it, and no
+/// `log` logger would print it (tracing hands a span to `log` while no subscriber is set).
+/// Entering a span no one sees still costs every poll of the call's future, and recording
+/// its fields costs every call.
+pub(crate) fn quiet(span: Span) -> Span {
+    let logged = !tracing::dispatcher::has_been_set() && log::max_level() >= log::Level::Debug;
+    if span.is_disabled() && !logged {
+        Span::none()
+    } else {
+        span
     }
 }

@@ -133,13 +133,18 @@ impl Lock {
         }
         let lifetime = Lifetime::of_lock(self.lease)?;
         let span = Report::span(&key);
-        self.claim(lifetime.request(key, None), policy)
+        self.claim(lifetime.request(key, None), policy, span.clone())
             .instrument(span)
             .await
     }
 
-    async fn claim(&self, req: ClaimRequest, policy: OnInProgress) -> Result<LockGuard, Error> {
-        let report = Report::current(self.store.name());
+    async fn claim(
+        &self,
+        req: ClaimRequest,
+        policy: OnInProgress,
+        span: tracing::Span,
+    ) -> Result<LockGuard, Error> {
+        let report = Report::new(span, self.store.name());
         let req = Arc::new(req);
         let mut waiting = Waiting::new(policy);
         loop {

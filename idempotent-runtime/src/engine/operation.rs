@@ -10,7 +10,7 @@ use tracing::Instrument;
 
 use crate::default_store::default_store;
 use crate::engine::claimed::Claimed;
-use crate::engine::conclude::{Refusal, Report};
+use crate::engine::conclude::{quiet, Refusal, Report};
 use crate::engine::current::Current;
 use crate::engine::decide::{decide, Busy, Next, Waiting};
 use crate::engine::handler::{BusinessCheck, Check, HandlerResult, NoCheck};
@@ -263,20 +263,20 @@ where
         // child of the span the future runs in; `then` holds the operation, then the call, in
         // one place.
         futures_util::future::lazy(|_| {
-            tracing::debug_span!(
+            quiet(tracing::debug_span!(
                 "idempotency",
                 key = tracing::field::Empty,
                 fence = tracing::field::Empty,
                 outcome = tracing::field::Empty,
-            )
+            ))
         })
-        .then(move |span| self.execute(Some(body)).instrument(span))
+        .then(move |span| self.execute(Some(body), span.clone()).instrument(span))
         .map(R::from_result)
     }
 
     /// `body` is an `Option` so that [`own`] can take it out of this future in place: a
     /// body passed on by value would be stored again in each future it passes through.
-    async fn execute<B, F>(self, mut body: Option<B>) -> Result<R::Ok, R::Err>
+    async fn execute<B, F>(self, mut body: Option<B>, span: tracing::Span) -> Result<R::Ok, R::Err>
     where
         B: FnOnce(Current) -> F,
         F: Future<Output = R>,
@@ -289,12 +289,12 @@ where
             mut done,
         } = self;
         let key = key.map_err(Error::from)?;
-        tracing::Span::current().record("key", tracing::field::display(&key));
+        span.record("key", tracing::field::display(&key));
         let lifetime = settings.lifetime()?;
         let Some(store) = settings.store.take().or_else(default_store) else {
             return Err(Error::NoStore.into());
         };
-        let report = Report::current(store.name());
+        let report = Report::new(span, store.name());
         let req = Arc::new(lifetime.request(key, fingerprint));
         let mut waiting = Waiting::new(settings.in_progress);
         let name = store.name();
