@@ -962,6 +962,64 @@ fn raw(url: &str) -> redis::Connection {
     redis::Client::open(url).unwrap().get_connection().unwrap()
 }
 
+/// Calls of `command` the server `server` has answered (`INFO commandstats`).
+fn calls(server: &RedisServer, command: &str) -> u64 {
+    let prefix = format!("cmdstat_{command}:calls=");
+    server
+        .cli(&["INFO", "commandstats"])
+        .lines()
+        .find_map(|line| line.strip_prefix(prefix.as_str()))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// Over a link whose round trip is longer than 2 ms, the server's clock cannot be read
+/// precisely enough for the fast claim's default bound (1 ms), and claims go through the
+/// script; a store that accepts a larger error claims there with `SET ... NX GET`. A bound
+/// over 100 ms is refused. (A private server: its command counts are this test's alone.)
+#[tokio::test]
+async fn a_larger_clock_error_bound_keeps_claims_fast_over_a_slow_link() {
+    let server = RedisServer::start(&[]);
+    let proxy = proxy::Proxy::start(format!("127.0.0.1:{}", server.port()).parse().unwrap()).await;
+    // Each reply 6 ms late: half a round trip, the reading's error, is at least 3 ms.
+    proxy.delay_replies(Duration::from_millis(6));
+    let minute = Duration::from_secs(60);
+    for (bound, fast) in [(None, false), (Some(Duration::from_millis(20)), true)] {
+        let mut builder = RedisStore::builder(&proxy.url()).on_unsafe_config(UnsafeConfig::Warn);
+        if let Some(bound) = bound {
+            builder = builder.fast_claim_max_error(bound);
+        }
+        let store = builder.build().await.unwrap();
+        let scripts = || calls(&server, "evalsha") + calls(&server, "eval");
+        let (sets, scripted) = (calls(&server, "set"), scripts());
+        for i in 0..5u32 {
+            let key = Key::new("slow-link", 1, &[&u32::from(fast), &i]).unwrap();
+            let claim = store
+                .claim(&claim_request(&key, minute, minute))
+                .await
+                .unwrap();
+            assert!(matches!(claim, Claim::Acquired { .. }), "{claim:?}");
+        }
+        let (sets, scripted) = (calls(&server, "set") - sets, scripts() - scripted);
+        // (`INFO commandstats` counts the commands a script runs too.)
+        if fast {
+            assert_eq!(
+                (sets, scripted),
+                (5, 0),
+                "bound {bound:?}: every claim a SET"
+            );
+        } else {
+            assert!(scripted >= 5, "bound {bound:?}: every claim by the script");
+        }
+    }
+    let refused = RedisStore::builder(&proxy.url())
+        .fast_claim_max_error(Duration::from_millis(101))
+        .build()
+        .await
+        .unwrap_err();
+    assert_eq!(refused.kind(), StoreErrorKind::Rejected, "{refused}");
+}
+
 fn claim_request(key: &Key, lease: Duration, ttl: Duration) -> ClaimRequest {
     ClaimRequest::new(key.clone(), Token::generate(), lease, ttl)
 }

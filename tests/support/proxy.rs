@@ -45,6 +45,8 @@ struct Shared {
     down: AtomicBool,
     /// Stalled: nothing from the server reaches the client, connections stay open.
     stalled: AtomicBool,
+    /// How long each reply is held before it is passed on, in microseconds: a slow link.
+    delay_us: AtomicUsize,
 }
 
 impl Shared {
@@ -158,6 +160,12 @@ impl Proxy {
     }
 
     /// How many requests (reads from a client) passed through.
+    /// Holds each reply `delay` before passing it on, as a slow link does.
+    pub fn delay_replies(&self, delay: std::time::Duration) {
+        let micros = usize::try_from(delay.as_micros()).unwrap();
+        self.shared.delay_us.store(micros, Ordering::SeqCst);
+    }
+
     pub fn requests(&self) -> usize {
         self.shared.requests.load(Ordering::SeqCst)
     }
@@ -260,6 +268,10 @@ async fn relay(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
             };
             while shared.stalled.load(Ordering::SeqCst) {
                 tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            let delay = shared.delay_us.load(Ordering::SeqCst);
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_micros(delay as u64)).await;
             }
             if swallow.load(Ordering::SeqCst) {
                 shared.dropped.fetch_add(1, Ordering::SeqCst);

@@ -15,7 +15,7 @@ use crate::store::Store;
 use crate::store::DEFAULT_MAX_RESULT_SIZE;
 
 use crate::store::redis::batch::SlotMap;
-use crate::store::redis::clock::ServerClock;
+use crate::store::redis::clock::{ServerClock, DEFAULT_MAX_ERROR, MAX_FAST_CLAIM_ERROR};
 use crate::store::redis::conn::{command_error, connect_error, Conn, Lua};
 use crate::store::redis::sentinel::Primary;
 use crate::store::redis::sentinel_url::{sentinel_target, SentinelTarget};
@@ -81,6 +81,7 @@ pub struct RedisStoreBuilder {
     wait_for_replicas: Option<(u32, Duration)>,
     max_result_size: usize,
     fast_claims: bool,
+    fast_claim_max_error: Duration,
 }
 
 impl RedisStoreBuilder {
@@ -94,6 +95,7 @@ impl RedisStoreBuilder {
             wait_for_replicas: None,
             max_result_size: DEFAULT_MAX_RESULT_SIZE,
             fast_claims: true,
+            fast_claim_max_error: DEFAULT_MAX_ERROR,
         }
     }
 
@@ -162,8 +164,8 @@ impl RedisStoreBuilder {
     /// fence and lease end come from the server's clock as the store last read it (`TIME`,
     /// refreshed every half second), moved forward by the client's monotonic clock, with a
     /// bound on the error; the fast claim is used only while that bound is at most a
-    /// millisecond and for leases and ttls of at least a second, so fences still grow across
-    /// expiry. The claim is recorded at the estimate's upper bound (the fence, in
+    /// millisecond ([`fast_claim_max_error`](Self::fast_claim_max_error)) and for leases and
+    /// ttls of at least a second, so fences still grow across expiry. The claim is recorded at the estimate's upper bound (the fence, in
     /// microseconds; its millisecond for the claim's time and the lease's start), so that the
     /// owner's completion can name the record byte for byte; the lease therefore ends at most
     /// 2 ms late, never earlier than the millisecond's rounding. A record the `SET` finds that
@@ -174,6 +176,34 @@ impl RedisStoreBuilder {
     /// cluster or an older server always uses the script.
     pub fn fast_claims(mut self, enabled: bool) -> Self {
         self.fast_claims = enabled;
+        self
+    }
+
+    /// The largest error of the estimate of the server's clock that the fast claim accepts
+    /// (default 1 ms, at most 100 ms; see [`fast_claims`](Self::fast_claims)). The estimate's
+    /// error is half the round trip of the store's last precise `TIME` reading, grown by the
+    /// time since: over a network whose round trip is longer than 2 ms (another zone, a
+    /// loaded link), readings are less precise than the default accepts and claims go through
+    /// the script, which costs the server more. A larger bound keeps them fast, and costs
+    /// this: the fast claim is then used only for leases and ttls of at least a thousand times
+    /// the bound (1 s at the default, 20 s at 20 ms), so that fences keep growing across
+    /// expiry, and a fast-claimed lease may end up to twice the bound later than it would on
+    /// the server's own clock (never earlier: an owner's lease is never shorter than it
+    /// thinks).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotent_runtime::RedisStore;
+    ///
+    /// let builder = RedisStore::builder("redis://10.0.0.5:6379")
+    ///     .fast_claim_max_error(Duration::from_millis(5));
+    /// # drop(builder);
+    /// ```
+    ///
+    /// A bound over 100 ms makes [`build`](Self::build) fail with
+    /// [`StoreErrorKind::Rejected`].
+    pub fn fast_claim_max_error(mut self, bound: Duration) -> Self {
+        self.fast_claim_max_error = bound;
         self
     }
 
@@ -193,9 +223,19 @@ impl RedisStoreBuilder {
     /// [`StoreErrorKind::Unavailable`] when the server cannot be reached (for Sentinel: no
     /// sentinel answers, none knows the service, or the node they name is not a writable
     /// primary), [`StoreErrorKind::Unsafe`] when its configuration is refused,
-    /// [`StoreErrorKind::Rejected`] for a malformed Sentinel URL.
+    /// [`StoreErrorKind::Rejected`] for a malformed Sentinel URL or a
+    /// [`fast_claim_max_error`](Self::fast_claim_max_error) over 100 ms.
     pub async fn build(self) -> Result<RedisStore, StoreError> {
         let name = self.name.as_str();
+        if self.fast_claim_max_error > MAX_FAST_CLAIM_ERROR {
+            return Err(StoreError::new(
+                StoreErrorKind::Rejected,
+                format!(
+                    "`fast_claim_max_error` is {:?}, over the largest accepted, {MAX_FAST_CLAIM_ERROR:?}",
+                    self.fast_claim_max_error
+                ),
+            ));
+        }
         let cluster = match &self.target {
             Target::Url(url) => cluster_nodes(url).is_some(),
             Target::Client(_) | Target::Sentinel(_) => false,
@@ -243,7 +283,7 @@ impl RedisStoreBuilder {
                     .min(capacity.saturating_sub(RECORD_OVERHEAD)),
                 // Decided below, once the server's version is known.
                 fast_claims: false,
-                clock: ServerClock::default(),
+                clock: ServerClock::new(self.fast_claim_max_error),
                 slots: SlotMap::default(),
                 conn,
                 script: Lua::new(SCRIPT),

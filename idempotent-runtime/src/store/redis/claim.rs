@@ -8,7 +8,7 @@ use ::redis::Value;
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::store::redis::batch::{no_script, send_again};
-use crate::store::redis::clock::{fast_durations, Estimate};
+use crate::store::redis::clock::Estimate;
 use crate::store::redis::conn::{command_error, script_error};
 use crate::store::redis::store::RedisStore;
 use crate::store::redis::wire::{claim_cmd, decode_claim, fast_claim_record, parse_record};
@@ -47,7 +47,7 @@ impl RedisStore {
         pipe.ignore_errors();
         let mut fast = Vec::with_capacity(reqs.len());
         for req in reqs {
-            let cmd = fast_claim_cmd(req, at);
+            let cmd = fast_claim_cmd(req, at, self.inner.clock.fast_durations(req.lease, req.ttl));
             fast.push(cmd.is_some());
             if let Some(cmd) = cmd {
                 pipe.add_command(cmd);
@@ -271,7 +271,7 @@ impl RedisStore {
     /// estimate) or when the key's record needs the script to decide (a released record, a
     /// run-out lease, a value that is no record): the caller then runs the script.
     pub(super) async fn fast_claim(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
-        if !self.inner.fast_claims || !fast_durations(req.lease, req.ttl) {
+        if !self.inner.fast_claims || !self.inner.clock.fast_durations(req.lease, req.ttl) {
             return Ok(None);
         }
         let now = std::time::Instant::now();
@@ -280,7 +280,9 @@ impl RedisStore {
         let Some(at) = self.inner.clock.estimate(now) else {
             return Ok(None);
         };
-        let Some(cmd) = fast_claim_cmd(req, at) else {
+        let Some(cmd) =
+            fast_claim_cmd(req, at, self.inner.clock.fast_durations(req.lease, req.ttl))
+        else {
             return Ok(None);
         };
         let written = match self.write(None, &cmd).await {
@@ -310,8 +312,8 @@ fn answered(claim: Option<Result<Claim, StoreError>>) -> Result<Claim, StoreErro
 /// The fast claim of `req` at the estimate `at`: `SET key <in-progress record> NX PX
 /// <lifetime> GET`; `None` for durations the fast claim is not used for or numbers out of the
 /// script's range.
-fn fast_claim_cmd(req: &ClaimRequest, at: Estimate) -> Option<::redis::Cmd> {
-    if !fast_durations(req.lease, req.ttl) {
+fn fast_claim_cmd(req: &ClaimRequest, at: Estimate, fast: bool) -> Option<::redis::Cmd> {
+    if !fast {
         return None;
     }
     let lease = clamped_millis(req.lease);

@@ -20,15 +20,20 @@ use std::time::{Duration, Instant};
 const REFRESH_AFTER: Duration = Duration::from_millis(500);
 /// How old a reading may be and still be used.
 const MAX_AGE: Duration = Duration::from_secs(2);
-/// The largest uncertainty the fast claim accepts, in microseconds.
-const MAX_ERROR_US: u64 = 1_000;
+/// The largest uncertainty the fast claim accepts unless configured otherwise
+/// ([`RedisStoreBuilder::fast_claim_max_error`](super::RedisStoreBuilder::fast_claim_max_error)).
+pub(crate) const DEFAULT_MAX_ERROR: Duration = Duration::from_millis(1);
+/// The largest uncertainty the fast claim may be configured to accept.
+pub(crate) const MAX_FAST_CLAIM_ERROR: Duration = Duration::from_millis(100);
 /// How fast the client's monotonic clock and the server's clock may drift apart: 500 parts
 /// per million, far above what NTP-disciplined clocks show.
 const DRIFT_PER_US: u64 = 2_000; // one microsecond of error per 2,000 elapsed
-/// The shortest lease and ttl a fast claim is used for: a record written by one lives at
-/// least this long, a thousand times the largest uncertainty, so a later acquisition of the
-/// same key after the record expired always reads a higher clock.
-pub(super) const MIN_FAST_DURATION: Duration = Duration::from_secs(1);
+/// The shortest lease and ttl a fast claim is used for at the default uncertainty: a record
+/// written by one lives at least this long, a thousand times the largest uncertainty, so a
+/// later acquisition of the same key after the record expired always reads a higher clock.
+const MIN_FAST_DURATION: Duration = Duration::from_secs(1);
+/// How many times the largest uncertainty a fast-claimed lease and ttl must be at least.
+const DURATION_PER_ERROR: u32 = 1_000;
 
 #[derive(Debug, Clone, Copy)]
 struct Reading {
@@ -62,13 +67,21 @@ struct Slot {
 }
 
 /// The server's clock, estimated from the most precise recent `TIME` reading.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct ServerClock {
     slot: Mutex<Slot>,
     refreshing: AtomicBool,
     /// Which server the reading is of: the primary's generation behind Sentinel (0 for a
     /// server reached directly). Another server's clock is another clock.
     server: AtomicU64,
+    /// The largest uncertainty an estimate may have, in microseconds.
+    max_error_us: u64,
+}
+
+impl Default for ServerClock {
+    fn default() -> ServerClock {
+        ServerClock::new(DEFAULT_MAX_ERROR)
+    }
 }
 
 /// What the fast claim writes: the estimated server time (the fence of a key without a
@@ -84,6 +97,29 @@ pub(super) struct Estimate {
 }
 
 impl ServerClock {
+    /// A clock whose estimates are used while their uncertainty is at most `max_error`.
+    pub(super) fn new(max_error: Duration) -> ServerClock {
+        ServerClock {
+            slot: Mutex::default(),
+            refreshing: AtomicBool::new(false),
+            server: AtomicU64::new(0),
+            max_error_us: u64::try_from(max_error.as_micros()).unwrap_or(u64::MAX),
+        }
+    }
+
+    /// The shortest lease and ttl a fast claim is used for: [`MIN_FAST_DURATION`], or a
+    /// thousand times a larger configured uncertainty.
+    pub(super) fn min_fast_duration(&self) -> Duration {
+        let error = Duration::from_micros(self.max_error_us);
+        MIN_FAST_DURATION.max(error.saturating_mul(DURATION_PER_ERROR))
+    }
+
+    /// Whether a claim with `lease` and `ttl` may take the fast path at all.
+    pub(super) fn fast_durations(&self, lease: Duration, ttl: Duration) -> bool {
+        let min = self.min_fast_duration();
+        lease >= min && ttl >= min
+    }
+
     /// Records a `TIME` reply (`seconds`, `microseconds`) for a call sent at `sent` and
     /// answered at `received`.
     pub(super) fn record(&self, seconds: u64, micros: u64, sent: Instant, received: Instant) {
@@ -132,7 +168,7 @@ impl ServerClock {
     pub(super) fn estimate(&self, now: Instant) -> Option<Estimate> {
         let reading = self.slot.lock().ok()?.reading?;
         let (mid_us, error_us) = reading.at(now)?;
-        if error_us > MAX_ERROR_US {
+        if error_us > self.max_error_us {
             return None;
         }
         Some(Estimate {
@@ -162,11 +198,6 @@ impl ServerClock {
     pub(super) fn done(&self) {
         self.refreshing.store(false, Ordering::Release);
     }
-}
-
-/// Whether a claim with `lease` and `ttl` may take the fast path at all.
-pub(super) fn fast_durations(lease: Duration, ttl: Duration) -> bool {
-    lease >= MIN_FAST_DURATION && ttl >= MIN_FAST_DURATION
 }
 
 #[cfg(test)]
@@ -284,9 +315,35 @@ mod tests {
 
     #[test]
     fn only_long_durations_take_the_fast_path() {
+        let clock = ServerClock::default();
         let s = Duration::from_secs(1);
-        assert!(fast_durations(s, s));
-        assert!(!fast_durations(s - Duration::from_millis(1), s));
-        assert!(!fast_durations(s, Duration::from_millis(10)));
+        assert!(clock.fast_durations(s, s));
+        assert!(!clock.fast_durations(s - Duration::from_millis(1), s));
+        assert!(!clock.fast_durations(s, Duration::from_millis(10)));
+    }
+
+    #[test]
+    fn a_larger_accepted_error_uses_less_precise_readings_for_longer_durations_only() {
+        let clock = ServerClock::new(Duration::from_millis(20));
+        let sent = Instant::now();
+        let received = sent + Duration::from_millis(10);
+        clock.record(1_700_000_000, 0, sent, received);
+        let at = clock
+            .estimate(received)
+            .expect("5 ms of error is under 20 ms");
+        assert_eq!(at.error_us, 5_001);
+        assert_eq!(
+            ServerClock::default().estimate(received),
+            None,
+            "a fresh clock has no reading"
+        );
+        // A thousand times the bound: 20 s.
+        assert_eq!(clock.min_fast_duration(), Duration::from_secs(20));
+        let long = Duration::from_secs(30);
+        assert!(clock.fast_durations(long, long));
+        assert!(!clock.fast_durations(Duration::from_secs(19), long));
+        let precise = ServerClock::default();
+        precise.record(1_700_000_000, 0, sent, received);
+        assert_eq!(precise.estimate(received), None, "over the default 1 ms");
     }
 }

@@ -7,7 +7,6 @@ use ::redis::Value;
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::redis::batch::{no_script, send_again};
-use crate::store::redis::clock::{fast_durations, MIN_FAST_DURATION};
 use crate::store::redis::conn::{command_error, script_error};
 use crate::store::redis::store::RedisStore;
 use crate::store::redis::wire::{fast_completion, fast_release, in_progress_head, int};
@@ -45,7 +44,7 @@ impl RedisStore {
             .and_then(|claim| {
                 let lease = claim
                     .lease
-                    .filter(|&lease| fast_durations(lease, completion.ttl))?;
+                    .filter(|&lease| self.inner.clock.fast_durations(lease, completion.ttl))?;
                 fast_completion(token, claim, clamped_millis(lease), result)
             });
         if let Some((claimed, completed)) = fast {
@@ -196,7 +195,9 @@ impl RedisStore {
     ) -> Result<bool, StoreError> {
         let fast = claim
             .lease
-            .filter(|&lease| self.inner.fast_claims && lease >= MIN_FAST_DURATION)
+            .filter(|&lease| {
+                self.inner.fast_claims && lease >= self.inner.clock.min_fast_duration()
+            })
             .and_then(|lease| fast_release(token, claim, clamped_millis(lease)));
         let Some((both, released)) = fast else {
             return self.by_token("release", key, token).await;
