@@ -697,7 +697,8 @@ async fn redis() -> Result<(), BoxError> {
     let url =
         std::env::var("IDEMPOTENT_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let counter = Counter::start(address(&url).await?).await?;
-    let direct = Arc::new(RedisStore::connect(&url).await?);
+    let direct = redis_info::store(&url, instructions::COUNTED_CLOCK_ERROR).await?;
+    let direct = Arc::new(direct);
     let counted = Arc::new(RedisStore::connect(&through(&url, counter.addr)).await?);
     let seed = Seed::redis(&url).await?;
     let seed_counted = Seed::redis(&through(&url, counter.addr)).await?;

@@ -62,7 +62,6 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
 use idempotency::http::IdempotencyLayer;
-use idempotency::redis::RedisStore;
 use idempotency::Idempotency;
 use redis::aio::ConnectionManager;
 use redis::Script;
@@ -196,7 +195,7 @@ async fn pass(
 async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
     let client = redis::Client::open(url)?;
     let conn = ConnectionManager::new(client).await?;
-    let store = RedisStore::connect(url).await?;
+    let store = redis_info::store(url, instructions::COUNTED_CLOCK_ERROR).await?;
     let bare_url = serve(
         Router::new()
             .route("/orders", post(create_order_bare))

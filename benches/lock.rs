@@ -51,7 +51,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idempotency::lock::Lock;
-use idempotency::redis::RedisStore;
 use idempotency::Key;
 use redis::aio::ConnectionManager;
 use redis::Script;
@@ -192,7 +191,7 @@ async fn one_side(bench: &Bench, name: &str, ops: usize) -> Result<(), BoxError>
 
 async fn run(url: &str) -> Result<(), BoxError> {
     let conn = ConnectionManager::new(redis::Client::open(url)?).await?;
-    let store = RedisStore::connect(url).await?;
+    let store = redis_info::store(url, instructions::COUNTED_CLOCK_ERROR).await?;
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_nanos() as u64;

@@ -33,6 +33,15 @@ pub(crate) fn only(default: usize) -> Result<Option<(String, usize)>, BoxError> 
     Ok(Some((side, ops)))
 }
 
+/// The error of its estimate of the server's clock that a Redis store accepts in a counted run
+/// ([`RedisStoreBuilder::fast_claim_max_error`]). Callgrind runs this process many times
+/// slower, the `TIME` round trip with it, and at the default bound (1 ms) the store's claims
+/// would go through the script, a path a client at full speed does not take. The leases of
+/// the benches (30 s and more) are over a thousand times this bound, as the fast claim needs.
+///
+/// [`RedisStoreBuilder::fast_claim_max_error`]: idempotency::redis::RedisStoreBuilder::fast_claim_max_error
+pub(crate) const COUNTED_CLOCK_ERROR: std::time::Duration = std::time::Duration::from_millis(30);
+
 /// Whether the instruction counts are wanted and can be taken.
 pub(crate) fn enabled() -> bool {
     if std::env::var("IDEMPOTENT_BENCH_INSTRUCTIONS").is_ok_and(|v| v == "0") {

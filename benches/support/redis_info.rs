@@ -5,9 +5,25 @@
 // Each bench uses only some of these.
 #![allow(dead_code)]
 
+use idempotency::redis::RedisStore;
 use redis::aio::ConnectionManager;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The bench's store on `url`: in a counted run (`IDEMPOTENT_BENCH_ONLY` names its side), one
+/// that accepts `counted_error` as the error of its estimate of the server's clock (see
+/// `instructions::COUNTED_CLOCK_ERROR`); otherwise the default store.
+pub(crate) async fn store(
+    url: &str,
+    counted_error: std::time::Duration,
+) -> Result<RedisStore, BoxError> {
+    let builder = RedisStore::builder(url);
+    let builder = match std::env::var_os("IDEMPOTENT_BENCH_ONLY") {
+        Some(_) => builder.fast_claim_max_error(counted_error),
+        None => builder,
+    };
+    Ok(builder.build().await?)
+}
 
 /// The number after `prefix` in an `INFO` section (up to a `,` or the end of the line).
 pub(crate) async fn info_field<T: std::str::FromStr + Default>(
