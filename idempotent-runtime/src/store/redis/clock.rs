@@ -7,7 +7,8 @@
 //! The fast claim ([`RedisStore`](super::RedisStore)'s `SET ... NX GET`) writes a record
 //! whose fence and lease end come from this estimate instead of a `TIME` call inside a
 //! script. It is used only while the bound is small against the claim's durations (see
-//! [`fast_durations`]); otherwise claims go through the script, on the server's own clock.
+//! [`ServerClock::fast_durations`]); otherwise claims go through the script, on the server's
+//! own clock.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
