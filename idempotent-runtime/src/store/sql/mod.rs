@@ -187,6 +187,7 @@ use crate::error::StoreErrorKind;
 #[cfg(doc)]
 use crate::store::{Claim, Store, MAX_DURATION, MIN_DURATION};
 
+mod bind;
 mod builder;
 mod by_key;
 pub(crate) mod dialect;

@@ -9,10 +9,9 @@ use sqlx::query::Query;
 use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
+use crate::store::sql::bind::{ending_args, statement_fns};
 use crate::store::sql::by_key::{by_position, claim_keys, ended_at, in_request_order};
-use crate::store::sql::dialect::{
-    ending_args, statement_fns, ticks, DialectImpl, Statements, Templates, HEADROOM,
-};
+use crate::store::sql::dialect::{ticks, DialectImpl, Statements, Templates, HEADROOM};
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::{BoxFuture, ClaimRequest, Ending};
 

@@ -9,11 +9,9 @@ use sqlx::sqlite::{Sqlite, SqliteConnectOptions, SqliteConnection};
 use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
+use crate::store::sql::bind::{bind_claims, bind_endings, statement_fns};
 use crate::store::sql::by_key::{claim_keys, ended_in_order, in_request_order};
-use crate::store::sql::dialect::{
-    bind_claims, bind_endings, statement_fns, ticks, Arg, DialectImpl, Statements, Templates,
-    HEADROOM,
-};
+use crate::store::sql::dialect::{ticks, Arg, DialectImpl, Statements, Templates, HEADROOM};
 use crate::store::sql::record::{RecordRow, Step};
 use crate::store::{BoxFuture, ClaimRequest, Ending};
 

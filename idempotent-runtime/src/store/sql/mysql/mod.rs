@@ -11,10 +11,9 @@ use sqlx::pool::PoolOptions;
 use sqlx::{AssertSqlSafe, Pool};
 
 use crate::database::SqlDatabase;
+use crate::store::sql::bind::{bind_claims, bind_endings, statement_fns};
 use crate::store::sql::by_key::{claim_keys, in_request_order, ByKey};
-use crate::store::sql::dialect::{
-    bind_claims, bind_endings, statement_fns, Arg, DialectImpl, Statements, Templates, HEADROOM,
-};
+use crate::store::sql::dialect::{Arg, DialectImpl, Statements, Templates, HEADROOM};
 use crate::store::sql::record::{RecordRow, Step, Stored};
 use crate::store::{BoxFuture, ClaimRequest, Ending};
 
