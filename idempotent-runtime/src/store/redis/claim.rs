@@ -47,7 +47,12 @@ impl RedisStore {
         pipe.ignore_errors();
         let mut fast = Vec::with_capacity(reqs.len());
         for req in reqs {
-            let cmd = fast_claim_cmd(req, at, self.inner.clock.fast_durations(req.lease, req.ttl));
+            let cmd = self
+                .inner
+                .clock
+                .fast_durations(req.lease, req.ttl)
+                .then(|| fast_claim_cmd(req, at))
+                .flatten();
             fast.push(cmd.is_some());
             if let Some(cmd) = cmd {
                 pipe.add_command(cmd);
@@ -280,9 +285,8 @@ impl RedisStore {
         let Some(at) = self.inner.clock.estimate(now) else {
             return Ok(None);
         };
-        let Some(cmd) =
-            fast_claim_cmd(req, at, self.inner.clock.fast_durations(req.lease, req.ttl))
-        else {
+        // The durations were checked above.
+        let Some(cmd) = fast_claim_cmd(req, at) else {
             return Ok(None);
         };
         let written = match self.write(None, &cmd).await {
@@ -310,12 +314,11 @@ fn answered(claim: Option<Result<Claim, StoreError>>) -> Result<Claim, StoreErro
 }
 
 /// The fast claim of `req` at the estimate `at`: `SET key <in-progress record> NX PX
-/// <lifetime> GET`; `None` for durations the fast claim is not used for or numbers out of the
-/// script's range.
-fn fast_claim_cmd(req: &ClaimRequest, at: Estimate, fast: bool) -> Option<::redis::Cmd> {
-    if !fast {
-        return None;
-    }
+/// <lifetime> GET`; `None` for numbers out of the script's range. The caller checks that the
+/// fast claim is used for `req`'s durations ([`ServerClock::fast_durations`]).
+///
+/// [`ServerClock::fast_durations`]: crate::store::redis::clock::ServerClock::fast_durations
+fn fast_claim_cmd(req: &ClaimRequest, at: Estimate) -> Option<::redis::Cmd> {
     let lease = clamped_millis(req.lease);
     let value = fast_claim_record(req, at.upper_us, lease)?;
     let key = req.key.as_bytes();
