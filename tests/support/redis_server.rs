@@ -435,15 +435,48 @@ impl SentinelGroup {
         }
     }
 
-    /// Asks the sentinels for a failover now (`SENTINEL FAILOVER`: the primary is demoted to
-    /// a replica, a replica promoted) and waits for it; returns the new primary's port.
+    /// Asks the sentinels for a failover now (`SENTINEL FAILOVER`: a replica is promoted, the
+    /// old primary demoted to its replica) and waits for both; returns the new primary's
+    /// port.
     pub fn failover(&self) -> u16 {
         let old = self.primary_port().expect("no sentinel names a primary");
         let out = self.sentinels[0].cli(&["sentinel", "failover", &self.name]);
         assert!(out.contains("OK"), "SENTINEL FAILOVER refused: {out}");
         let new = self.wait_promoted(old);
-        // The old primary is demoted once the sentinels reconfigure it.
+        self.demote(old, new);
+        new
+    }
+
+    /// Waits until every sentinel names `new` as the primary, then until `old` is its
+    /// replica.
+    ///
+    /// The sentinels demote an old primary only once it has looked healthy to them for
+    /// 8 s (four publish periods). On a loaded machine, with the group's 1 s down-after
+    /// period, a slow reply restarts that wait, and it has outlasted a minute. So once every
+    /// sentinel names `new`, this sends `old` the command the sentinels would send
+    /// (`REPLICAOF <new>`), which agrees with their configuration.
+    pub fn demote(&self, old: u16, new: u16) {
         let deadline = Instant::now() + Duration::from_secs(60);
+        let new_addr = new.to_string();
+        while !self.sentinels.iter().all(|s| {
+            s.cli(&["sentinel", "get-master-addr-by-name", &self.name])
+                .lines()
+                .nth(1)
+                .is_some_and(|p| p.trim() == new_addr)
+        }) {
+            assert!(
+                Instant::now() < deadline,
+                "the sentinels never agreed on the new primary"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if !redis_cli(old, &["role"]).starts_with("slave") {
+            let out = redis_cli(old, &["replicaof", "127.0.0.1", &new_addr]);
+            assert!(
+                out.contains("OK"),
+                "REPLICAOF refused by the old primary: {out}"
+            );
+        }
         while !redis_cli(old, &["role"]).starts_with("slave") {
             assert!(
                 Instant::now() < deadline,
@@ -451,7 +484,6 @@ impl SentinelGroup {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        new
     }
 }
 
