@@ -161,6 +161,39 @@ async fn a_demoted_primary_is_left_for_the_new_one() {
     assert_eq!(record.state, RecordState::Completed);
 }
 
+/// A script call that meets the demoted primary first, which no longer has the script (a
+/// restart or `SCRIPT FLUSH` empties the cache): the store loads the script there, the call
+/// is refused (`READONLY`) and moved to the new primary, which never had the script either (a
+/// script call's writes reach replicas as plain commands). The store loads it there too, and
+/// the call succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_call_moved_to_a_new_primary_loads_the_script_there() {
+    let group = SentinelGroup::start(1, &[]);
+    let old = group.primary_port().unwrap();
+    let store = build(&group.url()).await;
+    // Leases under a second are claimed by the script, never by the plain `SET`.
+    let short = Duration::from_millis(500);
+    let claim = |name: &str| ClaimRequest::new(key(name), Token::generate(), short, short);
+    assert!(matches!(
+        store.claim(&claim("script-before")).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+
+    let new = group.failover();
+    let deadline = std::time::Instant::now() + NO_HANG;
+    while !redis_cli(old, &["info", "replication"]).contains("master_link_status:up") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the demoted primary never synced"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(redis_cli(old, &["script", "flush"]).contains("OK"));
+    let got = store.claim(&claim("script-after")).await;
+    assert!(matches!(got, Ok(Claim::Acquired { .. })), "{got:?}");
+    assert!(on_server(new, "script-after"));
+}
+
 /// Calls `name`-prefixed operations on fresh keys until one succeeds, and returns how many
 /// failed first. Each failure is a store error (fail closed: the handler did not run).
 async fn until_served(store: &SharedStore, name: &str, runs: &AtomicUsize) -> usize {

@@ -52,17 +52,32 @@ impl Conn {
     }
 
     /// Sends `cmd`, a call of `lua`, a server's error reply as an error; when the server does
-    /// not have the script (a restarted server, `SCRIPT FLUSH`), loads it and sends the call
-    /// again.
+    /// not have the script (a restarted server, `SCRIPT FLUSH`, a new primary), loads it and
+    /// sends the call again, up to [`SCRIPT_SENDS`] sends in all.
     pub(super) async fn eval(&self, lua: &Lua, cmd: &Cmd) -> Result<Value, RedisError> {
-        match self.query(cmd).await.and_then(Value::extract_error) {
-            Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                self.load(lua).await?;
-                self.query(cmd).await.and_then(Value::extract_error)
+        let mut sends = 1;
+        loop {
+            match self.query(cmd).await.and_then(Value::extract_error) {
+                Err(err) if is_no_script(&err) && sends < SCRIPT_SENDS => {
+                    self.load(lua).await?;
+                    sends += 1;
+                }
+                other => return other,
             }
-            other => other,
         }
     }
+}
+
+/// How many times a script call is sent in all when the server answers `NOSCRIPT` (nothing
+/// was run), the script loaded before each new send. One load is not always enough: behind
+/// Sentinel, the load may reach a demoted primary that lacks the script, and the call, refused
+/// there, move on to the new primary, which lacks it too (a script's writes reach replicas as
+/// plain commands, never the script).
+pub(super) const SCRIPT_SENDS: usize = 3;
+
+/// Whether `err` is the server's `NOSCRIPT`.
+pub(super) fn is_no_script(err: &RedisError) -> bool {
+    err.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
 }
 
 /// A script the store calls by its SHA-1 (`EVALSHA`). A call is one command built in one

@@ -34,12 +34,12 @@
 
 use std::time::Duration;
 
-use ::redis::{Cmd, ErrorKind, Pipeline, RedisError, ServerErrorKind, Value};
+use ::redis::{Cmd, Pipeline, RedisError, Value};
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::redis::batch::no_script;
-use crate::store::redis::conn::{script_error, Conn, Lua};
+use crate::store::redis::conn::{is_no_script, script_error, Conn, Lua, SCRIPT_SENDS};
 use crate::store::redis::store::RedisStore;
 use crate::store::{Claim, ClaimRequest};
 
@@ -68,13 +68,15 @@ impl Conn {
             };
             Ok::<_, RedisError>((reply, acked))
         };
-        match send().await {
-            Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                let Some(lua) = lua else { return Err(err) };
-                self.load(lua).await?;
-                send().await
+        let mut sends = 1;
+        loop {
+            match (send().await, lua) {
+                (Err(err), Some(lua)) if is_no_script(&err) && sends < SCRIPT_SENDS => {
+                    self.load(lua).await?;
+                    sends += 1;
+                }
+                (other, _) => return other,
             }
-            other => other,
         }
     }
 }
