@@ -356,6 +356,120 @@ async fn a_primary_back_during_its_failover_is_not_written_to() {
     );
 }
 
+/// The same window with the leader's answer lost: once the replica is promoted, the store
+/// can no longer reach the sentinel leading the failover (its proxy refuses connections), and
+/// the old primary comes back. The leader stalls for 1.5 s (SIGSTOP, under Sentinel's 2 s
+/// tilt trigger), so the two other sentinels hear of the failover late: meanwhile they name
+/// the old primary, no longer down, and it answers as a master. The promoted replica answers
+/// as a master too, its previous history the old primary's: a failover is under way, and the
+/// store confirms no primary until it ends. Every claim the store reports acquired must be on
+/// the new primary at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_back_while_its_failovers_leader_is_unreachable_is_not_written_to() {
+    let group = SentinelGroup::start(1, &[]);
+    let old = group.primary_port().unwrap();
+    let replica = group.servers[1].port();
+    let mut proxies = Vec::new();
+    for s in &group.sentinels {
+        proxies.push(proxy::Proxy::start(([127, 0, 0, 1], s.port()).into()).await);
+    }
+    let hosts: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
+    let url = format!("redis+sentinel://{}/{}", hosts.join(","), group.name);
+    let store = RedisStore::builder(&url)
+        .on_unsafe_config(UnsafeConfig::Warn)
+        .response_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let minute = Duration::from_secs(60);
+    let claim = |i: usize| {
+        ClaimRequest::new(
+            key(&format!("back-leader-unreachable-{i}")),
+            Token::generate(),
+            minute,
+            minute,
+        )
+    };
+    assert!(matches!(
+        store.claim(&claim(0)).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+
+    group.server(old).pause();
+    // A claim on the stalled primary times out: the store suspects it, and looks the primary
+    // up before it sends anything more.
+    assert!(store.claim(&claim(1)).await.is_err());
+    let deadline = std::time::Instant::now() + NO_HANG;
+    // The leader is the sentinel that reports the failover under way.
+    let leader = loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replica was never promoted"
+        );
+        let leading = group.sentinels.iter().position(|s| {
+            s.cli(&["sentinel", "master", &group.name])
+                .contains("failover_in_progress")
+        });
+        if let Some(leader) = leading {
+            if redis_cli(replica, &["role"]).starts_with("master") {
+                group.sentinels[leader].pause();
+                proxies[leader].down();
+                break leader;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let stalled_until = std::time::Instant::now() + Duration::from_millis(1500);
+    group.server(old).resume();
+    // Claims while the store hears only the sentinels that have not heard of the failover,
+    // and the old primary answers again.
+    let mut acquired = Vec::new();
+    let mut i = 2;
+    let mut leader_stalled = true;
+    let window_ends = std::time::Instant::now() + Duration::from_secs(4);
+    while std::time::Instant::now() < window_ends {
+        if leader_stalled && std::time::Instant::now() >= stalled_until {
+            group.sentinels[leader].resume();
+            leader_stalled = false;
+        }
+        let req = claim(i);
+        if let Ok(Claim::Acquired { .. }) = store.claim(&req).await {
+            acquired.push(req.key);
+        }
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if leader_stalled {
+        group.sentinels[leader].resume();
+    }
+    tokio::task::block_in_place(|| group.demote(old, replica));
+    // Served by the new primary once the failover ended.
+    let last = claim(i);
+    let until = std::time::Instant::now() + NO_HANG;
+    while !matches!(store.claim(&last).await, Ok(Claim::Acquired { .. })) {
+        assert!(
+            std::time::Instant::now() < until,
+            "the store never reached the new primary"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    acquired.push(last.key);
+    let direct = build(&format!("redis://127.0.0.1:{replica}")).await;
+    let mut lost = Vec::new();
+    for key in &acquired {
+        if direct.read(key).await.unwrap().is_none() {
+            lost.push(key.to_string());
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "{} of {} claims reported acquired were lost with the old primary (the first: {:?})",
+        lost.len(),
+        acquired.len(),
+        &lost[..lost.len().min(3)]
+    );
+}
+
 #[tokio::test]
 async fn no_reachable_sentinel_is_a_typed_error() {
     let url = format!(

@@ -549,6 +549,30 @@ impl Sentinel {
     pub fn cli(&self, args: &[&str]) -> String {
         redis_cli(self.port, args)
     }
+
+    /// Pauses the sentinel (SIGSTOP): it answers nothing and takes no step of a failover it
+    /// leads until resumed.
+    pub fn pause(&self) {
+        self.signal("STOP");
+    }
+
+    /// Resumes a paused sentinel (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self
+            .child
+            .as_ref()
+            .map(Child::id)
+            .expect("the sentinel is not running");
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), pid.to_string()])
+            .status()
+            .expect("cannot run kill");
+        assert!(status.success(), "kill -{signal} {pid} failed");
+    }
 }
 
 impl Drop for Sentinel {

@@ -104,6 +104,7 @@ mod scan;
 mod sentinel;
 mod sentinel_url;
 mod store;
+mod succession;
 mod wire;
 
 pub use builder::{Health, RedisStoreBuilder, UnsafeConfig};

@@ -1,15 +1,17 @@
 //! A primary found through Redis Sentinel, followed across failovers.
 //!
-//! **Finding the primary.** Every sentinel is asked (`SENTINEL MASTER <service>`, all at
-//! once, each within the lookup timeout). Sentinels that see the primary down or a failover
+//! **Finding the primary.** Every sentinel is asked (`SENTINEL MASTER <service>` and
+//! `SENTINEL REPLICAS <service>`, all at once, each within the lookup timeout). Sentinels that see the primary down or a failover
 //! in progress do not count; of the others, the answer with the highest configuration epoch
 //! wins (a sentinel that has not yet heard of the last failover names the old primary with an
-//! older epoch), and the node it names must answer `ROLE` as a master. While a sentinel sees
-//! a failover under way (or the primary objectively down), no primary of that epoch or an
-//! older one is confirmed: the sentinels that have not heard of the failover yet name the old
+//! older epoch), and the node it names must answer as a master. While a sentinel sees a
+//! failover under way (or the primary objectively down), no primary of that epoch or an older
+//! one is confirmed: the sentinels that have not heard of the failover yet name the old
 //! primary, which, if it stalled and came back, answers as a master until it is demoted, and
-//! loses what it took then. The store never moves to a primary of an older epoch than the one
-//! it uses.
+//! loses what it took then. The leader of the failover may not answer; the replicas are asked
+//! too, at once with the primary, and a replica promoted by a failover under way vetoes it
+//! ([`succession`]). The store never moves to a primary of an older epoch than the one it
+//! uses.
 //!
 //! **Following it.** Commands go to that primary through one auto-reconnecting connection,
 //! as to a standalone server. `READONLY` (a demoted primary) or a refused connection (the
@@ -27,12 +29,13 @@ use std::time::{Duration, Instant};
 
 use ::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use ::redis::{
-    AsyncConnectionConfig, Client, Cmd, ConnectionAddr, ConnectionInfo, ErrorKind,
-    IntoConnectionInfo, Pipeline, RedisConnectionInfo, RedisError, ServerErrorKind, Value,
+    AsyncConnectionConfig, Client, Cmd, ErrorKind, Pipeline, RedisConnectionInfo, RedisError,
+    ServerErrorKind, Value,
 };
 
 use crate::error::{StoreError, StoreErrorKind};
 use crate::store::redis::sentinel_url::SentinelTarget;
+use crate::store::redis::succession::{self, Listed};
 
 /// The current primary's connection, and the sentinels that name it.
 pub(super) struct Primary {
@@ -83,6 +86,8 @@ struct Named {
     /// The sentinel sees a failover of this primary under way, or the primary objectively
     /// down (the quorum agrees): no primary of this epoch or an older one is confirmed then.
     failing_over: bool,
+    /// The replicas the sentinel lists.
+    replicas: Vec<Listed>,
 }
 
 impl Primary {
@@ -164,7 +169,7 @@ impl Primary {
 
 impl Finder {
     /// Asks every sentinel, and returns the primary of the highest epoch among those no
-    /// sentinel doubts, checked to answer `ROLE` as a master.
+    /// sentinel doubts, checked to answer as a master and vetoed by none of its replicas.
     async fn find(&self, name: &str) -> Result<(Named, Client), StoreError> {
         let service = &self.target.service;
         let unavailable = |why: String| StoreError::new(StoreErrorKind::Unavailable, why);
@@ -187,7 +192,12 @@ impl Finder {
         // came back, and it still answers `ROLE` as a master; what it takes then is lost
         // when the sentinels demote it.
         let mut failing_over: Option<u64> = None;
+        // Every answering sentinel's list of replicas.
+        let mut lists: Vec<Vec<Listed>> = Vec::new();
         for answer in answers {
+            if let Ok(Some(named)) = &answer {
+                lists.push(named.replicas.clone());
+            }
             match answer {
                 Ok(Some(named)) if !named.doubtful => {
                     if best.as_ref().is_none_or(|b| named.epoch > b.epoch) {
@@ -223,39 +233,60 @@ impl Finder {
                  no primary is confirmed until it ends"
             )));
         }
-        let client = ConnectionAddr::Tcp(named.addr.0.clone(), named.addr.1)
-            .into_connection_info()
-            .map(|info: ConnectionInfo| info.set_redis_settings(self.node.clone()))
-            .and_then(Client::open)
-            .map_err(|err| {
-                unavailable(format!("cannot address the primary of `{service}`")).with_source(err)
-            })?;
-        let role = async {
-            let mut conn = client
-                .get_multiplexed_async_connection_with_config(&self.probe)
-                .await?;
-            ::redis::cmd("ROLE").query_async::<Value>(&mut conn).await
-        };
-        match tokio::time::timeout(self.lookup_timeout, role).await {
-            Ok(Ok(Value::Array(items)))
-                if items.first().is_some_and(|r| text(r) == "master") =>
-            {
-                Ok((named, client))
+        let client = succession::client(&named.addr, &self.node).map_err(|err| {
+            unavailable(format!("cannot address the primary of `{service}`")).with_source(err)
+        })?;
+        // The primary and every replica a sentinel reaches, asked at once (see `succession`).
+        let replicas = succession::to_ask(lists.iter().map(Vec::as_slice), &named.addr);
+        let asked_replicas = futures_util::future::join_all(replicas.iter().map(|addr| async {
+            let client = succession::client(addr, &self.node).ok()?;
+            let info = tokio::time::timeout(self.lookup_timeout, self.replication(&client));
+            succession::Replication::parse(&info.await.ok()?.ok()?)
+        }));
+        let primary = tokio::time::timeout(self.lookup_timeout, self.replication(&client));
+        let (primary, answered) = futures_util::future::join(primary, asked_replicas).await;
+        let (host, port) = (&named.addr.0, named.addr.1);
+        let primary = match primary {
+            Ok(Ok(info)) => match succession::Replication::parse(&info) {
+                Some(primary) if primary.master => primary,
+                _ => {
+                    return Err(unavailable(format!(
+                        "the node {host}:{port} the sentinels name for `{service}` is not a writable primary (INFO replication: {info:?})"
+                    )))
+                }
+            },
+            Ok(Err(err)) => {
+                return Err(unavailable(format!(
+                    "the primary {host}:{port} of `{service}` does not answer"
+                ))
+                .with_source(err))
             }
-            Ok(Ok(other)) => Err(unavailable(format!(
-                "the node {}:{} the sentinels name for `{service}` is not a writable primary (ROLE {other:?})",
-                named.addr.0, named.addr.1
-            ))),
-            Ok(Err(err)) => Err(unavailable(format!(
-                "the primary {}:{} of `{service}` does not answer",
-                named.addr.0, named.addr.1
-            ))
-            .with_source(err)),
-            Err(_) => Err(unavailable(format!(
-                "the primary {}:{} of `{service}` did not answer ROLE within {:?}",
-                named.addr.0, named.addr.1, self.lookup_timeout
-            ))),
+            Err(_) => {
+                return Err(unavailable(format!(
+                    "the primary {host}:{port} of `{service}` did not answer within {:?}",
+                    self.lookup_timeout
+                )))
+            }
+        };
+        let answered: Vec<_> = replicas.into_iter().zip(answered).collect();
+        if let Some(why) = succession::veto(&primary, &answered) {
+            return Err(unavailable(format!(
+                "the sentinels of {name} name {host}:{port} the primary of `{service}`, but {why}; \
+                 no primary is confirmed until the sentinels name the new one"
+            )));
         }
+        Ok((named, client))
+    }
+
+    /// The `INFO replication` text of the node `client` addresses.
+    async fn replication(&self, client: &Client) -> Result<String, RedisError> {
+        let mut conn = client
+            .get_multiplexed_async_connection_with_config(&self.probe)
+            .await?;
+        ::redis::cmd("INFO")
+            .arg("replication")
+            .query_async::<String>(&mut conn)
+            .await
     }
 
     /// One sentinel's view of the service: `None` when it does not know it.
@@ -263,23 +294,34 @@ impl Finder {
         let mut conn = sentinel
             .get_multiplexed_async_connection_with_config(&self.probe)
             .await?;
-        let reply = ::redis::cmd("SENTINEL")
+        // The service and its replicas, in one round trip; a server error (an unknown
+        // service) is a reply here, not the pipeline's failure.
+        let mut pipe = ::redis::pipe();
+        pipe.ignore_errors();
+        pipe.cmd("SENTINEL")
             .arg("MASTER")
             .arg(&self.target.service)
-            .query_async::<Value>(&mut conn)
-            .await;
+            .cmd("SENTINEL")
+            .arg("REPLICAS")
+            .arg(&self.target.service);
+        let mut replies = pipe.query_async::<Vec<Value>>(&mut conn).await?.into_iter();
+        let (reply, replicas) = (replies.next(), replies.next());
         let fields: Vec<(String, String)> = match reply {
-            Ok(Value::Array(items)) => items
+            Some(Value::Array(items)) => items
                 .chunks(2)
                 .filter_map(|pair| Some((text(pair.first()?), text(pair.get(1)?))))
                 .collect(),
-            Ok(Value::Map(entries)) => entries.iter().map(|(k, v)| (text(k), text(v))).collect(),
-            Ok(_) => return Ok(None),
-            Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::ResponseError) => {
-                return Ok(None)
+            Some(Value::Map(entries)) => entries.iter().map(|(k, v)| (text(k), text(v))).collect(),
+            Some(Value::ServerError(err)) => {
+                let err = RedisError::from(err);
+                if err.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+                    || err.to_string().contains("No such master")
+                {
+                    return Ok(None);
+                }
+                return Err(err);
             }
-            Err(err) if err.to_string().contains("No such master") => return Ok(None),
-            Err(err) => return Err(err),
+            _ => return Ok(None),
         };
         let field = |name: &str| {
             fields
@@ -304,6 +346,7 @@ impl Finder {
                 .unwrap_or(0),
             doubtful: flagged(&["s_down", "o_down", "failover_in_progress", "disconnected"]),
             failing_over: flagged(&["o_down", "failover_in_progress"]),
+            replicas: replicas.map_or_else(Vec::new, |r| succession::listed(&r, text)),
         }))
     }
 
