@@ -266,6 +266,51 @@ async fn a_paused_primary_is_left_and_demoted_when_it_resumes() {
 }
 
 /// No sentinel answers: a typed error at build time, not a hang.
+/// A store whose commands time out after 300 ms: a stalled primary is suspected quickly.
+async fn quick(url: &str) -> RedisStore {
+    RedisStore::builder(url)
+        .on_unsafe_config(UnsafeConfig::Warn)
+        .response_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap()
+}
+
+/// A claim of `name` with a minute's lease and ttl.
+fn minute_claim(name: &str) -> ClaimRequest {
+    let minute = Duration::from_secs(60);
+    ClaimRequest::new(key(name), Token::generate(), minute, minute)
+}
+
+/// Claims `last` until the store acquires it (it reached the primary on `port`), then checks
+/// that every claim in `acquired` and `last` are on that primary: a claim the old primary
+/// took in a failover's window would be lost with its data.
+async fn all_on(store: &RedisStore, port: u16, mut acquired: Vec<Key>, last: ClaimRequest) {
+    let until = std::time::Instant::now() + NO_HANG;
+    while !matches!(store.claim(&last).await, Ok(Claim::Acquired { .. })) {
+        assert!(
+            std::time::Instant::now() < until,
+            "the store never reached the new primary"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    acquired.push(last.key);
+    let direct = build(&format!("redis://127.0.0.1:{port}")).await;
+    let mut lost = Vec::new();
+    for key in &acquired {
+        if direct.read(key).await.unwrap().is_none() {
+            lost.push(key.to_string());
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "{} of {} claims reported acquired were lost with the old primary (the first: {:?})",
+        lost.len(),
+        acquired.len(),
+        &lost[..lost.len().min(3)]
+    );
+}
+
 /// Whether a sentinel of `group` reports a failover of its primary under way.
 fn failing_over(group: &SentinelGroup) -> bool {
     group.sentinels.iter().any(|s| {
@@ -283,21 +328,8 @@ fn failing_over(group: &SentinelGroup) -> bool {
 async fn a_primary_back_during_its_failover_is_not_written_to() {
     let group = SentinelGroup::start(2, &[]);
     let old = group.primary_port().unwrap();
-    let store = RedisStore::builder(&group.url())
-        .on_unsafe_config(UnsafeConfig::Warn)
-        .response_timeout(Duration::from_millis(300))
-        .build()
-        .await
-        .unwrap();
-    let minute = Duration::from_secs(60);
-    let claim = |i: usize| {
-        ClaimRequest::new(
-            key(&format!("back-during-failover-{i}")),
-            Token::generate(),
-            minute,
-            minute,
-        )
-    };
+    let store = quick(&group.url()).await;
+    let claim = |i: usize| minute_claim(&format!("back-during-failover-{i}"));
     assert!(matches!(
         store.claim(&claim(0)).await.unwrap(),
         Claim::Acquired { .. }
@@ -331,29 +363,7 @@ async fn a_primary_back_during_its_failover_is_not_written_to() {
     let new = group.primary_port().unwrap();
     assert_ne!(new, old);
     // Served by the new primary once the old one is demoted.
-    let last = claim(i);
-    let until = std::time::Instant::now() + NO_HANG;
-    while !matches!(store.claim(&last).await, Ok(Claim::Acquired { .. })) {
-        assert!(
-            std::time::Instant::now() < until,
-            "the store never reached the new primary"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    acquired.push(last.key);
-    let direct = build(&format!("redis://127.0.0.1:{new}")).await;
-    let mut lost = Vec::new();
-    for key in &acquired {
-        if direct.read(key).await.unwrap().is_none() {
-            lost.push(key.to_string());
-        }
-    }
-    assert!(
-        lost.is_empty(),
-        "{} of {} claims reported acquired were lost with the old primary: {lost:?}",
-        lost.len(),
-        acquired.len()
-    );
+    all_on(&store, new, acquired, claim(i)).await;
 }
 
 /// The same window with the leader's answer lost: once the replica is promoted, the store
@@ -375,21 +385,8 @@ async fn a_primary_back_while_its_failovers_leader_is_unreachable_is_not_written
     }
     let hosts: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
     let url = format!("redis+sentinel://{}/{}", hosts.join(","), group.name);
-    let store = RedisStore::builder(&url)
-        .on_unsafe_config(UnsafeConfig::Warn)
-        .response_timeout(Duration::from_millis(300))
-        .build()
-        .await
-        .unwrap();
-    let minute = Duration::from_secs(60);
-    let claim = |i: usize| {
-        ClaimRequest::new(
-            key(&format!("back-leader-unreachable-{i}")),
-            Token::generate(),
-            minute,
-            minute,
-        )
-    };
+    let store = quick(&url).await;
+    let claim = |i: usize| minute_claim(&format!("back-leader-unreachable-{i}"));
     assert!(matches!(
         store.claim(&claim(0)).await.unwrap(),
         Claim::Acquired { .. }
@@ -444,30 +441,7 @@ async fn a_primary_back_while_its_failovers_leader_is_unreachable_is_not_written
     }
     tokio::task::block_in_place(|| group.demote(old, replica));
     // Served by the new primary once the failover ended.
-    let last = claim(i);
-    let until = std::time::Instant::now() + NO_HANG;
-    while !matches!(store.claim(&last).await, Ok(Claim::Acquired { .. })) {
-        assert!(
-            std::time::Instant::now() < until,
-            "the store never reached the new primary"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    acquired.push(last.key);
-    let direct = build(&format!("redis://127.0.0.1:{replica}")).await;
-    let mut lost = Vec::new();
-    for key in &acquired {
-        if direct.read(key).await.unwrap().is_none() {
-            lost.push(key.to_string());
-        }
-    }
-    assert!(
-        lost.is_empty(),
-        "{} of {} claims reported acquired were lost with the old primary (the first: {:?})",
-        lost.len(),
-        acquired.len(),
-        &lost[..lost.len().min(3)]
-    );
+    all_on(&store, replica, acquired, claim(i)).await;
 }
 
 #[tokio::test]
