@@ -44,7 +44,7 @@ use crate::key::Key;
 /// The handles of the series labelled by a key's prefix, kept per thread once registered, so
 /// a call costs a lookup, not the label allocations and registration of the `metrics`
 /// macros. The cache is dropped when the recorder in force changes (one installed after the
-/// first calls, a local one in a test) and when it holds more than [`MAX_PREFIXES`]
+/// first calls, a local one in a test) and when it holds more than [`MAX_PREFIXES`](cache::MAX_PREFIXES)
 /// prefixes.
 #[cfg(feature = "metrics")]
 mod cache {

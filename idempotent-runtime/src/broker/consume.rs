@@ -18,7 +18,7 @@ use crate::default_store::{carry, scoped};
 /// count the broker records, and the three ways to settle it.
 ///
 /// Implemented for RabbitMQ ([`rabbitmq::Message`](super::rabbitmq::Message)) and NATS
-/// JetStream ([`async_nats::jetstream::Message`](super::nats::async_nats::jetstream::Message)).
+/// JetStream ([`async_nats::jetstream::Message`]).
 /// A clone is the same message: the loop hands one to the handler and settles another.
 ///
 /// ```

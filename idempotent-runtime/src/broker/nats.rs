@@ -194,7 +194,7 @@ async fn ack_with(message: &Message, kind: AckKind) -> Result<(), Error> {
 
 /// Runs `handler` on the messages of a pull `consumer`, at most `concurrency` at once (at
 /// least one), and settles each message from its outcome as [`settle`] does, until `stop`
-/// completes: the [`consume`](super::consume) loop over JetStream messages. A handler that
+/// completes: the [`consume`](fn@super::consume) loop over JetStream messages. A handler that
 /// panics is treated as the handler's own error (its claim is given back by the engine).
 ///
 /// When `stop` completes, no new message is started; handlers in flight finish and are

@@ -118,7 +118,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
     }
 
     /// Like [`replay`](Self::replay), with the caller's own encoding of the value (the HTTP
-    /// layer's binary form of a response). `encode` writes [`codec::OK`] first.
+    /// layer's binary form of a response). `encode` writes [`codec::OK`](crate::codec::OK) first.
     #[cfg(any(feature = "http", feature = "grpc"))]
     pub(crate) fn replay_with(
         mut self,

@@ -116,7 +116,7 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
     }
 
     /// How long a claim holds: a relay that dies keeps its rows this long (10 ms to
-    /// [`MAX_DURATION`](crate::store::MAX_DURATION); a value outside is clamped).
+    /// [`MAX_DURATION`]; a value outside is clamped).
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease.clamp(Duration::from_millis(10), MAX_DURATION);
         self
@@ -129,7 +129,7 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
     }
 
     /// The wait after the first failed attempt, doubling per attempt up to `max` (each at most
-    /// [`MAX_DURATION`](crate::store::MAX_DURATION); a longer one is clamped).
+    /// [`MAX_DURATION`]; a longer one is clamped).
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
         self.first_backoff = first.min(MAX_DURATION);
         self.max_backoff = max.min(MAX_DURATION).max(self.first_backoff);

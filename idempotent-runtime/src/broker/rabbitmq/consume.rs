@@ -101,7 +101,7 @@ impl broker::Delivery for Message {
 
 /// Runs `handler` on every delivery of `consumer`, which reads `queue`, at most
 /// `concurrency` at once (at least one), and settles each delivery from its outcome as
-/// [`settle`] does, until the consumer ends or `stop` completes: the [`consume`](crate::broker::consume)
+/// [`settle`] does, until the consumer ends or `stop` completes: the [`consume`](fn@crate::broker::consume)
 /// loop over RabbitMQ [`Message`]s. A handler that panics is treated as the handler's own
 /// error (its claim is given back by the engine).
 ///

@@ -1,7 +1,7 @@
 //! RabbitMQ consumers through lapin, with manual acknowledgements.
 //!
-//! [`settle`] acknowledges, requeues or dead-letters one delivery from its handler's outcome
-//! (see the [table](super)); [`consume`] runs a handler over a consumer with bounded
+//! [`settle`](fn@settle) acknowledges, requeues or dead-letters one delivery from its handler's outcome
+//! (see the [table](super)); [`consume`](fn@consume) runs a handler over a consumer with bounded
 //! concurrency and settles every delivery. Neither decodes messages nor knows the business:
 //! the handler does that, through an `#[idempotent]` function or a [`Idempotency`](crate::Idempotency).
 //! Both need the [`Queue`] the deliveries come from: its type and how its failed deliveries
@@ -53,7 +53,7 @@
 //!   queue's own `x-delivery-limit`, if set, must be above [`Redelivery::max_deliveries`], since
 //!   every requeue counts. See [`deliveries`].
 //! - **Redelivery delay**: RabbitMQ has no per-message delay. A delivery to redeliver is held
-//!   by [`settle`] for the delay, then `basic.nack`ed with requeue, so a message whose key is
+//!   by [`settle`](fn@settle) for the delay, then `basic.nack`ed with requeue, so a message whose key is
 //!   being processed elsewhere does not spin through the queue. It keeps its prefetch slot
 //!   while held; a consumer that dies meanwhile has it redelivered at once. In a retry
 //!   topology it is rejected at once instead, and the retry queue's message TTL is the delay.

@@ -174,7 +174,7 @@ impl<DB: Dialect> SqlStoreBuilder<DB> {
     /// crashes (an application crash loses nothing). A redelivery after such a crash finds
     /// no record and runs the handler again, as after a Redis failover; the owner's own
     /// completion then finds no record and reports
-    /// [`Error::LostOwnership`](crate::Error::LostOwnership). Keep a business-status check
+    /// [`Error::LostOwnership`]. Keep a business-status check
     /// ([`Operation::done`](crate::Operation::done)) or a fenced write at the effect when a
     /// duplicate after a database crash is not acceptable. What it buys: a claim no longer
     /// waits for a WAL flush, the cost of most of a claim on a busy disk.

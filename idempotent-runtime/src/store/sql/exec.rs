@@ -305,12 +305,12 @@ pub(super) async fn owned<DB: Dialect>(
 /// so a statement stays well within every database's packet and parameter limits.
 const COMPLETE_BATCH_BYTES: usize = 4 << 20;
 
-/// Ends `items` in batch statements of distinct keys (at most [`DialectImpl::COMPLETE_BATCH`]
+/// Ends `items` in batch statements of distinct keys (at most [`DialectImpl::COMPLETE_BATCH`](crate::store::sql::dialect::DialectImpl::COMPLETE_BATCH)
 /// items and [`COMPLETE_BATCH_BYTES`] of results each); an item the statement did not resolve
 /// is answered as a single write that matched nothing ([`owned`]: someone else's key, or
 /// [`StoreErrorKind::Corrupt`]). Later occurrences of a key, results larger than the store
 /// takes, databases without a batch statement, releases where the batch statement cannot
-/// report them exactly ([`DialectImpl::BATCH_RELEASES`]) and a batch statement's worth of one
+/// report them exactly ([`DialectImpl::BATCH_RELEASES`](crate::store::sql::dialect::DialectImpl::BATCH_RELEASES)) and a batch statement's worth of one
 /// item are ended one by one.
 pub(super) async fn complete_many_on<DB: Dialect>(
     conn: &mut DB::Connection,
