@@ -8,7 +8,12 @@
 //!   response body under the key if the token is still the owner's. The key is the
 //!   `Idempotency-Key` header under a prefix.
 //! - **layer**: the same handler without any of that, behind `http::IdempotencyLayer` on a
-//!   `RedisStore` (one `EVALSHA` to claim, one to complete with the stored response).
+//!   `RedisStore` (one `SET ... NX GET` to claim, one `EVALSHA` to complete with the stored
+//!   response, and alongside the claim a read of the key the request had in the previous key
+//!   layout, so that a retry across an upgrade of the layer does not run again).
+//! - **current**: the layer without that read (`previous_layout(false)`, for a deployment
+//!   that never ran the previous layout or has run this one for a ttl): what the upgrade
+//!   check costs.
 //!
 //! Both sides make two Redis round trips per request and answer `201` with the same small
 //! JSON body. Every request carries a fresh key (every request is a first run). After a
@@ -24,7 +29,7 @@
 //! ```
 //!
 //! The last lines are the figures: `http_bare_rps`, `http_layer_rps`, `http_ratio` (layer over
-//! bare), `http_bare_p50_ms`, `http_bare_p99_ms`, `http_layer_p50_ms`, `http_layer_p99_ms`,
+//! bare), `http_current_layout_rps` and `http_current_layout_ratio` (current over bare), `http_bare_p50_ms`, `http_bare_p99_ms`, `http_layer_p50_ms`, `http_layer_p99_ms`,
 //! and the CPU time per request (median over passes) of this process (client and servers:
 //! `http_*_process_cpu_us`) and of Redis (`http_*_redis_cpu_us`), which machine noise
 //! disturbs less than the throughput, and the allocations per request of this process
@@ -150,6 +155,8 @@ async fn serve(router: Router) -> String {
 enum Side {
     Bare,
     Layer,
+    /// The layer without the previous layout's read.
+    Current,
 }
 
 /// One pass: `REQUESTS` requests with fresh keys over `CONNECTIONS` concurrent clients.
@@ -213,10 +220,20 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
         Some(request.headers.get("x-api-key")?.to_str().ok()?.to_owned())
     })
     .prefix(format!("bench:http:layer:{run_tag}"));
+    let current = layer
+        .clone()
+        .prefix(format!("bench:http:current:{run_tag}"))
+        .previous_layout(false);
     let layer_url = serve(
         Router::new()
             .route("/orders", post(create_order))
             .layer(layer),
+    )
+    .await;
+    let current_url = serve(
+        Router::new()
+            .route("/orders", post(create_order))
+            .layer(current),
     )
     .await;
     let client = reqwest::Client::builder()
@@ -229,7 +246,8 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
         let url = match name.as_str() {
             "bare" => &bare_url,
             "layer" => &layer_url,
-            other => return Err(format!("no side {other}: bare or layer").into()),
+            "current" => &current_url,
+            other => return Err(format!("no side {other}: bare, layer or current").into()),
         };
         pass(&client, url, "warm", 200).await?;
         pass(&client, url, "only", ops).await?;
@@ -242,6 +260,7 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
     // Warm-up: connections, the script caches, allocators.
     pass(&client, &bare_url, "warm", REQUESTS).await?;
     pass(&client, &layer_url, "warm", REQUESTS).await?;
+    pass(&client, &current_url, "warm", REQUESTS).await?;
 
     let mut info = conn.clone();
     let (mut bare, mut layer) = (Vec::new(), Vec::new());
@@ -250,14 +269,23 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
     let (mut bare_redis, mut layer_redis) = (Vec::new(), Vec::new());
     let (mut bare_latency, mut layer_latency) = (Vec::new(), Vec::new());
     let (mut bare_allocs, mut layer_allocs) = (Vec::new(), Vec::new());
+    // The layer without the previous layout's read: throughput only.
+    let mut current = Vec::new();
     for round in 0..ROUNDS {
-        let order = if round % 2 == 0 {
-            [Side::Bare, Side::Layer]
-        } else {
-            [Side::Layer, Side::Bare]
-        };
+        // Each side takes each place in turn.
+        let mut order = [Side::Bare, Side::Layer, Side::Current];
+        order.rotate_left(round % 3);
+        if round % 2 == 1 {
+            order.reverse();
+        }
         for side in order {
             let tag = format!("r{round}");
+            if side == Side::Current {
+                let (rps, _) = pass(&client, &current_url, &tag, REQUESTS).await?;
+                println!("round {round} current: {rps:>8.0} requests/s");
+                current.push(rps);
+                continue;
+            }
             let (url, rates, latencies, cpu, redis_cpu, allocs, name) = match side {
                 Side::Bare => (
                     &bare_url,
@@ -268,7 +296,8 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
                     &mut bare_allocs,
                     "bare",
                 ),
-                Side::Layer => (
+                // `Current` went on above.
+                Side::Layer | Side::Current => (
                     &layer_url,
                     &mut layer,
                     &mut layer_latency,
@@ -305,6 +334,8 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
     figure("http_bare_rps", bare_rps, 0);
     figure("http_layer_rps", layer_rps, 0);
     figure("http_ratio", layer_rps / bare_rps, 3);
+    figure("http_current_layout_rps", median(&current), 0);
+    figure("http_current_layout_ratio", median(&current) / bare_rps, 3);
     figure("http_bare_p50_ms", percentile(&bare_latency, 0.50), 2);
     figure("http_bare_p99_ms", percentile(&bare_latency, 0.99), 2);
     figure("http_layer_p50_ms", percentile(&layer_latency, 0.50), 2);
@@ -342,6 +373,7 @@ async fn main() -> ExitCode {
             for pattern in [
                 format!("bench:http:bare:{run_tag}:*"),
                 format!("bench:http:layer:{run_tag}:*"),
+                format!("bench:http:current:{run_tag}:*"),
             ] {
                 if let Err(err) = delete_matching(&mut conn, &pattern).await {
                     eprintln!("cleanup of {pattern} failed: {err}");
