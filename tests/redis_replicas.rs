@@ -321,7 +321,7 @@ fn failing_over(group: &SentinelGroup) -> bool {
 
 /// A primary that stalls (SIGSTOP) and comes back while the sentinels fail it over: until the
 /// failover ends, the sentinels that have not heard of it name the old primary again, no
-/// longer down, and it still answers `ROLE` as a master. Every claim the store reports
+/// longer down, and it still answers as a master. Every claim the store reports
 /// acquired meanwhile must be on the new primary at the end; a claim the old primary took
 /// would be lost with its data when the sentinels demote it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

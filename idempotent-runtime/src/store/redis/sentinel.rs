@@ -1,10 +1,11 @@
 //! A primary found through Redis Sentinel, followed across failovers.
 //!
 //! **Finding the primary.** Every sentinel is asked (`SENTINEL MASTER <service>` and
-//! `SENTINEL REPLICAS <service>`, all at once, each within the lookup timeout). Sentinels that see the primary down or a failover
-//! in progress do not count; of the others, the answer with the highest configuration epoch
-//! wins (a sentinel that has not yet heard of the last failover names the old primary with an
-//! older epoch), and the node it names must answer as a master. While a sentinel sees a
+//! `SENTINEL REPLICAS <service>`, all at once, each within the lookup timeout). Sentinels
+//! that see the primary down or a failover in progress do not count; of the others, the
+//! answer with the highest configuration epoch wins (a sentinel that has not yet heard of the
+//! last failover names the old primary with an older epoch), and the node it names must
+//! answer as a master. While a sentinel sees a
 //! failover under way (or the primary objectively down), no primary of that epoch or an older
 //! one is confirmed: the sentinels that have not heard of the failover yet name the old
 //! primary, which, if it stalled and came back, answers as a master until it is demoted, and
@@ -189,7 +190,7 @@ impl Finder {
         let mut best: Option<Named> = None;
         // The newest epoch a sentinel sees failing over: while a failover is under way the
         // sentinels that have not heard of it yet name the old primary, no longer down if it
-        // came back, and it still answers `ROLE` as a master; what it takes then is lost
+        // came back, and it still answers as a master; what it takes then is lost
         // when the sentinels demote it.
         let mut failing_over: Option<u64> = None;
         // Every answering sentinel's list of replicas.
@@ -249,9 +250,14 @@ impl Finder {
         let primary = match primary {
             Ok(Ok(info)) => match succession::Replication::parse(&info) {
                 Some(primary) if primary.master => primary,
-                _ => {
+                Some(_) => {
                     return Err(unavailable(format!(
-                        "the node {host}:{port} the sentinels name for `{service}` is not a writable primary (INFO replication: {info:?})"
+                        "the node {host}:{port} the sentinels name for `{service}` is not a writable primary (it answers as a replica)"
+                    )))
+                }
+                None => {
+                    return Err(unavailable(format!(
+                        "the node {host}:{port} the sentinels name for `{service}` answered INFO replication without its role or history: {info:?}"
                     )))
                 }
             },
