@@ -447,22 +447,32 @@ impl SentinelGroup {
         new
     }
 
-    /// Waits until every sentinel names `new` as the primary, then until `old` is its
-    /// replica.
+    /// Waits until every sentinel names `new` as the primary and sees it healthy, then until
+    /// `old` is its replica.
     ///
     /// The sentinels demote an old primary only once it has looked healthy to them for
     /// 8 s (four publish periods). On a loaded machine, with the group's 1 s down-after
     /// period, a slow reply restarts that wait, and it has outlasted a minute. So once every
-    /// sentinel names `new`, this sends `old` the command the sentinels would send
+    /// sentinel names `new` with no flag but `master` (right after a failover a sentinel's
+    /// link to the new primary is `disconnected` until it reconnects, and a store does not
+    /// count its answer then), this sends `old` the command the sentinels would send
     /// (`REPLICAOF <new>`), which agrees with their configuration.
     pub fn demote(&self, old: u16, new: u16) {
         let deadline = Instant::now() + Duration::from_secs(60);
         let new_addr = new.to_string();
         while !self.sentinels.iter().all(|s| {
-            s.cli(&["sentinel", "get-master-addr-by-name", &self.name])
-                .lines()
-                .nth(1)
-                .is_some_and(|p| p.trim() == new_addr)
+            let fields = s.cli(&["sentinel", "master", &self.name]);
+            let mut lines = fields.lines().map(str::trim);
+            let mut field = |name: &str| {
+                lines
+                    .by_ref()
+                    .skip_while(|l| *l != name)
+                    .nth(1)
+                    .map(str::to_owned)
+            };
+            // `port` comes before `flags` in the reply.
+            field("port").as_deref() == Some(new_addr.as_str())
+                && field("flags").as_deref() == Some("master")
         }) {
             assert!(
                 Instant::now() < deadline,
