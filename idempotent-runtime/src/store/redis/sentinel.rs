@@ -313,11 +313,6 @@ impl Finder {
         let mut replies = pipe.query_async::<Vec<Value>>(&mut conn).await?.into_iter();
         let (reply, replicas) = (replies.next(), replies.next());
         let fields: Vec<(String, String)> = match reply {
-            Some(Value::Array(items)) => items
-                .chunks(2)
-                .filter_map(|pair| Some((text(pair.first()?), text(pair.get(1)?))))
-                .collect(),
-            Some(Value::Map(entries)) => entries.iter().map(|(k, v)| (text(k), text(v))).collect(),
             Some(Value::ServerError(err)) => {
                 let err = RedisError::from(err);
                 if err.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
@@ -327,7 +322,11 @@ impl Finder {
                 }
                 return Err(err);
             }
-            _ => return Ok(None),
+            Some(entry) => match succession::fields(&entry, text) {
+                Some(fields) => fields,
+                None => return Ok(None),
+            },
+            None => return Ok(None),
         };
         let field = |name: &str| {
             fields

@@ -38,14 +38,7 @@ pub(super) fn listed(reply: &Value, text: fn(&Value) -> String) -> Vec<Listed> {
     entries
         .iter()
         .filter_map(|entry| {
-            let fields: Vec<(String, String)> = match entry {
-                Value::Array(items) => items
-                    .chunks(2)
-                    .filter_map(|pair| Some((text(pair.first()?), text(pair.get(1)?))))
-                    .collect(),
-                Value::Map(entries) => entries.iter().map(|(k, v)| (text(k), text(v))).collect(),
-                _ => return None,
-            };
+            let fields = fields(entry, text)?;
             let field = |name: &str| {
                 fields
                     .iter()
@@ -64,6 +57,21 @@ pub(super) fn listed(reply: &Value, text: fn(&Value) -> String) -> Vec<Listed> {
             })
         })
         .collect()
+}
+
+/// The fields of one entry of a sentinel's reply (a flat list of names and values, or a
+/// map), or `None` for another kind of value.
+pub(super) fn fields(entry: &Value, text: fn(&Value) -> String) -> Option<Vec<(String, String)>> {
+    match entry {
+        Value::Array(items) => Some(
+            items
+                .chunks(2)
+                .filter_map(|pair| Some((text(pair.first()?), text(pair.get(1)?))))
+                .collect(),
+        ),
+        Value::Map(entries) => Some(entries.iter().map(|(k, v)| (text(k), text(v))).collect()),
+        _ => None,
+    }
 }
 
 /// The replicas to ask: every replica some sentinel lists, but the primary itself and those
