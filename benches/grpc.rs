@@ -10,7 +10,7 @@
 //!   the request's `request_id` under a prefix.
 //! - **attribute**: the method without any of that, under `#[idempotent(..., replay)]` on a
 //!   `RedisStore` (one `EVALSHA` to claim, one to complete with the stored reply), served
-//!   behind `grpc::DetachLayer` as the guide recommends (each call in a task of its own).
+//!   behind `grpc::DetachLayer` as the guide recommends (a dropped call goes on in a task of its own).
 //! - **layer**: the bare method behind `grpc::IdempotencyLayer`, keyed by the call's
 //!   `idempotency-key` metadata entry (the request id again), replaying headers, message and
 //!   trailers.

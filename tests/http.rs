@@ -643,7 +643,9 @@ async fn a_client_disconnect_does_not_cancel_the_handler() {
         assert_eq!(busy.problem(), "in-flight", "{backend:?}");
         let finished = server.effects.finished.notified();
         server.effects.gate.notify_one();
-        finished.await;
+        tokio::time::timeout(Duration::from_secs(30), finished)
+            .await
+            .expect("the handler ran on to its end after its client left");
         assert!(server.layer.shutdown(Duration::from_secs(10)).await);
         let retry = send(server.post("/slow", "a", Some("k"))).await;
         assert_eq!(retry.status, StatusCode::CREATED, "{backend:?}");

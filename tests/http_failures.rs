@@ -145,7 +145,9 @@ async fn a_hung_up_clients_fresh_run_is_counted() {
             .expect("the server noticed the hang-up");
         let finished = effects.finished.notified();
         effects.gate.notify_one();
-        finished.await;
+        tokio::time::timeout(Duration::from_secs(30), finished)
+            .await
+            .expect("the handler ran on to its end after its client left");
         assert!(server.layer.shutdown(Duration::from_secs(10)).await);
         let counts = server.layer.counts();
         assert_eq!(

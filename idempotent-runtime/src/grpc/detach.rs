@@ -7,9 +7,12 @@ use std::time::Duration;
 
 use tokio_util::task::TaskTracker;
 
-/// A tower layer that runs each call in a task of its own, so that a call whose client left
-/// (its deadline expired, it cancelled, its connection dropped) runs to its end instead of
-/// being dropped halfway.
+use crate::http::detached::Detached;
+
+/// A tower layer under which a call whose client left (its deadline expired, it cancelled,
+/// its connection dropped) runs to its end instead of being dropped halfway: the call is
+/// polled where the server awaits it, and goes on in a task of its own if the server drops
+/// it first.
 ///
 /// A gRPC server drops a call's future when the client resets the stream, which a client
 /// does when its deadline expires, and when the server's own deadline (`grpc-timeout`)
@@ -51,7 +54,8 @@ impl DetachLayer {
         DetachLayer::default()
     }
 
-    /// How many calls are running in the layer's tasks (those whose clients left included).
+    /// How many calls are running under the layer, in place or in its tasks (those whose
+    /// clients left included).
     pub fn running(&self) -> usize {
         self.tasks.len()
     }
@@ -98,13 +102,16 @@ where
     }
 
     fn call(&mut self, request: Request) -> Self::Future {
-        let call = self.tasks.spawn(self.inner.call(request));
+        // Polled in place, and moved to a task of its own if this future is dropped first.
+        let call = Detached::new(self.inner.call(request), &self.tasks);
         Box::pin(async move {
             match call.await {
                 Ok(answer) => answer,
-                Err(err) if err.is_panic() => std::panic::resume_unwind(err.into_panic()),
-                // Cancelled: only when the runtime shuts down, which drops this future too.
-                Err(_) => std::future::pending().await,
+                Err(ended) => match ended.into_panic() {
+                    Some(panic) => std::panic::resume_unwind(panic),
+                    // Polled after it ended: not done by this future, which awaits it once.
+                    None => std::future::pending().await,
+                },
             }
         })
     }

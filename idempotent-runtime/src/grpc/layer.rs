@@ -15,7 +15,6 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use http_body_util::{BodyExt, Full};
 use sha2::{Digest, Sha256};
-use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 use tonic::{Code, Status};
 use tracing::Instrument;
@@ -23,6 +22,7 @@ use tracing::Instrument;
 use super::call::{ReplyBody, StoredCall};
 use crate::default_store::{carry, scoped};
 use crate::engine::Idempotency;
+use crate::http::detached::Detached;
 use crate::http::failure::Failure;
 use crate::http::key::{self, KeyHeader};
 use crate::http::request::read_request;
@@ -356,26 +356,22 @@ where
     // is another call.
     let fingerprint = Fingerprint::of(&[&parts.uri.path(), &&bytes[..]]);
     let call = http::Request::from_parts(parts, tonic::body::Body::new(Full::new(bytes)));
-    let (answer, answered) = oneshot::channel();
-    // The run is a task of its own: a client that leaves drops this future, not the method.
+    // The run goes to its end whatever the client does: it is polled here, and goes on in a
+    // task of its own if this future is dropped first (a client that left).
     // Boxed as soon as it is made: the run holds the method's future and the engine's, and
-    // every wrapper and the task would move it by value (into the task, and its output over
-    // it); a box moves as a pointer.
-    let answering = Box::pin(async move {
-        let _ = answer.send(run(inner, &config, key, fingerprint, call).await);
-    });
-    let task = tasks.spawn(carry(
-        scoped(),
-        answering.instrument(tracing::Span::current()),
-    ));
-    if let Ok(answer) = answered.await {
-        return answer;
+    // every wrapper would move it by value; a box moves as a pointer.
+    let answering = Box::pin(async move { run(inner, &config, key, fingerprint, call).await });
+    let answering = Detached::new(
+        carry(scoped(), answering.instrument(tracing::Span::current())),
+        &tasks,
+    );
+    match answering.await {
+        Ok(answer) => answer,
+        // A bug of the layer's.
+        Err(_) => Ok(status_reply(Status::internal(
+            "the idempotency layer failed while answering",
+        ))),
     }
-    let detail = match task.await {
-        Err(err) if err.is_panic() => "the idempotency layer failed while answering",
-        _ => "the call's task was cancelled (the runtime is shutting down)",
-    };
-    Ok(status_reply(Status::internal(detail)))
 }
 
 /// The reply of a call that ran here, kept for its own client whether or not it is stored.

@@ -133,6 +133,7 @@
 //! (a stored response it cannot read).
 
 mod body;
+pub(crate) mod detached;
 pub(crate) mod failure;
 pub(crate) mod key;
 mod problem;

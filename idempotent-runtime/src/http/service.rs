@@ -17,6 +17,7 @@ use tracing::Instrument;
 use crate::codec;
 use crate::default_store::{carry, scoped};
 use crate::http::body::{Body, BoxError};
+use crate::http::detached::Detached;
 use crate::http::failure::Failure;
 use crate::http::request::{prepare, Guarded, Prepared};
 use crate::http::respond::{answer, reject};
@@ -136,13 +137,14 @@ where
         Guarded::Answer(response) => return Ok(response),
     };
     let request = Request::from_parts(parts, B::from(bytes));
-    let (reply, replied) = oneshot::channel();
-    // The run, from the claim to the answer and its count, is a task of its own: a client
-    // that hangs up drops this future, not the handler, whose response is stored for the
-    // client's retry and counted.
+    let (reply, mut replied) = oneshot::channel();
+    // The run, from the claim to the answer and its count, goes to its end whatever the
+    // client does: it is polled here, and goes on in a task of its own if this future is
+    // dropped first (a client that hangs up) or once the answer is out while the run goes on
+    // (a streamed response's tail); its response is then stored for the client's retry and
+    // counted.
     // Boxed as soon as it is made: the run holds the handler's future and the engine's, and
-    // every wrapper and the task would move it by value (into the task, and its output over
-    // it); a box moves as a pointer.
+    // every wrapper would move it by value; a box moves as a pointer.
     let run = Box::pin(conclude(
         inner,
         config.clone(),
@@ -151,16 +153,32 @@ where
         request,
         reply,
     ));
-    let task = tasks.spawn(carry(scoped(), run.instrument(tracing::Span::current())));
-    if let Ok(answer) = replied.await {
-        return answer;
+    let mut run = Detached::new(
+        carry(scoped(), run.instrument(tracing::Span::current())),
+        &tasks,
+    );
+    // The run first: its last poll sends the answer, and a run that ended is not spawned.
+    let first = std::future::poll_fn(|cx| match run.poll_run(cx) {
+        Poll::Ready(ended) => Poll::Ready(Err(ended)),
+        Poll::Pending => Pin::new(&mut replied).poll(cx).map(Ok),
+    })
+    .await;
+    match first {
+        // The answer while the run goes on: dropping `run` moves it to its task.
+        Ok(Ok(answer)) => return answer,
+        Err(Ok(())) => {
+            if let Ok(answer) = replied.try_recv() {
+                return answer;
+            }
+        }
+        Ok(Err(_)) | Err(Err(_)) => {}
     }
-    // The task ended without an answer: a bug of the layer's, or a runtime shutting down.
-    let detail = match task.await {
-        Err(err) if err.is_panic() => "the idempotency layer failed while answering",
-        _ => "the handler's task was cancelled (the runtime is shutting down)",
-    };
-    Ok(reject(&config, Problem::Internal, detail))
+    // The run ended (or panicked) without an answer: a bug of the layer's.
+    Ok(reject(
+        &config,
+        Problem::Internal,
+        "the idempotency layer failed while answering",
+    ))
 }
 
 /// Runs the request under its key and sends its answer on `reply`, counted here, where the
