@@ -29,6 +29,7 @@ pub(crate) enum Ended {
 
 impl Ended {
     /// The panic's payload, to resume it where the run is awaited.
+    #[cfg(feature = "grpc")]
     pub(crate) fn into_panic(self) -> Option<Box<dyn Any + Send>> {
         match self {
             Ended::Panicked(panic) => Some(panic),
@@ -164,7 +165,9 @@ mod tests {
             &tasks,
         );
         let first = std::future::poll_fn(|cx| detached.poll_run(cx)).await;
-        let payload = first.err().and_then(Ended::into_panic).unwrap();
+        let Err(Ended::Panicked(payload)) = first else {
+            panic!("the panic was not caught");
+        };
         assert_eq!(payload.downcast_ref::<&str>(), Some(&"the run failed"));
         let again = std::future::poll_fn(|cx| detached.poll_run(cx)).await;
         assert!(matches!(again, Err(Ended::Gone)));

@@ -17,7 +17,7 @@ use tracing::Instrument;
 use crate::codec;
 use crate::default_store::{carry, scoped};
 use crate::http::body::{Body, BoxError};
-use crate::http::detached::Detached;
+use crate::http::detached::{Detached, Ended};
 use crate::http::failure::Failure;
 use crate::http::request::{prepare, Guarded, Prepared};
 use crate::http::respond::{answer, reject};
@@ -171,7 +171,11 @@ where
                 return answer;
             }
         }
-        Ok(Err(_)) | Err(Err(_)) => {}
+        Err(Err(Ended::Panicked(panic))) => tracing::error!(
+            panic = %panic_message(&*panic),
+            "the idempotency layer panicked while answering"
+        ),
+        Ok(Err(_)) | Err(Err(Ended::Gone)) => {}
     }
     // The run ended (or panicked) without an answer: a bug of the layer's.
     Ok(reject(
