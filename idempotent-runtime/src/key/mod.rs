@@ -347,10 +347,13 @@ fn validate_prefix(prefix: &str) -> Result<(), KeyError> {
     if prefix.len() > MAX_PREFIX_LEN {
         return Err(KeyError::PrefixTooLong { len: prefix.len() });
     }
-    // The common prefix is ASCII: one pass over its bytes. Among ASCII characters, the
-    // whitespace that is not a control character is the space.
-    let plain = |b: &u8| b.is_ascii() && !b.is_ascii_control() && !matches!(b, b'{' | b'}' | b' ');
-    if prefix.as_bytes().iter().all(plain) {
+    // The common prefix is printable ASCII: one pass over its bytes, without an early exit so
+    // that it runs many bytes at a time. Among ASCII characters, the whitespace that is not a
+    // control character is the space: printable and not a space is `!` to `~`.
+    let plain = prefix.as_bytes().iter().fold(true, |plain, &b| {
+        plain & (b'!'..=b'~').contains(&b) & (b != b'{') & (b != b'}')
+    });
+    if plain {
         return Ok(());
     }
     if let Some(found) = prefix
