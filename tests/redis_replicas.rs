@@ -11,7 +11,8 @@
 //! (SIGSTOP, so it acknowledges nothing), a claim is given back and the call fails closed, a
 //! renewal fails, and a completion is retried, never released, until the replica is back; a
 //! batch waits once per pipeline, not once per item, and is given back whole, also when the
-//! reply to its pipeline is lost.
+//! reply to its pipeline is lost. A script call is sent again after each load of its script,
+//! up to three sends, durable or not.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -572,6 +573,48 @@ async fn an_unreplicated_claim_is_given_back_and_fails_closed() {
             on_server(replica.port(), &name),
             "a reported claim is not on the replica"
         );
+    }
+}
+
+/// A script call that finds its script gone loads it and is sent again, however often the
+/// script vanishes between a load and the next send (a failover that moves the call to a
+/// primary without it), up to three sends in all; a third `NOSCRIPT` fails the call with
+/// nothing written. For a durable write (its `WAIT` in the same pipeline) and a plain one.
+/// The proxy flushes the server's scripts right before a send, so the place is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_call_is_sent_again_after_each_load_up_to_three_sends() {
+    let (primary, _replica) = primary_and_replica();
+    let flush = ["SCRIPT", "FLUSH"];
+    for durable in [true, false] {
+        let upstream = format!("127.0.0.1:{}", primary.port()).parse().unwrap();
+        let proxy = proxy::Proxy::start(upstream).await;
+        let mut builder = RedisStore::builder(&proxy.url())
+            .on_unsafe_config(UnsafeConfig::Warn)
+            .fast_claims(false);
+        if durable {
+            builder = builder.wait_for_replicas(1, Duration::from_millis(300));
+        }
+        let store = builder.build().await.unwrap();
+
+        // Gone before the first send and again before the send after the first load.
+        proxy.before_requests(b"EVALSHA", 2, &flush);
+        let req = minute_claim(&format!("no-script-twice-{durable}"));
+        let claim = tokio::time::timeout(NO_HANG, store.claim(&req))
+            .await
+            .expect("the claim hung");
+        assert!(matches!(claim, Ok(Claim::Acquired { .. })), "{claim:?}");
+        assert_eq!(proxy.befores(), 2, "durable: {durable}");
+
+        // Gone before each of three sends: the call fails, and writes nothing.
+        proxy.before_requests(b"EVALSHA", 3, &flush);
+        let req = minute_claim(&format!("no-script-thrice-{durable}"));
+        let claim = tokio::time::timeout(NO_HANG, store.claim(&req))
+            .await
+            .expect("the claim hung");
+        assert!(claim.is_err(), "durable: {durable}: {claim:?}");
+        assert_eq!(proxy.befores(), 5, "durable: {durable}");
+        let record = store.read(&req.key).await.unwrap();
+        assert!(record.is_none(), "durable: {durable}: {record:?}");
     }
 }
 

@@ -5,6 +5,9 @@
 //! It can also stall a request: the request is never forwarded and its connection goes
 //! silent (open, no reply, no error), as a half-dead connection or a stalled server does.
 //!
+//! It can send the server a command of its own right before a client's request goes on (a
+//! `SCRIPT FLUSH` between a load and the call that needs the script).
+//!
 //! In chaos mode it also does so at random, and cuts connections before a request reaches the
 //! server, so a workload meets both kinds of fault on real connections.
 
@@ -47,6 +50,18 @@ struct Shared {
     stalled: AtomicBool,
     /// How long each reply is held before it is passed on, in microseconds: a slow link.
     delay_us: AtomicUsize,
+    /// The server, for the commands sent before a request (`before_requests`).
+    upstream: Mutex<Option<SocketAddr>>,
+    before: Mutex<Option<Before>>,
+    /// How many commands were sent before a request.
+    befores: AtomicUsize,
+}
+
+/// A command sent to the server before each of the next `left` requests holding `marker`.
+struct Before {
+    marker: Vec<u8>,
+    left: usize,
+    command: Vec<u8>,
 }
 
 impl Shared {
@@ -72,6 +87,7 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let shared = Arc::new(Shared::default());
+        *shared.upstream.lock().unwrap() = Some(upstream);
         let tasks = Arc::new(Mutex::new(JoinSet::new()));
         let accept = {
             let (shared, tasks) = (shared.clone(), tasks.clone());
@@ -133,6 +149,27 @@ impl Proxy {
         self.shared.armed_skip.store(0, Ordering::SeqCst);
         self.shared.armed_stalls.store(true, Ordering::SeqCst);
         *armed = Some(marker.to_vec());
+    }
+
+    /// Before each of the next `count` requests whose bytes contain `marker` is forwarded,
+    /// sends `command` (a RESP array) to the server on a connection of its own and waits for
+    /// its reply: a change of the server's state that lands between two of a client's
+    /// requests, at an exact place, whatever the timing.
+    pub fn before_requests(&self, marker: &[u8], count: usize, command: &[&str]) {
+        let mut resp = format!("*{}\r\n", command.len());
+        for arg in command {
+            resp.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
+        }
+        *self.shared.before.lock().unwrap() = Some(Before {
+            marker: marker.to_vec(),
+            left: count,
+            command: resp.into_bytes(),
+        });
+    }
+
+    /// How many commands `before_requests` sent.
+    pub fn befores(&self) -> usize {
+        self.shared.befores.load(Ordering::SeqCst)
     }
 
     /// How many requests were stalled.
@@ -231,6 +268,28 @@ async fn relay(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
                             }
                         }
                     }
+                }
+                let before = {
+                    let mut before = shared.before.lock().unwrap();
+                    match before.as_mut() {
+                        Some(b)
+                            if b.left > 0
+                                && buf[..n].windows(b.marker.len()).any(|w| w == b.marker) =>
+                        {
+                            b.left -= 1;
+                            Some(b.command.clone())
+                        }
+                        _ => None,
+                    }
+                };
+                if let Some(command) = before {
+                    let upstream = shared.upstream.lock().unwrap().unwrap();
+                    let mut side = TcpStream::connect(upstream).await.unwrap();
+                    side.write_all(&command).await.unwrap();
+                    let mut reply = [0u8; 256];
+                    let read = side.read(&mut reply).await.unwrap();
+                    assert!(read > 0, "the server closed the side connection");
+                    shared.befores.fetch_add(1, Ordering::SeqCst);
                 }
                 if stall {
                     shared.stalled_requests.fetch_add(1, Ordering::SeqCst);
