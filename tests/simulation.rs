@@ -2,11 +2,13 @@
 //! simulator: a seeded scheduler drives several concurrent callers of the real engine over the
 //! real `MemoryStore`, through every door: single calls (`Operation::run_with`, replay on,
 //! sometimes a business `done` check, sometimes holding the key on error), batches of one or
-//! two keys (`Batch`), gRPC methods (`replay_grpc` of a prost reply, errors as `Status`, run
-//! to their end behind `grpc::DetachLayer` once started, so never dropped after their first
-//! poll), calls through a `CombiningStore`, lock holders (`Lock`), and an
-//! operator's actions (`Admin`: `force_release`, `delete`, `purge`, `unhold`) racing them. It
-//! decides everything a real deployment leaves to chance:
+//! two keys (`Batch`), gRPC methods (`replay_grpc` of a prost reply, errors as `Status`,
+//! behind the real `grpc::DetachLayer`), HTTP requests through the real
+//! `http::IdempotencyLayer` (the body as the handler, sometimes with another request body
+//! under the same key, sometimes looking for the previous key layout's record, which one key
+//! has, completed before an upgrade), calls through a `CombiningStore`, lock holders (`Lock`),
+//! and an operator's actions (`Admin`: `force_release`, `delete`, `purge`, `unhold`) racing
+//! them. It decides everything a real deployment leaves to chance:
 //!
 //! - at every store command: applied and answered, refused before being applied, applied with
 //!   its reply lost, never answered (not applied), applied and never answered, applied and
@@ -14,7 +16,8 @@
 //!   back, or its give-back is lost), or left in flight for later (and possibly applied after
 //!   its caller is gone);
 //! - at every await point of a caller: poll it now, later, or drop it (a timeout, a client
-//!   hanging up);
+//!   hanging up; a gRPC call or an HTTP request that started then goes on in its layer's
+//!   task);
 //! - between steps: let background tasks run, or move the clock (the store's clock and Tokio's
 //!   are the same paused clock) past leases and ttls.
 //!
@@ -23,7 +26,7 @@
 //! 1. per key, effects <= 1 + the losses reported (owners told `LostOwnership`, completions
 //!    the store refused, completions lost after `Ok` handed to the `on_completion_lost` hook,
 //!    callers dropped after their effect) plus the completed records an operator deleted on
-//!    purpose; with `done`, effects applied while
+//!    purpose; with `done` (not HTTP's keys, which have none), effects applied while
 //!    their owner held the live claim <= 1 (an owner stalled past its lease is what the fence
 //!    at the resource is for: the engine cannot stop it);
 //! 2. no owner whose body returned `Ok` ever gives its claim back (an operator's
@@ -34,7 +37,12 @@
 //!    a lease has passed, no key is in progress, except one whose claim the store applied and
 //!    never answered, or whose give-back was lost (its lease is all that frees it);
 //! 6. every duplicate answer follows an applied effect, and every replayed value is one a body
-//!    of that key returned.
+//!    of that key returned;
+//! 7. a gRPC call or an HTTP request whose client left after it started still ends (its
+//!    answer, or its layer's count of it, is there), and a loss it would have told its client
+//!    counts as told;
+//! 8. the HTTP request completed under the previous key layout never runs (unless an operator
+//!    deleted that record).
 //!
 //! `SIM_SCHEDULES` sets how many schedules run (default 100,000 in release builds, 2,000 in
 //! debug builds), `SIM_SEED` replays one seed with a trace of every step. A violation prints its
@@ -46,6 +54,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -53,16 +62,29 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use idempotency::admin::Admin;
+use idempotency::grpc::DetachLayer;
+use idempotency::http::IdempotencyLayer;
 use idempotency::lock::Lock;
 use idempotency::memory::Clock;
 use idempotency::store::{
     BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, End, Ending, Expect, OperatorStore,
     Record, RecordState, ScanCursor, ScanPage, Store, StoreError, StoreErrorKind, Token,
 };
-use idempotency::{Error, Idempotency, Key, MemoryStore, OnError, SharedStore};
+use idempotency::{Error, Idempotency, Key, KeyPart, MemoryStore, OnError, SharedStore};
+use tower::{Layer as _, ServiceExt as _};
 
 const LEASE: Duration = Duration::from_millis(300);
 const TTL: Duration = Duration::from_secs(5);
+
+/// The caller of every HTTP request, `sim`, as the HTTP layer puts it in a key: the first 16
+/// bytes of its SHA-256, in hex.
+fn http_scope() -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(b"sim")[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
 
 // ---------------------------------------------------------------------------------------
 // Choices: a seeded generator, or a recorded list replayed (and shrunk).
@@ -740,18 +762,94 @@ struct Answer {
     out: Result<u64, AppError>,
 }
 
-/// A caller: a single call, a batch, an operator's action or a lock holder. It answers once,
-/// for each of its keys (operators and lock holders answer nothing the checks look at).
+/// A caller: a single call, a batch, an operator's action, a lock holder, a gRPC call or an
+/// HTTP request. It answers once, for each of its keys (operators and lock holders answer
+/// nothing the checks look at).
 struct Caller {
     future: Pin<Box<dyn Future<Output = Vec<Answer>>>>,
-    /// A gRPC call behind `grpc::DetachLayer`: once polled it runs to its end, whatever its
-    /// client does.
-    detached: bool,
+    /// A door whose call runs to its end when its client leaves once it started: what the
+    /// checks read of that end.
+    detached: Option<Detached>,
     /// Whether it was polled (the server received the call).
     started: bool,
     /// Its keys, each with the fence its body applied the effect under, once it did: a
     /// caller dropped after its effect is a loss the law counts (its message is redelivered).
     rans: Vec<(usize, Ran)>,
+}
+
+/// How a call whose client left is seen to end, for the checks: its client is gone, but it
+/// must still end, and a loss it would have told its client is still a loss.
+enum Detached {
+    /// A gRPC method behind the real `grpc::DetachLayer`: the method's answer, once it ended.
+    Grpc(Arc<Mutex<Option<Result<u64, AppError>>>>),
+    /// A request through the real `http::IdempotencyLayer` (its own layer, so its counts are
+    /// this request's): it ended once it is counted.
+    Http(IdempotencyLayer),
+}
+
+impl Detached {
+    /// Whether the call ended, and whether it ended telling its client of a loss (ownership
+    /// lost after its effect). An HTTP run that ran its effect and answered a problem can
+    /// only have lost its claim (a completion the store did not answer is answered `Ok`, its
+    /// loss reported to the hook): its counts do not say which problem.
+    fn ended(&self) -> (bool, bool) {
+        match self {
+            Detached::Grpc(answer) => match &*answer.lock().unwrap() {
+                None => (false, false),
+                Some(out) => (
+                    true,
+                    matches!(out, Err(AppError::Idem(kind)) if kind == "lost_ownership"),
+                ),
+            },
+            Detached::Http(layer) => {
+                let counts = layer.counts();
+                let ends = counts.fresh + counts.replayed + counts.released + counts.rejected;
+                (ends == 1, counts.rejected == 1)
+            }
+        }
+    }
+}
+
+/// What an HTTP client was told, read back as the other callers' answers: the value of a
+/// `201` (fresh or replayed), `Business` for the handler's own `500`, and the layer's
+/// problems by their `type` (a lost claim is the `internal` problem that says so).
+async fn from_http(
+    response: http::Response<idempotency::http::Body>,
+    seeded: bool,
+) -> Result<u64, AppError> {
+    let status = response.status();
+    let problem = response
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|t| t == "application/problem+json");
+    let body = axum::body::to_bytes(axum::body::Body::new(response.into_body()), usize::MAX)
+        .await
+        .expect("the layer's body is whole");
+    if !problem {
+        return match status.as_u16() {
+            201 => Ok(std::str::from_utf8(&body).unwrap().parse().unwrap()),
+            500 => Err(AppError::Business),
+            other => Err(AppError::Idem(format!("status {other}"))),
+        };
+    }
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let slug = problem["type"]
+        .as_str()
+        .unwrap()
+        .rsplit('#')
+        .next()
+        .unwrap();
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    let kind = match slug {
+        "in-flight" => "in_progress",
+        // Completed under the previous layout, before the upgrade: not this layout's effect.
+        "already-processed" if seeded => "already_processed",
+        "already-processed" => "duplicate",
+        "store-unavailable" => "store",
+        "internal" if detail.starts_with("lost ownership") => "lost_ownership",
+        other => other,
+    };
+    Err(AppError::Idem(kind.to_owned()))
 }
 
 /// A gRPC method's reply: the value, as a prost message.
@@ -904,9 +1002,16 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         ..World::default()
     }));
     let n_keys = 1 + choices.pick(2) as usize;
-    let keys: Vec<Key> = (0..n_keys)
+    let mut keys: Vec<Key> = (0..n_keys)
         .map(|i| Key::new("sim", 1, &[&(i as u64)]).unwrap())
         .collect();
+    // Then as many keys of HTTP requests (`POST /sim/<j>` with `Idempotency-Key: k<j>`, from
+    // the caller `sim`), as the layer makes them: `http:v2:{hashed caller, client key}`.
+    let http_scope = http_scope();
+    keys.extend((0..n_keys).map(|j| {
+        let parts: [&dyn KeyPart; 2] = [&http_scope, &format!("k{j}")];
+        Key::new("http", 2, &parts).unwrap()
+    }));
     let store = Arc::new(SimStore {
         inner: MemoryStore::with_clock(TokioClock {
             origin: tokio::time::Instant::now(),
@@ -917,12 +1022,31 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
     let shared: SharedStore = store.clone();
     let with_done = choices.chance(1, 3);
     let effects = Arc::new(Mutex::new(Effects {
-        applied: vec![0; n_keys],
-        by_live_owner: vec![0; n_keys],
-        values: vec![BTreeSet::new(); n_keys],
+        applied: vec![0; keys.len()],
+        by_live_owner: vec![0; keys.len()],
+        values: vec![BTreeSet::new(); keys.len()],
     }));
     let log = |line: String| world.lock().unwrap().log(|| line);
     log(format!("keys={n_keys} done_check={with_done}"));
+    // HTTP layers look for a request's record under the previous key layout, and the first
+    // HTTP key may have one, completed before an upgrade: no request of it may run.
+    let previous_layout = choices.chance(1, 2);
+    let seeded = (previous_layout && choices.chance(1, 2)).then_some(n_keys);
+    if seeded.is_some() {
+        let parts: [&dyn KeyPart; 4] = [&http_scope, &"POST", &"/sim/0", &"k0"];
+        let previous = Key::new("http", 1, &parts).unwrap();
+        let hour = Duration::from_secs(3600);
+        let owner = ClaimRequest::new(previous.clone(), Token::generate(), hour, hour);
+        assert!(matches!(
+            ready(store.inner.claim(&owner)),
+            Ok(Claim::Acquired { .. })
+        ));
+        let done = Completion::new(None, hour);
+        assert!(ready(store.inner.complete(&previous, &owner.token, &done)).unwrap());
+    }
+    log(format!(
+        "previous_layout={previous_layout} seeded={seeded:?}"
+    ));
 
     let with_hold = choices.chance(1, 4);
     let lock_keys: Vec<Key> = (0..2u64)
@@ -960,8 +1084,8 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
             .store(engine_store.clone());
         let hold = |_: &AppError| OnError::Hold;
         let mut rans_of: Vec<(usize, Ran)> = Vec::new();
-        let mut detached = false;
-        let future: Pin<Box<dyn Future<Output = Vec<Answer>>>> = match choices.pick(10) {
+        let mut detached = None;
+        let future: Pin<Box<dyn Future<Output = Vec<Answer>>>> = match choices.pick(12) {
             // A batch of one or two keys.
             5 | 6 => {
                 let first = choices.pick(n_keys as u32) as usize;
@@ -1016,7 +1140,9 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
             }
             // An operator's action on an operation key, through the store itself.
             7 | 9 => {
-                let key = keys[choices.pick(n_keys as u32) as usize].clone();
+                let at = choices.pick(keys.len() as u32) as usize;
+                let key = keys[at].clone();
+                let prefix = if at < n_keys { "sim" } else { "http" };
                 let action = choices.pick(4);
                 let admin = Admin::new(Arc::new(OperatorView(store.clone()))).timeout(LEASE);
                 log(format!("caller {i}: operator action {action} on {key}"));
@@ -1028,7 +1154,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                             }
                         }
                         1 => drop(admin.delete(&key).await),
-                        2 => drop(admin.purge("sim").await),
+                        2 => drop(admin.purge(prefix).await),
                         _ => drop(admin.unhold(&key).await),
                     }
                     Vec::new()
@@ -1065,9 +1191,9 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                     Vec::new()
                 })
             }
-            // A gRPC method: the same engine, a prost reply, errors as `Status`.
+            // A gRPC method behind the real `grpc::DetachLayer`: the same engine, a prost
+            // reply, errors as `Status`; dropped once started, it runs on in the layer's task.
             4 => {
-                detached = true;
                 let key = choices.pick(n_keys as u32) as usize;
                 let ran: Ran = Arc::new(Mutex::new(None));
                 let body = body(key, i as u64, choices.pick(4), choices.chance(1, 5), &ran);
@@ -1079,23 +1205,82 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                 }
                 log(format!("caller {i}: gRPC call on key {key}"));
                 rans_of.push((key, ran.clone()));
-                let answer = move |out| {
-                    vec![Answer {
-                        key,
-                        ran,
-                        out: from_grpc(out),
-                    }]
-                };
-                if with_done {
+                let ended = Arc::new(Mutex::new(None));
+                detached = Some(Detached::Grpc(ended.clone()));
+                let method: Pin<Box<dyn Future<Output = Method> + Send>> = if with_done {
                     let effects = effects.clone();
                     let op = op.done(move || {
                         let done = effects.lock().unwrap().applied[key] > 0;
                         async move { Ok::<_, tonic::Status>(done) }
                     });
-                    Box::pin(async move { answer(op.run_with(|_| body).await) })
+                    Box::pin(op.run_with(|_| body))
                 } else {
-                    Box::pin(async move { answer(op.run_with(|_| body).await) })
-                }
+                    Box::pin(op.run_with(|_| body))
+                };
+                // The server's call: the method, its answer kept where the checks read it
+                // whether or not its client is still there.
+                let mut method = Some(method);
+                let server = tower::service_fn(move |()| {
+                    let method = method.take().expect("one call");
+                    let ended = ended.clone();
+                    async move {
+                        let out = from_grpc(method.await);
+                        *ended.lock().unwrap() = Some(out.clone());
+                        Ok::<_, Infallible>(out)
+                    }
+                });
+                let call = DetachLayer::new().layer(server).oneshot(());
+                Box::pin(async move {
+                    let Ok(out) = call.await;
+                    vec![Answer { key, ran, out }]
+                })
+            }
+            // An HTTP request through the real `http::IdempotencyLayer`, its handler the body:
+            // `201` with the value, or `500` (its key given back). Dropped once started, its
+            // run goes on in the layer's task.
+            10 | 11 => {
+                let j = choices.pick(n_keys as u32) as usize;
+                let key = n_keys + j;
+                let ran: Ran = Arc::new(Mutex::new(None));
+                let (steps, fails) = (choices.pick(4), choices.chance(1, 5));
+                // Another body under the same key now and then: `422`, and nothing runs.
+                let payload = if choices.chance(1, 6) { "other" } else { "" };
+                let handler = {
+                    let (body, ran) = (body.clone(), ran.clone());
+                    tower::service_fn(move |_: http::Request<axum::body::Body>| {
+                        let body = body(key, i as u64, steps, fails, &ran);
+                        async move {
+                            let (status, text) = match body.await {
+                                Ok(value) => (201, value.to_string()),
+                                Err(_) => (500, "business".to_owned()),
+                            };
+                            let response = http::Response::builder()
+                                .status(status)
+                                .body(axum::body::Body::from(text))
+                                .unwrap();
+                            Ok::<_, Infallible>(response)
+                        }
+                    })
+                };
+                let layer =
+                    IdempotencyLayer::new(guard, |_: &http::request::Parts| Some("sim".to_owned()))
+                        .previous_layout(previous_layout);
+                detached = Some(Detached::Http(layer.clone()));
+                let request = http::Request::post(format!("/sim/{j}"))
+                    .header("idempotency-key", format!("k{j}"))
+                    .body(axum::body::Body::from(payload))
+                    .unwrap();
+                log(format!(
+                    "caller {i}: HTTP request on key {key} body {payload:?}"
+                ));
+                rans_of.push((key, ran.clone()));
+                let call = layer.layer(handler).oneshot(request);
+                let seeded = seeded == Some(key);
+                Box::pin(async move {
+                    let Ok(response) = call.await;
+                    let out = from_http(response, seeded).await;
+                    vec![Answer { key, ran, out }]
+                })
             }
             // A single call.
             _ => {
@@ -1129,6 +1314,10 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         });
     }
     let mut live: Vec<(usize, Caller)> = Vec::new();
+    // Callers whose client left after their call started, which runs on in its layer's task:
+    // the caller, its keys and how its call is seen to end.
+    type Left = (usize, Vec<(usize, Ran)>, Detached);
+    let mut left: Vec<Left> = Vec::new();
     let mut next_caller = 0usize;
 
     let check_answer = |i: usize, answer: &Answer| -> Option<String> {
@@ -1200,12 +1389,15 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
             // Drop a caller at its current await point.
             6 if !live.is_empty() => {
                 let at = choices.pick(live.len() as u32) as usize;
-                if live[at].1.detached && live[at].1.started {
-                    // Its client left; its call runs on in the layer's task.
-                    log(format!("the client of caller {} left", live[at].0));
+                let (i, caller) = live.remove(at);
+                if let (true, Some(detached)) = (caller.started, caller.detached) {
+                    // Its client left: the layer moves its call to a task of its own, where
+                    // it must run to its end.
+                    log(format!("the client of caller {i} left"));
+                    drop(caller.future);
+                    left.push((i, caller.rans, detached));
                     continue;
                 }
-                let (i, caller) = live.remove(at);
                 log(format!("drop caller {i}"));
                 let mut world = world.lock().unwrap();
                 for (key, ran) in &caller.rans {
@@ -1288,6 +1480,30 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
 
     let mut world_guard = world.lock().unwrap();
     let effects = effects.lock().unwrap();
+    for (i, rans, detached) in &left {
+        let (ended, lost) = detached.ended();
+        if !ended {
+            world_guard.violations.push(format!(
+                "the call of caller {i}, whose client left, never ended"
+            ));
+        }
+        for (key, ran) in rans.iter().filter(|_| lost) {
+            if let Some(fence) = *ran.lock().unwrap() {
+                world_guard.losers.entry(*key).or_default().insert(fence);
+            }
+        }
+    }
+    // The key completed under the previous layout never runs, unless an operator deleted
+    // that record (it is the only record without a key of this schedule's).
+    if let Some(key) = seeded {
+        let deleted = world_guard.rerun_by_operator.contains_key(&usize::MAX);
+        if effects.applied[key] > 0 && !deleted {
+            world_guard.violations.push(format!(
+                "`{}` ran {} times though its request was completed before the upgrade",
+                keys[key], effects.applied[key]
+            ));
+        }
+    }
     for lost in lost_completions().lock().unwrap().drain(..) {
         let at = keys
             .iter()
@@ -1300,7 +1516,8 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         let refused = world_guard.losers.get(&i).map_or(0, BTreeSet::len) as u32;
         let rerun = world_guard.rerun_by_operator.get(&i).copied().unwrap_or(0) as u32;
         let by_live_owner = effects.by_live_owner[i];
-        if with_done && by_live_owner > 1 {
+        // HTTP requests have no business check but the previous layout's record.
+        if with_done && i < n_keys && by_live_owner > 1 {
             world_guard.violations.push(format!(
                 "`{key}`: {by_live_owner} effects by live owners with a done check"
             ));
