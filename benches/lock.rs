@@ -8,6 +8,10 @@
 //! - **renewed**: the same, with the renewal task a lease lock needs (a spawned task that
 //!   extends the key with a Lua compare-and-`PEXPIRE` every third of the lease, aborted at
 //!   unlock): the hand-written equivalent of `Lock`, and the baseline of `lock_ratio`;
+//! - **fenced**: the renewed lock with the fencing token a lock needs before a resource can
+//!   refuse a stalled holder's late writes (`Lock` hands one out): a Lua script that takes the
+//!   key with `SET NX PX` and then `INCR`s the key's fence counter, kept (with an expiry, as
+//!   keys here are unbounded) past the unlock, so that the next holder's fence is higher;
 //! - **lock**: `Lock::new(RedisStore, lease).lock(key)` then `guard.unlock()`: the store's claim
 //!   and release scripts, with the guard's lease renewal started and stopped.
 //!
@@ -27,10 +31,12 @@
 //! ```
 //!
 //! The last lines are the figures: `<side>_cycles_per_s`, `lock_ratio` (lock over renewed, the
-//! goal is at least 0.9), `lock_raw_ratio` (lock over raw), `<side>_redis_cpu_us`,
+//! goal is at least 0.9), `lock_raw_ratio` (lock over raw), `lock_fenced_ratio` (lock over
+//! fenced: what the lock costs beyond the rule it keeps), `<side>_redis_cpu_us`,
 //! `<side>_allocations` (per cycle), and with valgrind `<side>_instructions` (per cycle) and
 //! `lock_instructions_ratio` (renewed's count over lock's: read as the throughput ratio is,
-//! the higher the better), with `<side>_counted_scripts_per_cycle`: the scripts Redis ran
+//! the higher the better), `lock_fenced_instructions_ratio` (fenced's over lock's), with
+//! `<side>_counted_scripts_per_cycle`: the scripts Redis ran
 //! per cycle of the counted runs (the lock: 1.0 when its claims were the fast `SET ... NX
 //! GET`, 2.0 when, slowed down under callgrind, they went through the script).
 
@@ -74,6 +80,18 @@ end
 return 0
 ";
 
+/// The hand-written fenced lock: take the key, then raise its fence, a counter that outlives
+/// the lock (for a day: keys here are never taken twice, but the counter must outlive every
+/// holder's writes).
+const FENCED: &str = r"
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local fence = redis.call('INCR', KEYS[2])
+  redis.call('PEXPIRE', KEYS[2], 86400000)
+  return fence
+end
+return false
+";
+
 /// The hand-written unlock: delete the key only if this token still holds it.
 const UNLOCK: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -86,16 +104,18 @@ return 0
 enum Side {
     Raw,
     Renewed,
+    Fenced,
     Lock,
 }
 
-const SIDES: [Side; 3] = [Side::Raw, Side::Renewed, Side::Lock];
+const SIDES: [Side; 4] = [Side::Raw, Side::Renewed, Side::Fenced, Side::Lock];
 
 impl Side {
     fn name(self) -> &'static str {
         match self {
             Side::Raw => "raw",
             Side::Renewed => "renewed",
+            Side::Fenced => "fenced",
             Side::Lock => "lock",
         }
     }
@@ -104,6 +124,7 @@ impl Side {
 struct Bench {
     conn: ConnectionManager,
     renew: Arc<Script>,
+    fenced: Arc<Script>,
     unlock: Arc<Script>,
     locks: Lock,
     run: String,
@@ -115,9 +136,10 @@ impl Bench {
         let start = Instant::now();
         let tasks: Vec<_> = (0..TASKS)
             .map(|task| {
-                let (mut conn, renew, unlock, locks) = (
+                let (mut conn, renew, fenced, unlock, locks) = (
                     self.conn.clone(),
                     self.renew.clone(),
+                    self.fenced.clone(),
                     self.unlock.clone(),
                     self.locks.clone(),
                 );
@@ -125,19 +147,30 @@ impl Bench {
                 tokio::spawn(async move {
                     for i in (task..cycles).step_by(TASKS) {
                         match side {
-                            Side::Raw | Side::Renewed => {
+                            Side::Raw | Side::Renewed | Side::Fenced => {
                                 let key = format!("{prefix}:raw:{i}");
                                 let token = format!("{task}-{i}");
-                                let locked: Option<String> = redis::cmd("SET")
-                                    .arg(&key)
-                                    .arg(&token)
-                                    .arg("NX")
-                                    .arg("PX")
-                                    .arg(LEASE.as_millis() as u64)
-                                    .query_async(&mut conn)
-                                    .await?;
-                                assert!(locked.is_some(), "a fresh key was held");
-                                let renewal = (side == Side::Renewed).then(|| {
+                                if side == Side::Fenced {
+                                    let fence: Option<u64> = fenced
+                                        .key(&key)
+                                        .key(format!("{key}:fence"))
+                                        .arg(&token)
+                                        .arg(LEASE.as_millis() as u64)
+                                        .invoke_async(&mut conn)
+                                        .await?;
+                                    assert!(fence.is_some(), "a fresh key was held");
+                                } else {
+                                    let locked: Option<String> = redis::cmd("SET")
+                                        .arg(&key)
+                                        .arg(&token)
+                                        .arg("NX")
+                                        .arg("PX")
+                                        .arg(LEASE.as_millis() as u64)
+                                        .query_async(&mut conn)
+                                        .await?;
+                                    assert!(locked.is_some(), "a fresh key was held");
+                                }
+                                let renewal = (side != Side::Raw).then(|| {
                                     let (mut conn, renew) = (conn.clone(), renew.clone());
                                     let (key, token) = (key.clone(), token.clone());
                                     tokio::spawn(async move {
@@ -186,7 +219,7 @@ async fn one_side(bench: &Bench, name: &str, ops: usize) -> Result<(), BoxError>
     let side = SIDES
         .into_iter()
         .find(|side| side.name() == name)
-        .ok_or_else(|| format!("no side {name}: raw, renewed or lock"))?;
+        .ok_or_else(|| format!("no side {name}: raw, renewed, fenced or lock"))?;
     bench.pass(side, "warm", WARM_ONLY).await?;
     bench.pass(side, "only", ops).await?;
     Ok(())
@@ -201,6 +234,7 @@ async fn run(url: &str) -> Result<(), BoxError> {
     let bench = Bench {
         conn: conn.clone(),
         renew: Arc::new(Script::new(RENEW)),
+        fenced: Arc::new(Script::new(FENCED)),
         unlock: Arc::new(Script::new(UNLOCK)),
         locks: Lock::new(Arc::new(store), LEASE).wait(Duration::from_secs(5)),
         run: format!("{:08x}", (nanos ^ u64::from(std::process::id())) as u32),
@@ -213,9 +247,9 @@ async fn run(url: &str) -> Result<(), BoxError> {
     for side in SIDES {
         bench.pass(side, "warm", CYCLES).await?;
     }
-    let mut rates: [Vec<f64>; 3] = Default::default();
-    let mut cpu: [Vec<f64>; 3] = Default::default();
-    let mut allocs: [Vec<f64>; 3] = Default::default();
+    let mut rates: [Vec<f64>; 4] = Default::default();
+    let mut cpu: [Vec<f64>; 4] = Default::default();
+    let mut allocs: [Vec<f64>; 4] = Default::default();
     for round in 0..ROUNDS {
         for step in 0..SIDES.len() {
             let at = (round + step) % SIDES.len();
@@ -242,8 +276,13 @@ async fn run(url: &str) -> Result<(), BoxError> {
             0,
         );
     }
-    figure("lock_ratio", median(&rates[2]) / median(&rates[1]), 3);
-    figure("lock_raw_ratio", median(&rates[2]) / median(&rates[0]), 3);
+    figure("lock_ratio", median(&rates[3]) / median(&rates[1]), 3);
+    figure("lock_raw_ratio", median(&rates[3]) / median(&rates[0]), 3);
+    figure(
+        "lock_fenced_ratio",
+        median(&rates[3]) / median(&rates[2]),
+        3,
+    );
     for (at, side) in SIDES.into_iter().enumerate() {
         figure(
             &format!("{}_redis_cpu_us", side.name()),
@@ -259,13 +298,13 @@ async fn run(url: &str) -> Result<(), BoxError> {
     if instructions::enabled() {
         let mut counts = Vec::new();
         let mut scripts = redis_info::script_calls(url)?;
-        // One script a cycle on every side: its unlock. A run whose claims fell back to the
-        // script is taken again.
-        let expected = instructions::Expected {
-            warm_cycles: WARM_ONLY,
-            per_cycle: 1.0,
-        };
+        // One script a cycle on every side, its unlock, and the fenced side's lock. A run
+        // whose claims fell back to the script is taken again.
         for side in SIDES {
+            let expected = instructions::Expected {
+                warm_cycles: WARM_ONLY,
+                per_cycle: if side == Side::Fenced { 2.0 } else { 1.0 },
+            };
             let (count, ran) = instructions::per_cycle_expected(
                 side.name(),
                 INSTRUCTION_OPS,
@@ -280,7 +319,8 @@ async fn run(url: &str) -> Result<(), BoxError> {
             );
             counts.push(count);
         }
-        figure("lock_instructions_ratio", counts[1] / counts[2], 3);
+        figure("lock_instructions_ratio", counts[1] / counts[3], 3);
+        figure("lock_fenced_instructions_ratio", counts[2] / counts[3], 3);
     }
     Ok(())
 }
