@@ -6,7 +6,8 @@
 //! behind the real `grpc::DetachLayer`), HTTP requests through the real
 //! `http::IdempotencyLayer` (the body as the handler, sometimes with another request body
 //! under the same key, sometimes looking for the previous key layout's record, which one key
-//! has, completed before an upgrade), calls through a `CombiningStore`, lock holders (`Lock`),
+//! has, completed before an upgrade), calls through a `CombiningStore` or a `TieredStore` (two
+//! simulated stores, the front of which can lose its data at any step), lock holders (`Lock`),
 //! and an operator's actions (`Admin`: `force_release`, `delete`, `purge`, `unhold`) racing
 //! them. It decides everything a real deployment leaves to chance:
 //!
@@ -14,7 +15,8 @@
 //!   its reply lost, never answered (not applied), applied and never answered, applied and
 //!   answered unavailable (a durable write its replicas did not acknowledge; a claim is given
 //!   back, or its give-back is lost), or left in flight for later (and possibly applied after
-//!   its caller is gone);
+//!   its caller is gone); a tiered store's front answers every command, as a store with a
+//!   reply timeout does, a command it never answers as a timeout;
 //! - at every await point of a caller: poll it now, later, or drop it (a timeout, a client
 //!   hanging up; a gRPC call or an HTTP request that started then goes on in its layer's
 //!   task);
@@ -35,7 +37,8 @@
 //! 4. a lock holder whose guard says the lock is held is the store's live holder;
 //! 5. every caller answers, though some store commands never do; once every caller is gone and
 //!    a lease has passed, no key is in progress, except one whose claim the store applied and
-//!    never answered, or whose give-back was lost (its lease is all that frees it);
+//!    never answered, or whose give-back was lost, or abandoned at a tiered store's front (its
+//!    lease is all that frees it);
 //! 6. every duplicate answer follows an applied effect, and every replayed value is one a body
 //!    of that key returned;
 //! 7. a gRPC call or an HTTP request whose client left after it started still ends (its
@@ -68,7 +71,8 @@ use idempotency::lock::Lock;
 use idempotency::memory::Clock;
 use idempotency::store::{
     BoxFuture, Claim, ClaimRequest, CombiningStore, Completion, End, Ending, Expect, OperatorStore,
-    Record, RecordState, ScanCursor, ScanPage, Store, StoreError, StoreErrorKind, Token,
+    Record, RecordState, ScanCursor, ScanPage, Store, StoreError, StoreErrorKind, TieredStore,
+    Token,
 };
 use idempotency::{Error, Idempotency, Key, KeyPart, MemoryStore, OnError, SharedStore};
 use tower::{Layer as _, ServiceExt as _};
@@ -189,6 +193,12 @@ enum Reply {
 
 struct InFlight {
     id: u64,
+    /// Sent to the front layer of a `TieredStore`.
+    front: bool,
+    /// The keys a release to the front layer gives back (by index).
+    front_releases: Vec<usize>,
+    /// Its reply reached its caller.
+    delivered: bool,
     command: Command,
     reply: Option<Reply>,
     waker: Option<Waker>,
@@ -229,6 +239,12 @@ struct SimStore {
     inner: MemoryStore,
     world: Arc<Mutex<World>>,
     keys: Vec<Key>,
+    /// The front layer of a `TieredStore` (the back is the record of truth, which the checks
+    /// read): its commands are scheduled and faulted alike, but its records count for
+    /// nothing the checks look at (its fences, refusals and give-backs are not an owner's).
+    is_front: bool,
+    /// The back's handle on the front layer, to end the front's commands.
+    front: Option<Arc<SimStore>>,
 }
 
 impl SimStore {
@@ -243,9 +259,25 @@ impl SimStore {
         let mut world = self.world.lock().unwrap();
         let id = world.next_id;
         world.next_id += 1;
-        world.log(|| format!("  send #{id} {}", describe(&command)));
+        let front = self.is_front;
+        world.log(|| {
+            let layer = if front { "front " } else { "" };
+            format!("  send #{id} {layer}{}", describe(&command))
+        });
+        let front_releases = match &command {
+            Command::Release(key, _) if front => vec![self.key_index(key)],
+            Command::CompleteMany(items) if front => items
+                .iter()
+                .filter(|item| matches!(item.action, End::Release))
+                .map(|item| self.key_index(&item.key))
+                .collect(),
+            _ => Vec::new(),
+        };
         world.in_flight.push(InFlight {
             id,
+            front,
+            front_releases,
+            delivered: false,
             command,
             reply: None,
             waker: None,
@@ -381,28 +413,39 @@ impl SimStore {
     /// the give-back lost (the claims it acquired stay held, with no owner, until their
     /// leases run out).
     fn end(&self, index: usize, fault: u32) {
-        let mut world = self.world.lock().unwrap();
-        let command = world.in_flight[index].command.clone();
+        let front = self.world.lock().unwrap().in_flight[index].front;
+        match &self.front {
+            Some(layer) if front => layer.end_here(index, fault),
+            _ => self.end_here(index, fault),
+        }
+    }
+
+    /// [`end`](Self::end) for a command sent to this store.
+    fn end_here(&self, index: usize, fault: u32) {
+        let mut guard = self.world.lock().unwrap();
+        let command = guard.in_flight[index].command.clone();
+        // The front's records count for nothing the checks look at: its bookkeeping goes to a
+        // scratch world.
+        let mut scratch = World::default();
+        let world: &mut World = if self.is_front {
+            &mut scratch
+        } else {
+            &mut guard
+        };
         let reply = match fault {
             1 => Some(fail(&command, StoreErrorKind::Unavailable)),
-            2 => {
-                self.apply(&command, &mut world);
+            // The front layer answers every command, as a store with a reply timeout does (the
+            // tiered store awaits its writes to the front without a bound of its own): a
+            // command it never answers is answered as a timeout, applied or not.
+            3 if self.is_front => Some(fail(&command, StoreErrorKind::OutcomeUnknown)),
+            2 | 4 if fault == 2 || self.is_front => {
+                self.apply(&command, world);
                 Some(fail(&command, StoreErrorKind::OutcomeUnknown))
             }
             3 => None,
             5 | 6 => {
-                let reply = self.apply(&command, &mut world);
-                let acquired: Vec<&ClaimRequest> = match (&command, &reply) {
-                    (Command::Claim(req), Reply::Claim(Ok(Claim::Acquired { .. }))) => vec![req],
-                    (Command::ClaimMany(reqs), Reply::Claims(claims)) => reqs
-                        .iter()
-                        .zip(claims)
-                        .filter(|(_, c)| matches!(c, Ok(Claim::Acquired { .. })))
-                        .map(|(req, _)| req)
-                        .collect(),
-                    _ => Vec::new(),
-                };
-                for req in acquired {
+                let reply = self.apply(&command, world);
+                for req in acquired(&command, &reply) {
                     if fault == 5 {
                         let _ = ready(self.inner.release(&req.key, &req.token));
                     } else {
@@ -412,7 +455,7 @@ impl SimStore {
                 Some(fail(&command, StoreErrorKind::Unavailable))
             }
             4 => {
-                self.apply(&command, &mut world);
+                self.apply(&command, world);
                 let claimed: Vec<usize> = match &command {
                     Command::Claim(req) => vec![self.key_index(&req.key)],
                     Command::ClaimMany(reqs) => {
@@ -423,8 +466,9 @@ impl SimStore {
                 world.applied_unanswered.extend(claimed);
                 None
             }
-            _ => Some(self.apply(&command, &mut world)),
+            _ => Some(self.apply(&command, world)),
         };
+        let mut world = guard;
         let id = world.in_flight[index].id;
         world.log(|| {
             format!(
@@ -455,6 +499,20 @@ impl SimStore {
         (0..world.in_flight.len())
             .filter(|&i| !world.in_flight[i].ended)
             .collect()
+    }
+}
+
+/// The claims `command` acquired, as `reply` says.
+fn acquired<'a>(command: &'a Command, reply: &Reply) -> Vec<&'a ClaimRequest> {
+    match (command, reply) {
+        (Command::Claim(req), Reply::Claim(Ok(Claim::Acquired { .. }))) => vec![req],
+        (Command::ClaimMany(reqs), Reply::Claims(claims)) => reqs
+            .iter()
+            .zip(claims)
+            .filter(|(_, c)| matches!(c, Ok(Claim::Acquired { .. })))
+            .map(|(req, _)| req)
+            .collect(),
+        _ => Vec::new(),
     }
 }
 
@@ -534,10 +592,33 @@ impl Sent {
             panic!("command #{} vanished", self.id);
         };
         match entry.reply.take() {
-            Some(reply) => Poll::Ready(reply),
+            Some(reply) => {
+                entry.delivered = true;
+                Poll::Ready(reply)
+            }
             None => {
                 entry.waker = Some(cx.waker().clone());
                 Poll::Pending
+            }
+        }
+    }
+}
+
+/// A give-back to the front layer that its caller stopped waiting for (the engine's bound on
+/// a store call ran out while the front held it) never reaches the back: the tiered store
+/// releases the back only once the front answered. The back's claim is then held until its
+/// lease ends, as one whose give-back was lost.
+impl Drop for Sent {
+    fn drop(&mut self) {
+        let mut world = self.world.lock().unwrap();
+        let World {
+            in_flight,
+            applied_unanswered,
+            ..
+        } = &mut *world;
+        if let Some(entry) = in_flight.iter_mut().find(|e| e.id == self.id) {
+            if !entry.delivered {
+                applied_unanswered.extend(entry.front_releases.iter().copied());
             }
         }
     }
@@ -1012,12 +1093,21 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         let parts: [&dyn KeyPart; 2] = [&http_scope, &format!("k{j}")];
         Key::new("http", 2, &parts).unwrap()
     }));
-    let store = Arc::new(SimStore {
-        inner: MemoryStore::with_clock(TokioClock {
-            origin: tokio::time::Instant::now(),
-        }),
+    let origin = tokio::time::Instant::now();
+    // The front layer, used by schedules whose callers go through a `TieredStore`.
+    let front = Arc::new(SimStore {
+        inner: MemoryStore::with_clock(TokioClock { origin }),
         world: world.clone(),
         keys: keys.clone(),
+        is_front: true,
+        front: None,
+    });
+    let store = Arc::new(SimStore {
+        inner: MemoryStore::with_clock(TokioClock { origin }),
+        world: world.clone(),
+        keys: keys.clone(),
+        is_front: false,
+        front: Some(front.clone()),
     });
     let shared: SharedStore = store.clone();
     let with_done = choices.chance(1, 3);
@@ -1053,15 +1143,29 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         .map(|i| Key::new("simlock", 1, &[&i]).unwrap())
         .collect();
     let combined = choices.chance(1, 4);
+    let tiered = !combined && choices.chance(1, 3);
     let engine_store: SharedStore = if combined {
         // Batches without a lease to go by (releases) wait at most a lease, so that quiescing
         // (twice a lease of quiet) sees them through.
         let combining = CombiningStore::new(store.clone(), 1 + choices.pick(2) as usize);
         Arc::new(combining.batch_timeout(LEASE))
+    } else if tiered {
+        Arc::new(TieredStore::new(front.clone(), store.clone()))
     } else {
         shared.clone()
     };
-    log(format!("hold={with_hold} combining={combined}"));
+    // An operator reaches the store the callers use: both layers of a tiered one.
+    let operator_store: Arc<dyn OperatorStore> = if tiered {
+        Arc::new(TieredStore::new(
+            Arc::new(OperatorView(front.clone())),
+            Arc::new(OperatorView(store.clone())),
+        ))
+    } else {
+        Arc::new(OperatorView(store.clone()))
+    };
+    log(format!(
+        "hold={with_hold} combining={combined} tiered={tiered}"
+    ));
     let body = {
         let (store, effects, world) = (store.clone(), effects.clone(), world.clone());
         move |key: usize, value: u64, steps: u32, fails: bool, ran: &Ran| Body {
@@ -1144,7 +1248,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                 let key = keys[at].clone();
                 let prefix = if at < n_keys { "sim" } else { "http" };
                 let action = choices.pick(4);
-                let admin = Admin::new(Arc::new(OperatorView(store.clone()))).timeout(LEASE);
+                let admin = Admin::new(operator_store.clone()).timeout(LEASE);
                 log(format!("caller {i}: operator action {action} on {key}"));
                 Box::pin(async move {
                     match action {
@@ -1371,7 +1475,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
 
     let steps = 20 + choices.pick(100);
     for _ in 0..steps {
-        match choices.pick(16) {
+        match choices.pick(17) {
             // Start the next caller.
             0 | 1 if next_caller < waiting.len() => {
                 let caller = waiting.remove(0);
@@ -1426,6 +1530,12 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
             // Let background tasks run.
             12 | 13 => {
                 tokio::task::yield_now().await;
+            }
+            // The front layer of a tiered store loses its data (a restart, an eviction, a
+            // failover to a replica that had not caught up).
+            16 if tiered => {
+                log("the front layer loses its data".into());
+                front.inner.clear();
             }
             // Move the clock.
             _ => {

@@ -20,6 +20,12 @@
 //! Writes to the front after the back answered are best effort: a failure there is logged and
 //! costs only speed (the next duplicate asks the back).
 //!
+//! **A front that does not answer** holds up each call until it does or fails: claims and
+//! give-backs go to the front first. Give it a reply timeout well under half the lease (the
+//! engine's bound on a store call), as `RedisStoreBuilder::response_timeout` does (1 s by
+//! default): a timeout is a front that is down. A give-back whose front write outlasts the
+//! engine's bound never reaches the back, which then holds the claim until its lease ends.
+//!
 //! **Fences.** An acquired claim carries the back's fence: that is the one to check at the
 //! effect. Duplicates answered by the front (in progress, completed, mismatch) carry the
 //! front's own fence, which each layer takes from its own clock: read it as information, not
