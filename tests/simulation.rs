@@ -6,7 +6,9 @@
 //! behind the real `grpc::DetachLayer`), HTTP requests through the real
 //! `http::IdempotencyLayer` (the body as the handler, sometimes with another request body
 //! under the same key, sometimes looking for the previous key layout's record, which one key
-//! has, completed before an upgrade), calls through a `CombiningStore` or a `TieredStore` (two
+//! has, completed before an upgrade), unary gRPC calls through the real
+//! `grpc::IdempotencyLayer` (a real tonic client and a real tonic handler of the body, in
+//! process, keyed by metadata, sometimes with another message under the same key), calls through a `CombiningStore` or a `TieredStore` (two
 //! simulated stores, the front of which can lose its data at any step), lock holders (`Lock`),
 //! and an operator's actions (`Admin`: `force_release`, `delete`, `purge`, `unhold`) racing
 //! them. It decides everything a real deployment leaves to chance:
@@ -42,8 +44,9 @@
 //! 6. every duplicate answer follows an applied effect, and every replayed value is one a body
 //!    of that key returned;
 //! 7. a gRPC call or an HTTP request whose client left after it started still ends (its
-//!    answer, or its layer's count of it, is there), and a loss it would have told its client
-//!    counts as told;
+//!    answer, or its layer's count of it, is there, or its layer has nothing running), and a
+//!    loss it would have told its client counts as told (a call through the gRPC layer, whose
+//!    answer is not seen, counts its effect as a loss);
 //! 8. the HTTP request completed under the previous key layout never runs (unless an operator
 //!    deleted that record).
 //!
@@ -866,6 +869,10 @@ enum Detached {
     /// A request through the real `http::IdempotencyLayer` (its own layer, so its counts are
     /// this request's): it ended once it is counted.
     Http(IdempotencyLayer),
+    /// A call through the real `grpc::IdempotencyLayer` (its own layer): it ended once the
+    /// layer has no call running. Its answer is not seen, so its effect counts as a loss, as
+    /// a caller's dropped after its effect does.
+    GrpcLayer(idempotency::grpc::IdempotencyLayer),
 }
 
 impl Detached {
@@ -873,8 +880,9 @@ impl Detached {
     /// lost after its effect). An HTTP run that ran its effect and answered a problem can
     /// only have lost its claim (a completion the store did not answer is answered `Ok`, its
     /// loss reported to the hook): its counts do not say which problem.
-    fn ended(&self) -> (bool, bool) {
+    async fn ended(&self) -> (bool, bool) {
         match self {
+            Detached::GrpcLayer(layer) => (layer.shutdown(Duration::ZERO).await, true),
             Detached::Grpc(answer) => match &*answer.lock().unwrap() {
                 None => (false, false),
                 Some(out) => (
@@ -931,6 +939,26 @@ async fn from_http(
         other => other,
     };
     Err(AppError::Idem(kind.to_owned()))
+}
+
+/// A unary gRPC call's message: another payload under the same key is another call.
+#[derive(Clone, PartialEq, prost::Message)]
+struct SimRequest {
+    #[prost(string, tag = "1")]
+    payload: String,
+}
+
+/// The tonic handler of a gRPC call through the layer: its body, run once.
+struct SimMethod(Option<Body>);
+
+impl tonic::server::UnaryService<SimRequest> for SimMethod {
+    type Response = SimReply;
+    type Future = BoxFuture<'static, Result<tonic::Response<SimReply>, tonic::Status>>;
+
+    fn call(&mut self, _: tonic::Request<SimRequest>) -> Self::Future {
+        let body = self.0.take().expect("one call");
+        Box::pin(async move { to_grpc(body.await) })
+    }
 }
 
 /// A gRPC method's reply: the value, as a prost message.
@@ -1093,6 +1121,12 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         let parts: [&dyn KeyPart; 2] = [&http_scope, &format!("k{j}")];
         Key::new("http", 2, &parts).unwrap()
     }));
+    // Then as many keys of unary gRPC calls through `grpc::IdempotencyLayer` (metadata
+    // `idempotency-key: k<j>`, from the same caller): `grpc:v1:{hashed caller, client key}`.
+    keys.extend((0..n_keys).map(|j| {
+        let parts: [&dyn KeyPart; 2] = [&http_scope, &format!("k{j}")];
+        Key::new("grpc", 1, &parts).unwrap()
+    }));
     let origin = tokio::time::Instant::now();
     // The front layer, used by schedules whose callers go through a `TieredStore`.
     let front = Arc::new(SimStore {
@@ -1189,7 +1223,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         let hold = |_: &AppError| OnError::Hold;
         let mut rans_of: Vec<(usize, Ran)> = Vec::new();
         let mut detached = None;
-        let future: Pin<Box<dyn Future<Output = Vec<Answer>>>> = match choices.pick(12) {
+        let future: Pin<Box<dyn Future<Output = Vec<Answer>>>> = match choices.pick(14) {
             // A batch of one or two keys.
             5 | 6 => {
                 let first = choices.pick(n_keys as u32) as usize;
@@ -1246,7 +1280,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
             7 | 9 => {
                 let at = choices.pick(keys.len() as u32) as usize;
                 let key = keys[at].clone();
-                let prefix = if at < n_keys { "sim" } else { "http" };
+                let prefix = ["sim", "http", "grpc"][at / n_keys];
                 let action = choices.pick(4);
                 let admin = Admin::new(operator_store.clone()).timeout(LEASE);
                 log(format!("caller {i}: operator action {action} on {key}"));
@@ -1383,6 +1417,52 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                 Box::pin(async move {
                     let Ok(response) = call.await;
                     let out = from_http(response, seeded).await;
+                    vec![Answer { key, ran, out }]
+                })
+            }
+            // A unary gRPC call through the real `grpc::IdempotencyLayer`, keyed by its
+            // metadata, to a real tonic handler of the body, from a real tonic client: the
+            // reply's message, or `INTERNAL` (its key given back). Dropped once started, its
+            // call goes on in the layer's task.
+            12 | 13 => {
+                let j = choices.pick(n_keys as u32) as usize;
+                let key = 2 * n_keys + j;
+                let ran: Ran = Arc::new(Mutex::new(None));
+                let (steps, fails) = (choices.pick(4), choices.chance(1, 5));
+                // Another message under the same key now and then: `INVALID_ARGUMENT`.
+                let payload = if choices.chance(1, 6) { "other" } else { "" };
+                let handler = {
+                    let (body, ran) = (body.clone(), ran.clone());
+                    tower::service_fn(move |call: http::Request<tonic::body::Body>| {
+                        let method = SimMethod(Some(body(key, i as u64, steps, fails, &ran)));
+                        async move {
+                            let mut server =
+                                tonic::server::Grpc::new(tonic_prost::ProstCodec::default());
+                            Ok::<_, Infallible>(server.unary(method, call).await)
+                        }
+                    })
+                };
+                let layer =
+                    idempotency::grpc::IdempotencyLayer::new(guard, |_: &http::request::Parts| {
+                        Some("sim".to_owned())
+                    });
+                detached = Some(Detached::GrpcLayer(layer.clone()));
+                let mut request = tonic::Request::new(SimRequest {
+                    payload: payload.to_owned(),
+                });
+                request
+                    .metadata_mut()
+                    .insert("idempotency-key", format!("k{j}").parse().unwrap());
+                log(format!(
+                    "caller {i}: gRPC layer call on key {key} message {payload:?}"
+                ));
+                rans_of.push((key, ran.clone()));
+                let mut client = tonic::client::Grpc::new(layer.layer(handler));
+                Box::pin(async move {
+                    client.ready().await.unwrap();
+                    let path = http::uri::PathAndQuery::from_static("/sim.Sim/Call");
+                    let codec = tonic_prost::ProstCodec::default();
+                    let out = from_grpc(client.unary(request, path, codec).await);
                     vec![Answer { key, ran, out }]
                 })
             }
@@ -1588,10 +1668,13 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         tokio::task::yield_now().await;
     }
 
+    let mut ends = Vec::new();
+    for (_, _, detached) in &left {
+        ends.push(detached.ended().await);
+    }
     let mut world_guard = world.lock().unwrap();
     let effects = effects.lock().unwrap();
-    for (i, rans, detached) in &left {
-        let (ended, lost) = detached.ended();
+    for ((i, rans, _), (ended, lost)) in left.iter().zip(ends) {
         if !ended {
             world_guard.violations.push(format!(
                 "the call of caller {i}, whose client left, never ended"
