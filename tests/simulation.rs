@@ -4,8 +4,9 @@
 //! sometimes a business `done` check, sometimes holding the key on error), batches of one or
 //! two keys (`Batch`), gRPC methods (`replay_grpc` of a prost reply, errors as `Status`,
 //! behind the real `grpc::DetachLayer`), HTTP requests through the real
-//! `http::IdempotencyLayer` (the body as the handler, sometimes with another request body
-//! under the same key, sometimes looking for the previous key layout's record, which one key
+//! `http::IdempotencyLayer` (the body as the handler, its response sometimes streamed with an
+//! await point before its last frame, sometimes with another request body under the same key,
+//! sometimes looking for the previous key layout's record, which one key
 //! has, completed before an upgrade), unary gRPC calls through the real
 //! `grpc::IdempotencyLayer` (a real tonic client and a real tonic handler of the body, in
 //! process, keyed by metadata, sometimes with another message under the same key), calls through a `CombiningStore` or a `TieredStore` (two
@@ -899,6 +900,21 @@ impl Detached {
     }
 }
 
+/// A streamed response body: `text`, then a last frame of one space after `pause` await
+/// points (the layer sends the first frame with the head, and holds the last one back until
+/// the key is completed).
+fn frames(
+    text: String,
+    pause: u32,
+) -> impl futures_util::Stream<Item = Result<axum::body::Bytes, Infallible>> + Send {
+    use futures_util::StreamExt as _;
+    let first = futures_util::stream::once(async move { Ok(axum::body::Bytes::from(text)) });
+    first.chain(futures_util::stream::once(async move {
+        Steps(pause).await;
+        Ok(axum::body::Bytes::from_static(b" "))
+    }))
+}
+
 /// What an HTTP client was told, read back as the other callers' answers: the value of a
 /// `201` (fresh or replayed), `Business` for the handler's own `500`, and the layer's
 /// problems by their `type` (a lost claim is the `internal` problem that says so).
@@ -916,7 +932,7 @@ async fn from_http(
         .expect("the layer's body is whole");
     if !problem {
         return match status.as_u16() {
-            201 => Ok(std::str::from_utf8(&body).unwrap().parse().unwrap()),
+            201 => Ok(std::str::from_utf8(&body).unwrap().trim().parse().unwrap()),
             500 => Err(AppError::Business),
             other => Err(AppError::Idem(format!("status {other}"))),
         };
@@ -1383,6 +1399,10 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                 let (steps, fails) = (choices.pick(4), choices.chance(1, 5));
                 // Another body under the same key now and then: `422`, and nothing runs.
                 let payload = if choices.chance(1, 6) { "other" } else { "" };
+                // Now and then a streamed response: its head and first frame go out while
+                // the handler's second frame waits on an await point, where the client may
+                // leave; the key completes once the body ended or its client left.
+                let streamed = choices.chance(1, 3).then(|| choices.pick(3));
                 let handler = {
                     let (body, ran) = (body.clone(), ran.clone());
                     tower::service_fn(move |_: http::Request<axum::body::Body>| {
@@ -1392,10 +1412,12 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                                 Ok(value) => (201, value.to_string()),
                                 Err(_) => (500, "business".to_owned()),
                             };
-                            let response = http::Response::builder()
-                                .status(status)
-                                .body(axum::body::Body::from(text))
-                                .unwrap();
+                            let body = match streamed {
+                                Some(pause) => axum::body::Body::from_stream(frames(text, pause)),
+                                None => axum::body::Body::from(text),
+                            };
+                            let response =
+                                http::Response::builder().status(status).body(body).unwrap();
                             Ok::<_, Infallible>(response)
                         }
                     })
@@ -1409,7 +1431,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
                     .body(axum::body::Body::from(payload))
                     .unwrap();
                 log(format!(
-                    "caller {i}: HTTP request on key {key} body {payload:?}"
+                    "caller {i}: HTTP request on key {key} body {payload:?} streamed {streamed:?}"
                 ));
                 rans_of.push((key, ran.clone()));
                 let call = layer.layer(handler).oneshot(request);
