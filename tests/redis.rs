@@ -185,12 +185,13 @@ fn conformance_on_a_three_master_cluster() {
             let kinds = [
                 store.claim(&req).await.err().map(|e| e.kind()),
                 store.read(&key).await.err().map(|e| e.kind()),
+                store.is_completed(&key).await.err().map(|e| e.kind()),
                 store.claim_many(std::slice::from_ref(&req)).await[0]
                     .as_ref()
                     .err()
                     .map(|e| e.kind()),
             ];
-            assert_eq!(kinds, [Some(StoreErrorKind::Corrupt); 3], "{command}");
+            assert_eq!(kinds, [Some(StoreErrorKind::Corrupt); 4], "{command}");
         }
     });
     // Records of many keys landed on every master: the hash tags spread them.
@@ -1542,6 +1543,7 @@ async fn assert_corrupt_everywhere(store: &Arc<RedisStore>, key: &Key, token: &T
         ("renew", store.renew(key, token, long).await.err()),
         ("reopen", store.reopen(key, token).await.err()),
         ("read", store.read(key).await.err()),
+        ("is_completed", store.is_completed(key).await.err()),
         (
             "delete by its token",
             store.delete(key, Expect::Token(token)).await.err(),

@@ -338,21 +338,33 @@ async fn apply(
             deleted.map_or_else(failed, Seen::Ended)
         }
         _ => match store.read(key).await {
-            Ok(record) => Seen::Record(record.map(|r| {
-                let state = match r.state {
-                    RecordState::InProgress { .. } => "in progress",
-                    RecordState::Completed => "completed",
-                    RecordState::Released => "released",
-                    _ => "other",
-                };
-                // A released record's fingerprint decides nothing: some stores keep it,
-                // Redis does not.
-                let fingerprint = r
-                    .fingerprint
-                    .filter(|_| state != "released")
-                    .map(|f| *f.as_bytes());
-                (state, rel(r.fence, base), r.result, fingerprint, r.token)
-            })),
+            Ok(record) => {
+                // The state alone, as a check that needs no more reads it: the same answer.
+                let completed = store.is_completed(key).await;
+                let read = record
+                    .as_ref()
+                    .is_some_and(|r| r.state == RecordState::Completed);
+                assert_eq!(
+                    completed.as_ref().ok(),
+                    Some(&read),
+                    "side {side}: is_completed gave {completed:?}, the read {record:?}"
+                );
+                Seen::Record(record.map(|r| {
+                    let state = match r.state {
+                        RecordState::InProgress { .. } => "in progress",
+                        RecordState::Completed => "completed",
+                        RecordState::Released => "released",
+                        _ => "other",
+                    };
+                    // A released record's fingerprint decides nothing: some stores keep it,
+                    // Redis does not.
+                    let fingerprint = r
+                        .fingerprint
+                        .filter(|_| state != "released")
+                        .map(|f| *f.as_bytes());
+                    (state, rel(r.fence, base), r.result, fingerprint, r.token)
+                }))
+            }
             Err(err) => failed(err),
         },
     }

@@ -90,6 +90,15 @@ macro_rules! forward_store {
             self.inner.renew(key, token, lease)
         }
     };
+    (@ is_completed) => {
+        fn is_completed<'a>(
+            &'a self,
+            key: &'a ::idempotency::Key,
+        ) -> ::idempotency::store::BoxFuture<'a, Result<bool, ::idempotency::store::StoreError>>
+        {
+            self.inner.is_completed(key)
+        }
+    };
     (@ read) => {
         fn read<'a>(
             &'a self,

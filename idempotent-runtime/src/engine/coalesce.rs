@@ -451,6 +451,10 @@ impl Store for Coalescing {
         self.inner.read(key)
     }
 
+    fn is_completed<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner.is_completed(key)
+    }
+
     fn max_result_size(&self) -> usize {
         self.inner.max_result_size()
     }

@@ -62,8 +62,12 @@ impl Prepared {
         // Bounded as every store call of an owner's path is: a read that never answers (a
         // custom store, a silent connection) is abandoned, and the engine gives the claim back.
         let bound = call_bound(config.idempotency.lease_duration());
-        let record = bounded(bound, "previous layout's read", store.read(previous)).await?;
-        Ok(record.is_some_and(|r| r.state == crate::store::RecordState::Completed))
+        Ok(bounded(
+            bound,
+            "previous layout's read",
+            store.is_completed(previous),
+        )
+        .await?)
     }
 }
 

@@ -481,6 +481,10 @@ impl Store for CombiningStore {
         self.inner().read(key)
     }
 
+    fn is_completed<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.inner().is_completed(key)
+    }
+
     fn max_result_size(&self) -> usize {
         self.inner().max_result_size()
     }

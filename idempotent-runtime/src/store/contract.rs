@@ -9,7 +9,7 @@ use std::time::Duration;
 use crate::error::StoreError;
 use crate::key::Key;
 use crate::store::{
-    AcquiredClaim, Claim, ClaimRequest, Completion, End, Ending, Record, Token,
+    AcquiredClaim, Claim, ClaimRequest, Completion, End, Ending, Record, RecordState, Token,
     DEFAULT_MAX_RESULT_SIZE,
 };
 
@@ -158,6 +158,36 @@ pub trait Store: Send + Sync + 'static {
     /// it to decide whether to write: claims are atomic on their own.
     fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
 
+    /// Whether the live record under `key` is `Completed`: `false` when there is none or it
+    /// is in progress or released. For a check that needs the state alone (the HTTP layer
+    /// reads a request's key under the previous key layout this way, alongside every fresh
+    /// claim), which a store may answer with less work than a [`read`](Store::read) (Redis:
+    /// one `GET`, where a read also asks for the key's expiry and the server's time). A
+    /// value that is not a record is the error `read` gives. The default calls `read`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotent_runtime::{Completion, ClaimRequest, Key, MemoryStore, Store, Token};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let key = Key::new("doc", 1, &[&"a"])?;
+    /// let minute = Duration::from_secs(60);
+    /// let req = ClaimRequest::new(key.clone(), Token::generate(), minute, minute);
+    /// store.claim(&req).await?;
+    /// assert!(!store.is_completed(&key).await?);
+    /// store.complete(&key, &req.token, &Completion::new(None, minute)).await?;
+    /// assert!(store.is_completed(&key).await?);
+    /// # Ok(()) }
+    /// ```
+    fn is_completed<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let record = self.read(key).await?;
+            Ok(record.is_some_and(|r| r.state == RecordState::Completed))
+        })
+    }
+
     /// The largest stored result, in bytes, this store takes. The engine completes a record
     /// whose result is larger without the result (duplicates then get
     /// [`Error::Duplicate`](crate::Error::Duplicate), never a re-run). Backends never report
@@ -239,6 +269,9 @@ macro_rules! forward_store {
             }
             fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
                 (**self).read(key)
+            }
+            fn is_completed<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<bool, StoreError>> {
+                (**self).is_completed(key)
             }
             fn max_result_size(&self) -> usize {
                 (**self).max_result_size()

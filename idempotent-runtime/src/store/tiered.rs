@@ -282,6 +282,11 @@ impl Store for TieredStore {
         self.back.read(key)
     }
 
+    /// The back store's answer, as a read's.
+    fn is_completed<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<bool, StoreError>> {
+        self.back.is_completed(key)
+    }
+
     /// The smaller of the two layers' limits: a result is kept by both or by neither.
     fn max_result_size(&self) -> usize {
         self.front

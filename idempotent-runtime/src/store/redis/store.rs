@@ -12,7 +12,7 @@ use crate::key::Key;
 use crate::store::redis::batch::SlotMap;
 use crate::store::redis::clock::ServerClock;
 use crate::store::redis::conn::{script_error, Conn, Lua};
-use crate::store::redis::wire::{decode_record, int, text};
+use crate::store::redis::wire::{decode_completed, decode_record, int, text};
 use crate::store::{
     clamped_millis, AcquiredClaim, BoxFuture, Claim, ClaimRequest, Completion, Ending, Record,
     Store, Token,
@@ -331,6 +331,24 @@ impl Store for RedisStore {
             }
             let cmd = self.inner.reading.call(key.as_bytes());
             decode_record(key, self.call(key, &self.inner.reading, &cmd).await?)
+        })
+    }
+
+    /// One `GET`, on a single server and on a cluster alike: a key Redis still holds is a
+    /// live record, and a completed record's state needs neither its expiry nor the time.
+    fn is_completed<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let mut get = ::redis::cmd("GET");
+            get.arg(key.as_bytes());
+            let reply = self.answered(self.inner.conn.query(&get).await).await;
+            match reply.map_err(|err| script_error(key, err))? {
+                Value::ServerError(err) if err.code() == "WRONGTYPE" => Err(StoreError::new(
+                    StoreErrorKind::Corrupt,
+                    format!("the value under `{key}` is not a record: value of another type"),
+                )),
+                Value::ServerError(err) => Err(script_error(key, err.into())),
+                value => decode_completed(key, &value),
+            }
         })
     }
 

@@ -116,6 +116,24 @@ pub(super) fn decode_record(key: &Key, value: Value) -> Result<Option<Record>, S
     Ok(Some(record.with_expires_in(expires_in)))
 }
 
+/// Whether `value`, the reply to a `GET` of `key`, is a completed record (`Nil`: no record);
+/// bytes that are not a record are [`StoreErrorKind::Corrupt`], as a read finds them.
+pub(super) fn decode_completed(key: &Key, value: &Value) -> Result<bool, StoreError> {
+    let bytes = match value {
+        Value::BulkString(bytes) => bytes,
+        Value::Nil => return Ok(false),
+        other => return Err(protocol(format_args!("{other:?}"))),
+    };
+    // A completed record's state does not depend on the time: any instant reads it.
+    let record = parse_record(bytes, 0).ok_or_else(|| {
+        StoreError::new(
+            StoreErrorKind::Corrupt,
+            format!("the value under `{key}` is not a record"),
+        )
+    })?;
+    Ok(record.state == RecordState::Completed)
+}
+
 /// An in-progress record in the script's format (as its `encode` writes it): owned by
 /// `token`, with `fingerprint` and `fence`, claimed at `now_ms` with the lease ending at
 /// `lease_end_ms`; `None` when a number is out of the script's exact range.
