@@ -44,9 +44,10 @@
 //! - `<db>_batch_allocations_per_item`, `<db>_seed_batch_allocations_per_item`: this
 //!   process's allocations per message (median pass);
 //! - `<db>_batch_client_cpu_us_per_item`, `<db>_seed_batch_client_cpu_us_per_item`: this
-//!   process's CPU time per message (median pass; Linux); on Redis also
-//!   `redis_batch_server_cpu_us_per_item` and `redis_seed_batch_server_cpu_us_per_item`, the
-//!   server's (`INFO cpu`): a batch's wall time is mostly the two added up, so they say which
+//!   process's CPU time per message (median pass; Linux); `<db>_batch_server_cpu_us_per_item`
+//!   and `<db>_seed_batch_server_cpu_us_per_item`, the server's (Redis: `INFO cpu`;
+//!   PostgreSQL and MariaDB: their processes' CPU time in `/proc`, printed when the server
+//!   runs on this machine): a batch's wall time is mostly the two added up, so they say which
 //!   side of the connection a gap is on;
 //! - with valgrind installed, `<db>_batch_instructions_per_item`,
 //!   `<db>_seed_batch_instructions_per_item` and `<db>_batch_instructions_ratio` (the batch by
@@ -84,7 +85,7 @@ use idempotency::sql::{sqlx, Dialect, SqlStore};
 use idempotency::store::Token;
 use idempotency::{Error, Idempotency, Key, SharedStore};
 use sql_tables::{Scratch, Server};
-use stats::{figure, median, per_s};
+use stats::{figure, median, per_s, processes_cpu};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -442,6 +443,24 @@ impl Seed {
     }
 }
 
+/// The database server's CPU seconds so far: Redis's from `INFO` (`redis`: its connection),
+/// PostgreSQL's and MariaDB's from their processes in `/proc` (`None` when the server does not
+/// run on this machine).
+async fn server_seconds(
+    name: &str,
+    redis: Option<&mut redis::aio::ConnectionManager>,
+) -> Result<Option<f64>, BoxError> {
+    let processes: &[&str] = match name {
+        "postgres" => &["postgres"],
+        "mysql" => &["mariadbd", "mysqld"],
+        _ => &[],
+    };
+    Ok(match redis {
+        Some(conn) => Some(redis_info::server_cpu(conn).await?),
+        None => Some(processes_cpu(processes)).filter(|&seconds| seconds > 0.0),
+    })
+}
+
 /// Round trips of a batch of 100 and of 100 single calls on `store` (whose connections go
 /// through `counter`), per 100 messages.
 async fn round_trips(store: SharedStore, counter: &Counter) -> Result<(f64, f64), BoxError> {
@@ -555,10 +574,7 @@ async fn measure(
     // Each side goes first, second and third equally often.
     for round in 0..6 {
         for turn in 0..3 {
-            let server_before = match server.as_mut() {
-                Some(conn) => Some(redis_info::server_cpu(conn).await?),
-                None => None,
-            };
+            let server_before = server_seconds(name, server.as_mut()).await?;
             let client_before = redis_info::client_cpu();
             let start = Instant::now();
             let allocated = allocations::so_far();
@@ -594,8 +610,9 @@ async fn measure(
             if let (Some(before), Some(after)) = (client_before, redis_info::client_cpu()) {
                 client.push(us_per_item(after - before));
             }
-            if let (Some(before), Some(conn)) = (server_before, server.as_mut()) {
-                server_cpu.push(us_per_item(redis_info::server_cpu(conn).await? - before));
+            let server_after = server_seconds(name, server.as_mut()).await?;
+            if let (Some(before), Some(after)) = (server_before, server_after) {
+                server_cpu.push(us_per_item(after - before));
             }
         }
     }

@@ -108,7 +108,7 @@ use idempotency::sql::{Dialect, SqlStore};
 use idempotency::store::{CombiningStore, Token};
 use idempotency::{Error, Idempotency, Key};
 use sql_tables::{Scratch, Server};
-use stats::{figure, median, per_s, process_cpu};
+use stats::{figure, median, per_s, processes_cpu};
 
 const TASKS: usize = 50;
 const POOL: u32 = 8;
@@ -414,7 +414,7 @@ fn rotation<S: Copy, const N: usize>(sides: [S; N], turn: usize) -> [S; N] {
 
 /// The database server's CPU time, read from `/proc` when the server runs on this machine:
 /// the time of every thread of every process named as the server's (`postgres`, `mariadbd`
-/// or `mysqld`; [`process_cpu`]), whose connections the pool keeps open across passes. A
+/// or `mysqld`; [`processes_cpu`]), whose connections the pool keeps open across passes. A
 /// pass's figure is the time the server spent during it over its cycles; warm-up passes are
 /// not recorded.
 struct ServerCpu {
@@ -437,18 +437,7 @@ impl ServerCpu {
 
     /// The server's processes' CPU seconds so far (0 where `/proc` shows none).
     fn seconds(&self) -> f64 {
-        let Ok(entries) = std::fs::read_dir("/proc") else {
-            return 0.0;
-        };
-        entries
-            .flatten()
-            .map(|entry| entry.path())
-            .filter(|path| {
-                std::fs::read_to_string(path.join("comm"))
-                    .is_ok_and(|comm| self.names.contains(&comm.trim()))
-            })
-            .filter_map(|path| process_cpu(&path))
-            .sum()
+        processes_cpu(self.names)
     }
 
     /// Records a measured pass of `side` of `ops` cycles that started at `before` seconds.

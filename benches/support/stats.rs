@@ -43,3 +43,21 @@ pub(crate) fn process_cpu(proc_dir: &Path) -> Option<f64> {
     }
     Some(nanos as f64 / 1e9)
 }
+
+/// CPU seconds so far of every process whose name (`/proc/<pid>/comm`) is one of `names`: a
+/// database server's, its connections' processes included (PostgreSQL: `postgres`;
+/// MariaDB: `mariadbd` or `mysqld`). 0 where `/proc` shows none.
+pub(crate) fn processes_cpu(names: &[&str]) -> f64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0.0;
+    };
+    entries
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| {
+            std::fs::read_to_string(path.join("comm"))
+                .is_ok_and(|comm| names.contains(&comm.trim()))
+        })
+        .filter_map(|path| process_cpu(&path))
+        .sum()
+}
