@@ -22,6 +22,7 @@ use std::task::{ready, Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt as _;
+use http::response::Parts;
 use http::{header, Response};
 use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::combinators::UnsyncBoxBody;
@@ -55,24 +56,51 @@ enum Piece {
     End,
 }
 
-/// The pieces held back until the key's completion is recorded, the way to the client, and
-/// the response's head when nothing went to the client yet.
+/// The pieces held back until the key's completion is recorded, and either the way to the
+/// client (once the head went) or the response's head, not sent yet.
 pub(crate) struct Tail {
-    to_client: mpsc::UnboundedSender<Piece>,
+    to_client: Option<mpsc::UnboundedSender<Piece>>,
     held: Vec<Piece>,
-    head: Option<Response<Body>>,
+    head: Option<(Parts, SizeHint)>,
 }
 
 impl Tail {
     /// Queues what was held back, then the end of the body, and returns the head if it was
-    /// held too: sent now, it finds its whole body ready.
-    pub(crate) fn release(self) -> Option<Response<Body>> {
-        for piece in self.held.into_iter().chain([Piece::End]) {
-            if self.to_client.send(piece).is_err() {
-                break;
+    /// held too: it then carries its whole body, and no channel is made for it.
+    pub(crate) fn release(mut self) -> Option<Response<Body>> {
+        self.held.push(Piece::End);
+        if let Some((parts, hint)) = self.head {
+            return Some(head(parts, hint, Feed::Held(self.held.into_iter())));
+        }
+        if let Some(to_client) = &self.to_client {
+            for piece in self.held {
+                if to_client.send(piece).is_err() {
+                    break;
+                }
             }
         }
-        self.head
+        None
+    }
+}
+
+/// The client's response: the handler's head, and a body fed by `feed`.
+fn head(parts: Parts, hint: SizeHint, feed: Feed) -> Response<Body> {
+    let body = Streamed {
+        feed,
+        rest: None,
+        hint,
+        ended: false,
+    };
+    let mut head = Response::from_parts(parts, Body::stream(body));
+    head.extensions_mut().insert(Replayed(false));
+    head
+}
+
+/// Resolves once the client's body is dropped; never while nothing was sent to it.
+async fn closed(to_client: &Option<mpsc::UnboundedSender<Piece>>) {
+    match to_client {
+        Some(to_client) => to_client.closed().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -108,18 +136,10 @@ where
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok())
     });
-    let (to_client, from_layer) = mpsc::unbounded_channel();
-    let mut head = Response::from_parts(
-        parts,
-        Body::stream(Streamed {
-            pieces: from_layer,
-            rest: None,
-            hint,
-            ended: false,
-        }),
-    );
-    head.extensions_mut().insert(Replayed(false));
-    let mut head = Some((head, send_head));
+    // The way to the client is made when the head goes before the body's end; a head held
+    // with its whole body needs none.
+    let mut to_client: Option<mpsc::UnboundedSender<Piece>> = None;
+    let mut unsent = Some((parts, send_head));
 
     let mut body = body.map_err(Into::into).boxed_unsync();
     let max = config.max_stored_body;
@@ -140,7 +160,7 @@ where
             tokio::select! {
                 biased;
                 next = next => next,
-                () = to_client.closed() => {
+                () = closed(&to_client) => {
                     client_left = true;
                     continue;
                 }
@@ -174,19 +194,27 @@ where
         if holding {
             held.push(Piece::Frame(frame));
         } else if !client_left {
-            if let Some((head, send_head)) = head.take() {
-                send_head(head);
-            }
-            if to_client.send(Piece::Frame(frame)).is_err() {
+            let sent = match (&to_client, unsent.take()) {
+                (Some(to_client), _) => to_client.send(Piece::Frame(frame)),
+                (None, Some((parts, send_head))) => {
+                    let (sender, from_layer) = mpsc::unbounded_channel();
+                    let sent = sender.send(Piece::Frame(frame));
+                    send_head(head(parts, hint, Feed::Live(from_layer)));
+                    to_client = Some(sender);
+                    sent
+                }
+                // The head goes with the way to the client: one is never without the other.
+                (None, None) => Ok(()),
+            };
+            if sent.is_err() {
                 client_left = true;
             }
         }
     };
-    let head = head.map(|(head, _)| head);
     *tail.lock().unwrap_or_else(PoisonError::into_inner) = Some(Tail {
         to_client,
         held,
-        head,
+        head: unsent.map(|(parts, _)| (parts, hint)),
     });
     Ok(Stored {
         status,
@@ -209,10 +237,18 @@ fn concat(mut kept: Vec<Bytes>, size: usize) -> Bytes {
     }
 }
 
+/// Where the client's body takes its pieces from.
+enum Feed {
+    /// The layer's channel: the head went before the body's end.
+    Live(mpsc::UnboundedReceiver<Piece>),
+    /// All of it, held until the completion was recorded (ending with [`Piece::End`]).
+    Held(std::vec::IntoIter<Piece>),
+}
+
 /// The client's body of a fresh response: the frames the layer forwards, then possibly the
 /// rest of the handler's body.
 struct Streamed {
-    pieces: mpsc::UnboundedReceiver<Piece>,
+    feed: Feed,
     rest: Option<UnsyncBoxBody<Bytes, BoxError>>,
     hint: SizeHint,
     ended: bool,
@@ -233,7 +269,11 @@ impl http_body::Body for Streamed {
             if self.ended {
                 return Poll::Ready(None);
             }
-            match ready!(self.pieces.poll_recv(cx)) {
+            let next = match &mut self.feed {
+                Feed::Live(pieces) => ready!(pieces.poll_recv(cx)),
+                Feed::Held(pieces) => pieces.next(),
+            };
+            match next {
                 Some(Piece::Frame(frame)) => return Poll::Ready(Some(Ok(frame))),
                 Some(Piece::Rest(rest)) => self.rest = Some(rest),
                 Some(Piece::Error(err)) => {
