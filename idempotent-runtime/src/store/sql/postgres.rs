@@ -265,7 +265,8 @@ const CLAIM_MANY_FRESH_ASYNC: &str = claim_many_fresh_statement!(async_state!())
 /// connection keeps the generic plan of a prepared statement, and a join planned while the
 /// table was empty or never analyzed (a new table, one just truncated) is a sequential scan
 /// that every later batch then pays in full as the table grows. `ANY` on the primary key is
-/// an index lookup of the batch's keys whatever the table's statistics. Their expiry is
+/// an index lookup of the batch's keys on a new table and on an analyzed one (a truncated
+/// one: see [`COMPLETE_MANY`]). Their expiry is
 /// tested as `expires_at - now > 0`, which no index answers: written `expires_at > now`,
 /// the generic plan made on a filled table without statistics ANDs the key lookup with a
 /// scan of the `expires_at` index, which reads an entry for every live record, batch after
@@ -313,9 +314,12 @@ LIMIT $4"
 /// empty array when none; `array_agg` of no rows is `NULL`).
 /// An item whose record is already completed by its token is ended again (unchanged), as a
 /// retried completion is. `record_key = ANY($1)` makes the rows an index lookup of the
-/// batch's keys whatever the table's statistics, as in [`CLAIM_MANY`]: joined with `input`
-/// alone, the generic plan made on a new or truncated table scans the whole table. Expiry
-/// is tested with no index, as in [`CLAIM_MANY`].
+/// batch's keys on a new table and on an analyzed one, as in [`CLAIM_MANY`]: joined with
+/// `input` alone, the generic plan made on a new table scans the whole table. After a
+/// `TRUNCATE`, until the table is analyzed again (autovacuum does within its naptime, a
+/// minute by default), a connection's generic plan can still be a sequential scan with `ANY`
+/// as its filter: measured at 6 to 11 ms a batch of 100 on 1,400 rows, growing with the
+/// table, against 0.8 ms. Expiry is tested with no index, as in [`CLAIM_MANY`].
 const COMPLETE_MANY: &str = concat!(
     "\
 WITH input AS (
