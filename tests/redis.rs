@@ -721,6 +721,16 @@ async fn outage_fails_closed_and_processing_resumes() {
     }
 
     server.kill();
+    // The state-only read (the HTTP layer's upgrade check) fails as a read does: never a
+    // "not completed" that would let a request completed before run again.
+    let done = Key::new("outage", 1, &[&0u32]).unwrap();
+    for (what, err) in [
+        ("read", store.read(&done).await.err()),
+        ("is_completed", store.is_completed(&done).await.err()),
+    ] {
+        let err = err.unwrap_or_else(|| panic!("{what} answered without Redis"));
+        assert!(!err.is_permanent(), "{what}: {err:?}");
+    }
     for id in 10..20u32 {
         let key = Key::new("outage", 1, &[&id]).unwrap();
         let out: Result<(), Error> = guard

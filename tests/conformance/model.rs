@@ -339,7 +339,7 @@ async fn apply(
         }
         _ => match store.read(key).await {
             Ok(record) => {
-                // The state alone, as a check that needs no more reads it: the same answer.
+                // The state alone (what the HTTP layer's upgrade check asks) agrees with it.
                 let completed = store.is_completed(key).await;
                 let read = record
                     .as_ref()
