@@ -1,15 +1,21 @@
 //! The outbox under faults, on PostgreSQL, MariaDB and SQLite with a real RabbitMQ: a row
 //! that cannot be read (another producer wrote it) fails alone and goes dead while the rest of
 //! its batch is published; the operator inspects and discards a stuck row; a message a
-//! broker cannot carry is refused at `enqueue`.
+//! broker cannot carry is refused at `enqueue`; a database that goes silent (through a TCP
+//! proxy that holds its replies) ends the relay's round at the lease instead of stopping it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "support/outbox_fixtures.rs"]
 mod outbox_fixtures;
+#[path = "support/proxy.rs"]
+mod proxy;
 #[path = "support/sql_tables.rs"]
 mod sql_tables;
 
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::outbox::{
@@ -20,6 +26,8 @@ use idempotency::store::StoreErrorKind;
 use outbox_fixtures::{
     enqueue, mariadb, order, postgres, publisher, rabbitmq, sqlite, Fixture, Queue,
 };
+use proxy::Proxy;
+use sql_tables::Server;
 
 /// Writes `assignment` on row `id` as another producer would (ids are hex: safe to inline).
 async fn tamper<DB: OutboxDialect>(outbox: &Outbox<DB>, id: &MessageId, assignment: &str)
@@ -301,6 +309,231 @@ where
     assert_eq!((stats.claimed, stats.published), (1, 1), "{stats:?}");
     queue.delete().await;
 }
+
+/// `server`'s URL with its `host:port` replaced by `addr` (a proxy in front of it), and the
+/// address it replaced.
+fn through(server: Server, addr: Option<SocketAddr>) -> (String, SocketAddr) {
+    let url = server.url();
+    let start = url.find("://").unwrap() + 3;
+    let rest = &url[start..];
+    let end = start + rest.find('/').unwrap_or(rest.len());
+    let host_start = url[start..end]
+        .rfind('@')
+        .map_or(start, |at| start + at + 1);
+    let upstream: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&url[host_start..end])
+        .unwrap()
+        .next()
+        .unwrap();
+    let url = match addr {
+        Some(addr) => format!("{}{addr}{}", &url[..host_start], &url[end..]),
+        None => url,
+    };
+    (url, upstream)
+}
+
+/// The fixture's outbox table, reached through a proxy that can go silent.
+async fn silent_outbox<DB: OutboxDialect>(
+    fixture: &Fixture<DB>,
+    server: Server,
+) -> (Arc<Proxy>, Outbox<DB>) {
+    let (_, upstream) = through(server, None);
+    let proxy = Arc::new(Proxy::start(upstream).await);
+    let (url, _) = through(server, Some(proxy.addr()));
+    let pool = sqlx::Pool::<DB>::connect(&url).await.unwrap();
+    let outbox = Outbox::with_table(pool, fixture.outbox.table()).unwrap();
+    (proxy, outbox)
+}
+
+/// Rounds of `relay` until `id` is published, for at most 30 s.
+async fn published_eventually<DB: OutboxDialect, P: outbox::Publisher>(
+    relay: &Relay<DB, P>,
+    outbox: &Outbox<DB>,
+    id: &MessageId,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let round = relay.run_once().await;
+        let row = outbox.inspect(id).await.unwrap().unwrap();
+        if row.state == MessageState::Published {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never published: {round:?}, {row:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// When the database goes silent, and what the publisher answers once it has silenced it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Then {
+    /// Before the round: its first statement is the claim.
+    BeforeClaim,
+    /// The broker confirmed: the relay's next statement is the mark.
+    Confirm,
+    /// The broker refused the message: the next statement records the failed attempt.
+    Refuse,
+    /// The broker cannot be reached: the next statement gives the rows back.
+    Unreachable,
+}
+
+/// Silences `proxy` (the database's connection) on its first publication, then answers as
+/// `then` says (publishing through `inner` for [`Then::Confirm`], and on every later call).
+struct SilenceOnce<P> {
+    inner: P,
+    proxy: Arc<Proxy>,
+    armed: AtomicBool,
+    then: Then,
+}
+
+impl<P: outbox::Publisher> outbox::Publisher for SilenceOnce<P> {
+    fn publish<'a>(
+        &'a self,
+        message: &'a outbox::OutboxMessage,
+    ) -> idempotency::store::BoxFuture<'a, Result<(), outbox::PublishError>> {
+        Box::pin(async move {
+            if !self.armed.swap(false, Ordering::SeqCst) {
+                return self.inner.publish(message).await;
+            }
+            match self.then {
+                Then::BeforeClaim => self.inner.publish(message).await,
+                Then::Confirm => {
+                    self.inner.publish(message).await?;
+                    self.proxy.stall(true);
+                    Ok(())
+                }
+                Then::Refuse => {
+                    self.proxy.stall(true);
+                    Err(outbox::PublishError::new("refused"))
+                }
+                Then::Unreachable => {
+                    self.proxy.stall(true);
+                    Err(outbox::PublishError::unavailable("no connection"))
+                }
+            }
+        })
+    }
+}
+
+/// The database goes silent (through a proxy that holds its answers, the connection open):
+/// before the claim, or right after a publication, before the statement that follows it (the
+/// mark, the failed attempt, the give-back; or the pool's check of the connection before it)
+/// is answered. The round ends once the lease has passed instead of waiting forever: an
+/// unanswered claim with `OutcomeUnknown`. Once the database answers again the message goes
+/// out: once more only when the broker had confirmed it and the mark did not land (at least
+/// once: the consumer filters the duplicate); a claim that landed holds the row until it runs
+/// out.
+async fn the_database_goes_silent<DB: OutboxDialect>(
+    fixture: Fixture<DB>,
+    server: Server,
+    then: Then,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let conn = rabbitmq().await;
+    let queue = Queue::new(&conn).await;
+    let (proxy, silent) = silent_outbox(&fixture, server).await;
+    let lease = Duration::from_secs(1);
+    let publisher = SilenceOnce {
+        inner: publisher(&conn).await,
+        proxy: proxy.clone(),
+        armed: AtomicBool::new(true),
+        then,
+    };
+    let relay = Relay::new(silent, publisher)
+        .lease(lease)
+        .backoff(Duration::from_millis(100), Duration::from_millis(100));
+    let ids = enqueue(&fixture.outbox, &[order(1, &queue.name)]).await;
+
+    if then == Then::BeforeClaim {
+        proxy.stall(true);
+    }
+    let round = tokio::time::timeout(lease * 10, relay.run_once())
+        .await
+        .expect("the round waited for a database that never answered");
+    // Requests still reach the server while its answers are held, and the round waited a
+    // whole lease: what was sent has landed, and nothing more is sent for it.
+    let marked = fixture
+        .outbox
+        .inspect(&ids[0])
+        .await
+        .unwrap()
+        .unwrap()
+        .state
+        == MessageState::Published;
+    proxy.stall(false);
+    if then == Then::BeforeClaim {
+        let err = round.unwrap_err();
+        assert_eq!(err.kind(), StoreErrorKind::OutcomeUnknown, "{err}");
+        published_eventually(&relay, &fixture.outbox, &ids[0]).await;
+        assert_eq!(message_ids(&queue.drain().await), [ids[0].to_string()]);
+        queue.delete().await;
+        return;
+    }
+    let stats = round.unwrap();
+    let expected = match then {
+        Then::BeforeClaim => unreachable!("answered above"),
+        Then::Confirm => (1, 0, 1, 0, 0),
+        Then::Refuse => (1, 0, 0, 1, 0),
+        Then::Unreachable => (1, 0, 0, 0, 1),
+    };
+    assert_eq!(
+        (
+            stats.claimed,
+            stats.published,
+            stats.unmarked,
+            stats.failed,
+            stats.unavailable
+        ),
+        expected,
+        "{then:?}: {stats:?}"
+    );
+
+    published_eventually(&relay, &fixture.outbox, &ids[0]).await;
+    let copies = match then {
+        Then::Confirm if !marked => 2,
+        _ => 1,
+    };
+    assert_eq!(
+        message_ids(&queue.drain().await),
+        vec![ids[0].to_string(); copies],
+        "{then:?}"
+    );
+    queue.delete().await;
+}
+
+/// The cases that need a server behind a proxy: PostgreSQL and MariaDB.
+macro_rules! silent_cases {
+    ($db:ident, $fixture:expr, $server:expr) => {
+        mod $db {
+            use super::*;
+
+            #[tokio::test]
+            async fn a_claim_the_database_never_answers_ends_the_round() {
+                super::the_database_goes_silent($fixture, $server, Then::BeforeClaim).await;
+            }
+
+            #[tokio::test]
+            async fn a_mark_the_database_never_answers_ends_the_round() {
+                super::the_database_goes_silent($fixture, $server, Then::Confirm).await;
+            }
+
+            #[tokio::test]
+            async fn a_failed_attempt_the_database_never_records_ends_the_round() {
+                super::the_database_goes_silent($fixture, $server, Then::Refuse).await;
+            }
+
+            #[tokio::test]
+            async fn a_give_back_the_database_never_answers_ends_the_round() {
+                super::the_database_goes_silent($fixture, $server, Then::Unreachable).await;
+            }
+        }
+    };
+}
+
+silent_cases!(silent_postgres, postgres().await, Server::Postgres);
+silent_cases!(silent_mariadb, mariadb().await, Server::MySql);
 
 /// Every case, on one database.
 macro_rules! cases {

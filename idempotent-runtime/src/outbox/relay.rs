@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::error::StoreError;
+use crate::error::{StoreError, StoreErrorKind};
 use crate::outbox::dialect::{self, Arg, Listener, ReadRow};
 use crate::outbox::publish::Publisher;
 use crate::outbox::{db_error, Outbox, OutboxDialect, OutboxMessage};
@@ -65,7 +65,11 @@ impl RelayStats {
 /// row goes `dead` for an operator ([`Outbox::dead`], [`Outbox::retry`], [`Outbox::discard`]).
 /// A broker that cannot be reached ([`PublishError::unavailable`]) is not the rows' fault:
 /// the round stops and gives its rows back without counting their attempt, and `run` tries
-/// again at its next poll.
+/// again at its next poll. Every statement the relay sends is abandoned once the lease has
+/// passed without an answer (a connection gone silent, a stalled server): past it, the claim
+/// the statement acts for has run out. An unanswered claim fails the round
+/// ([`StoreErrorKind::OutcomeUnknown`]: its rows, if it took any, wait for the lease); an
+/// unanswered mark counts its rows [`unmarked`](RelayStats::unmarked).
 ///
 /// [`PublishError::unavailable`]: crate::outbox::PublishError::unavailable
 ///
@@ -174,7 +178,7 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
     pub async fn run_once(&self) -> Result<RelayStats, StoreError> {
         let token = Token::generate();
         let claimed_at = Instant::now();
-        let rows = self.claim(&token).await?;
+        let rows = self.bounded("claim", self.claim(&token)).await?;
         // Stop a tenth of the lease early: the claim is counted on the database's clock.
         let publish_until = claimed_at + self.lease - self.lease / 10;
         let mut stats = RelayStats {
@@ -232,19 +236,15 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
             } else {
                 tracing::warn!(id = %row.id, attempts = row.attempts, error, "publication failed; retrying later");
             }
-            let recorded = self
-                .outbox
-                .exec(
-                    &self.outbox.statements().failed,
-                    &[
-                        Arg::Text(&error),
-                        Arg::Int(i64::from(self.max_attempts)),
-                        Arg::Int(dialect::ticks::<DB>(self.backoff_after(row.attempts))),
-                        Arg::Text(row.id.as_str()),
-                        Arg::Bytes(token.as_bytes()),
-                    ],
-                )
-                .await;
+            let args = [
+                Arg::Text(&error),
+                Arg::Int(i64::from(self.max_attempts)),
+                Arg::Int(dialect::ticks::<DB>(self.backoff_after(row.attempts))),
+                Arg::Text(row.id.as_str()),
+                Arg::Bytes(token.as_bytes()),
+            ];
+            let failed = self.outbox.exec(&self.outbox.statements().failed, &args);
+            let recorded = self.bounded("failed attempt", failed).await;
             if let Err(err) = recorded {
                 tracing::warn!(id = %row.id, error = %err, "failed attempt not recorded; the claim will run out");
             }
@@ -259,13 +259,9 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
     /// Gives back the rows `token` still holds (neither published nor failed): due again at
     /// once, the attempt their claim counted taken back, as it was not their fault.
     async fn give_back(&self, token: &Token) {
-        let released = self
-            .outbox
-            .exec(
-                &self.outbox.statements().release,
-                &[Arg::Bytes(token.as_bytes())],
-            )
-            .await;
+        let args = [Arg::Bytes(token.as_bytes())];
+        let release = self.outbox.exec(&self.outbox.statements().release, &args);
+        let released = self.bounded("release", release).await;
         if let Err(err) = released {
             tracing::warn!(error = %err, "rows not given back; they wait for the claim to run out");
         }
@@ -282,7 +278,7 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
             args.push(Arg::Bytes(token.as_bytes()));
             args.extend(chunk.iter().map(|id| Arg::Text(id)));
             let chunk_len = chunk.len() as u64;
-            match self.outbox.exec(&sql, &args).await {
+            match self.bounded("mark", self.outbox.exec(&sql, &args)).await {
                 Ok(marked) => {
                     let marked = marked.min(chunk_len);
                     stats.published += marked;
@@ -299,6 +295,25 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
                     stats.unmarked += chunk_len;
                 }
             }
+        }
+    }
+
+    /// `call`, one of the relay's statements (`what`), abandoned once the lease has passed
+    /// without an answer: [`StoreErrorKind::OutcomeUnknown`], as it may have been applied.
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.lease, call).await {
+            Ok(answer) => answer,
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::OutcomeUnknown,
+                format!(
+                    "the outbox {what} got no answer from the database within the lease ({} ms)",
+                    self.lease.as_millis()
+                ),
+            )),
         }
     }
 
