@@ -2,7 +2,8 @@
 //! that cannot be read (another producer wrote it) fails alone and goes dead while the rest of
 //! its batch is published; the operator inspects and discards a stuck row; a message a
 //! broker cannot carry is refused at `enqueue`; a database that goes silent (through a TCP
-//! proxy that holds its replies) ends the relay's round at the lease instead of stopping it.
+//! proxy that holds its replies) ends the relay's round at the lease instead of stopping it,
+//! and one that never answers a request to listen leaves the relay polling.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -500,6 +501,57 @@ async fn the_database_goes_silent<DB: OutboxDialect>(
         vec![ids[0].to_string(); copies],
         "{then:?}"
     );
+    queue.delete().await;
+}
+
+/// PostgreSQL: the connection a relay listens on goes silent as it asks to listen (`LISTEN`
+/// held forever, the connection open): `run` gives up listening at the lease and polls, and
+/// publishes the message once.
+#[tokio::test]
+async fn a_listen_the_database_never_answers_leaves_the_relay_polling() {
+    let fixture = postgres().await;
+    let conn = rabbitmq().await;
+    let queue = Queue::new(&conn).await;
+    let (proxy, silent) = silent_outbox(&fixture, Server::Postgres).await;
+    proxy.stall_request(b"LISTEN");
+    let relay = Relay::new(silent, publisher(&conn).await)
+        .lease(Duration::from_secs(1))
+        .poll(Duration::from_millis(50));
+    let ids = enqueue(&fixture.outbox, &[order(1, &queue.name)]).await;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        relay
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while fixture
+        .outbox
+        .inspect(&ids[0])
+        .await
+        .unwrap()
+        .unwrap()
+        .state
+        != MessageState::Published
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the relay waited for a database that never answered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(()).unwrap();
+    let stats = running.await.unwrap().unwrap();
+    assert_eq!((stats.claimed, stats.published), (1, 1), "{stats:?}");
+    assert_eq!(
+        proxy.stalled(),
+        1,
+        "the request to listen was not the one held"
+    );
+    assert_eq!(message_ids(&queue.drain().await), [ids[0].to_string()]);
     queue.delete().await;
 }
 

@@ -375,7 +375,9 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
     /// (on PostgreSQL `LISTEN`/`NOTIFY`, from any process; on every database
     /// [`Outbox::commit`] and [`Outbox::wake`] in this process), at once again while rounds
     /// come back full, and every [`poll`](Relay::poll) interval otherwise. A round that fails
-    /// (the database is down) is logged and tried again at the next interval.
+    /// (the database is down) is logged and tried again at the next interval. A database that
+    /// cannot be listened on, or does not answer the request to listen within the lease,
+    /// leaves the relay polling.
     ///
     /// # Errors
     ///
@@ -427,11 +429,21 @@ impl<DB: OutboxDialect, P: Publisher> Relay<DB, P> {
         }
     }
 
+    /// The notifications' listener, if the database has them and answers within the lease;
+    /// otherwise the relay polls.
     async fn listen(&self) -> Option<Box<dyn Listener>> {
-        match DB::listen(self.outbox.pool(), self.outbox.channel()).await {
-            Ok(listener) => listener,
-            Err(err) => {
+        let listen = DB::listen(self.outbox.pool(), self.outbox.channel());
+        match tokio::time::timeout(self.lease, listen).await {
+            Ok(Ok(listener)) => listener,
+            Ok(Err(err)) => {
                 tracing::warn!(error = %err, "cannot listen for outbox notifications; polling");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(
+                    "the database did not answer the request to listen for outbox notifications \
+                     within the lease; polling"
+                );
                 None
             }
         }
