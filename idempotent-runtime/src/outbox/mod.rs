@@ -54,6 +54,7 @@ mod operate;
 mod postgres;
 mod publish;
 mod relay;
+mod round;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
