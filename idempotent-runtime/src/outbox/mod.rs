@@ -55,6 +55,8 @@ mod postgres;
 mod publish;
 mod relay;
 mod round;
+#[cfg(test)]
+mod simulation;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
