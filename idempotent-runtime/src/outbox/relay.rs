@@ -66,6 +66,8 @@ impl RelayStats {
 /// ([`StoreErrorKind::OutcomeUnknown`]: its rows, if it took any, wait for the lease); an
 /// unanswered mark counts its rows [`unmarked`](RelayStats::unmarked).
 ///
+/// [`StoreErrorKind::OutcomeUnknown`]: crate::StoreErrorKind::OutcomeUnknown
+///
 /// [`PublishError::unavailable`]: crate::outbox::PublishError::unavailable
 ///
 /// ```no_run
