@@ -85,7 +85,8 @@ use dialect::{Arg, OutboxStatements};
 pub use dialect::OutboxDialect;
 pub use operate::{DeadMessage, Discarded, MessageState, OutboxCounts, StoredMessage};
 pub use publish::{PublishError, Publisher};
-pub use relay::{Relay, RelayStats};
+pub use relay::Relay;
+pub use round::RelayStats;
 
 /// The table used when none is configured.
 pub const DEFAULT_TABLE: &str = "idempotent_outbox";

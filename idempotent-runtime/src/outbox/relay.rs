@@ -6,46 +6,9 @@ use std::time::Duration;
 use crate::error::StoreError;
 use crate::outbox::dialect::Listener;
 use crate::outbox::publish::Publisher;
-use crate::outbox::round::Settings;
+use crate::outbox::round::{RelayStats, Settings};
 use crate::outbox::{Outbox, OutboxDialect};
 use crate::store::MAX_DURATION;
-
-/// What a relay did ([`Relay::run_once`], [`Relay::run`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RelayStats {
-    /// Rows claimed.
-    pub claimed: u64,
-    /// Messages the broker confirmed and that were marked published.
-    pub published: u64,
-    /// Publications that failed (retried later, or dead-lettered).
-    pub failed: u64,
-    /// Rows that went `dead` on their last attempt.
-    pub dead: u64,
-    /// Messages confirmed whose row could not be marked (the claim ran out, or the database
-    /// failed): they are published again later, and consumers filter the duplicate.
-    pub unmarked: u64,
-    /// Dead rows whose copy the broker confirmed at the dead-letter destination
-    /// ([`Relay::dead_letter_to`]).
-    pub dead_lettered: u64,
-    /// Publications that met an unreachable broker ([`PublishError::is_unavailable`]): the
-    /// round stopped there and gave its rows back, their attempt not counted.
-    ///
-    /// [`PublishError::is_unavailable`]: crate::outbox::PublishError::is_unavailable
-    pub unavailable: u64,
-}
-
-impl RelayStats {
-    fn add(&mut self, other: RelayStats) {
-        self.claimed += other.claimed;
-        self.published += other.published;
-        self.failed += other.failed;
-        self.dead += other.dead;
-        self.unmarked += other.unmarked;
-        self.dead_lettered += other.dead_lettered;
-        self.unavailable += other.unavailable;
-    }
-}
 
 /// Publishes an [`Outbox`]'s committed rows through a [`Publisher`].
 ///
