@@ -19,6 +19,7 @@ const MARK_CHUNK: usize = 500;
 
 /// What a relay did ([`Relay::run_once`], [`Relay::run`]).
 ///
+/// [`Relay::run_once`]: crate::outbox::Relay::run_once
 /// [`Relay::run`]: crate::outbox::Relay::run
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
