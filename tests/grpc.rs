@@ -58,7 +58,8 @@ struct Probe<S> {
 }
 
 struct Probed<F> {
-    inner: Pin<Box<F>>,
+    /// `None` once dropped: the layers inside go before the probe says so.
+    inner: Option<Pin<Box<F>>>,
     answered: bool,
     abandoned: Arc<Notify>,
 }
@@ -66,7 +67,12 @@ struct Probed<F> {
 impl<F: Future> Future for Probed<F> {
     type Output = F::Output;
     fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<F::Output> {
-        let answer = self.inner.as_mut().poll(cx);
+        let answer = self
+            .inner
+            .as_mut()
+            .expect("polled after drop")
+            .as_mut()
+            .poll(cx);
         if answer.is_ready() {
             self.answered = true;
         }
@@ -76,6 +82,9 @@ impl<F: Future> Future for Probed<F> {
 
 impl<F> Drop for Probed<F> {
     fn drop(&mut self) {
+        // Everything inside is dropped first (a detached run spawned, the in-place count
+        // given back), so what the test reads after the notice is settled.
+        drop(self.inner.take());
         if !self.answered {
             self.abandoned.notify_one();
         }
@@ -93,7 +102,7 @@ impl<S: tower::Service<R>, R> tower::Service<R> for Probe<S> {
 
     fn call(&mut self, request: R) -> Self::Future {
         Probed {
-            inner: Box::pin(self.inner.call(request)),
+            inner: Some(Box::pin(self.inner.call(request))),
             answered: false,
             abandoned: self.abandoned.clone(),
         }
