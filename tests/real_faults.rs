@@ -649,3 +649,77 @@ async fn a_completion_on_a_silent_connection_is_bounded_and_the_lease_kept() {
     assert_eq!(deliver().await.unwrap(), 987_654_321, "not replayed");
     assert_eq!(effects.load(Ordering::SeqCst), 1);
 }
+
+/// A purge whose statement goes out on a pooled connection that then goes silent (the proxy
+/// never forwards it, never answers, and keeps the connection open) is abandoned at the
+/// purger's bound, and a later tick purges on another connection: the expired records go, the
+/// live ones stay. Before the bound, the purger awaited that statement forever and no expired
+/// record was deleted again.
+macro_rules! a_purge_on_a_silent_connection {
+    ($name:ident, $server:expr, $store:ty) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let records = Scratch::table($server);
+            let url = records.url().to_string();
+            let host = server_of(&url);
+            let proxy = Proxy::start(addr(host)).await;
+            let store = <$store>::builder(&url.replacen(host, &proxy.addr().to_string(), 1))
+                .table(records.name().to_string())
+                .max_connections(4)
+                .build()
+                .await
+                .unwrap();
+            let direct = <$store>::builder(&url)
+                .table(records.name().to_string())
+                .build()
+                .await
+                .unwrap();
+            let count = format!("SELECT COUNT(*) FROM {}", records.name());
+            let rows = || async {
+                sqlx::query_scalar::<_, i64>(AssertSqlSafe(count.clone()))
+                    .fetch_one(direct.pool())
+                    .await
+                    .unwrap()
+            };
+            let (short, hour) = (Duration::from_millis(200), Duration::from_secs(3600));
+            for i in 0..30u32 {
+                let ttl = if i < 25 { short } else { hour };
+                let guard = Idempotency::new(ttl).store(Arc::new(store.clone()));
+                let key = Key::new("silent-purge", 1, &[&i]).unwrap();
+                guard
+                    .operation(key)
+                    .run(async { Ok::<(), Error>(()) })
+                    .await
+                    .unwrap();
+            }
+            assert_eq!(rows().await, 30);
+
+            // Every purge statement holds the table's ordering by expiry.
+            proxy.stall_request(b"ORDER BY expires_at");
+            let purger = store.spawn_purger(Duration::from_millis(300), 10);
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            while rows().await != 5 {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the purger stopped: {} rows left, {} statements stalled",
+                    rows().await,
+                    proxy.stalled()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            assert_eq!(proxy.stalled(), 1, "no purge statement was stalled");
+            drop(purger);
+        }
+    };
+}
+
+a_purge_on_a_silent_connection!(
+    a_purge_on_a_silent_postgres_connection_does_not_stop_the_purger,
+    Server::Postgres,
+    PostgresStore
+);
+a_purge_on_a_silent_connection!(
+    a_purge_on_a_silent_mariadb_connection_does_not_stop_the_purger,
+    Server::MySql,
+    MySqlStore
+);

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::engine::bounded;
 use crate::error::StoreError;
 
 use crate::store::sql::dialect::Arg;
@@ -22,16 +23,31 @@ impl<DB: Dialect> SqlStore<DB> {
     /// # Ok(()) }
     /// ```
     ///
+    /// A batch's statement is not bounded in time here: a connection that goes silent holds
+    /// the call until the connection fails. Bound the call with `tokio::time::timeout` where
+    /// that matters; [`spawn_purger`](Self::spawn_purger) bounds each batch itself.
+    ///
     /// # Errors
     ///
     /// The first failed batch's error; the batches before it stay deleted.
     pub async fn purge_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        self.purge_within(batch, None).await
+    }
+
+    /// [`purge_expired`](Self::purge_expired), each batch's statement abandoned after `bound`
+    /// without an answer ([`StoreErrorKind::OutcomeUnknown`](crate::StoreErrorKind::OutcomeUnknown), as it
+    /// may have deleted its rows).
+    async fn purge_within(&self, batch: u32, bound: Option<Duration>) -> Result<u64, StoreError> {
         let batch = batch.max(1);
         let mut total = 0;
         loop {
             let mut conn = self.acquire().await?;
             let args = [Arg::Int(i64::from(batch))];
-            let deleted = write::<DB>(&mut conn, &self.sql.purge, &args, "purge", true).await?;
+            let statement = write::<DB>(&mut conn, &self.sql.purge, &args, "purge", true);
+            let deleted = match bound {
+                Some(bound) => bounded(bound, "purge batch", statement).await?,
+                None => statement.await?,
+            };
             drop(conn);
             total += deleted;
             crate::metrics::purged(crate::store::Store::name(self), deleted);
@@ -47,6 +63,12 @@ impl<DB: Dialect> SqlStore<DB> {
     /// and retried at the next interval. The task stops when the returned [`Purger`] is
     /// dropped.
     ///
+    /// A batch that has not answered within `every` (at least 1 s, at most 30 s) is taken
+    /// for a silent connection: it is abandoned, logged, and the purge runs again at the next
+    /// tick, on another of the pool's connections. The abandoned statement may still delete
+    /// its rows; its connection is not reused before it answers or fails (the pool tests it
+    /// first).
+    ///
     /// ```no_run
     /// # async fn f(store: idempotent_runtime::sql::PostgresStore) {
     /// use std::time::Duration;
@@ -59,12 +81,13 @@ impl<DB: Dialect> SqlStore<DB> {
     pub fn spawn_purger(&self, every: Duration, batch: u32) -> Purger {
         let store = self.clone();
         let every = every.max(Duration::from_millis(1));
+        let bound = batch_bound(every);
         let task = self.runtime.spawn(async move {
             let mut ticker = tokio::time::interval(every);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 ticker.tick().await;
-                match store.purge_expired(batch).await {
+                match store.purge_within(batch, Some(bound)).await {
                     Ok(0) => {}
                     Ok(deleted) => tracing::debug!(
                         deleted,
@@ -83,6 +106,14 @@ impl<DB: Dialect> SqlStore<DB> {
     }
 }
 
+/// How long a batch of the purger's task may go unanswered: the interval, within bounds. Below
+/// 1 s a healthy batch on a loaded database would be cut; above 30 s a silent connection would
+/// hold the purge up longer than an operator's call waits by default
+/// ([`Admin::timeout`](crate::admin::Admin::timeout)).
+fn batch_bound(every: Duration) -> Duration {
+    every.clamp(Duration::from_secs(1), Duration::from_secs(30))
+}
+
 /// The task started by [`SqlStore::spawn_purger`]; dropping it stops the task.
 #[derive(Debug)]
 #[must_use = "the purger stops when this handle is dropped"]
@@ -98,5 +129,20 @@ impl Purger {
 impl Drop for Purger {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_is_bounded_by_the_interval_within_one_and_thirty_seconds() {
+        assert_eq!(
+            batch_bound(Duration::from_millis(1)),
+            Duration::from_secs(1)
+        );
+        assert_eq!(batch_bound(Duration::from_secs(7)), Duration::from_secs(7));
+        assert_eq!(batch_bound(Duration::MAX), Duration::from_secs(30));
     }
 }
