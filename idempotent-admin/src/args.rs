@@ -23,6 +23,11 @@ pub(crate) struct Cli {
     /// JSON output, for scripts.
     #[arg(long, global = true)]
     pub(crate) json: bool,
+    /// How long one call to the store may go unanswered (`500ms`, `30s`, `2m`): past it the
+    /// command fails with exit 3, and a change the call carried may have been applied
+    /// (inspect before trying again).
+    #[arg(long, global = true, default_value = "30s", value_parser = parse_timeout)]
+    pub(crate) timeout: Duration,
     #[command(subcommand)]
     pub(crate) command: Command,
 }
@@ -121,6 +126,15 @@ impl StateArg {
             StateArg::Corrupt => StateFilter::Corrupt,
         }
     }
+}
+
+/// A `--timeout`: a duration of at least 1 ms.
+fn parse_timeout(text: &str) -> Result<Duration, String> {
+    let timeout = parse_duration(text)?;
+    if timeout.is_zero() {
+        return Err("a timeout of 0 would fail every call".into());
+    }
+    Ok(timeout)
 }
 
 /// A duration written `500ms`, `30s`, `10m`, `2h` or `7d`.

@@ -10,7 +10,7 @@ use serde_json::json;
 
 use crate::args::{Cli, Command};
 use crate::show::{inspection_json, print_inspection, seconds, state_name};
-use crate::{confirm, connect, outbox, Failure};
+use crate::{confirm, connect, outbox, within, Failure, MAY_HAVE_BEEN_APPLIED};
 
 /// What to do, checked before the store is reached: bad input changes nothing.
 enum Plan {
@@ -72,13 +72,20 @@ pub(crate) async fn run(cli: &Cli) -> Result<(), Failure> {
         ));
     };
     if let Command::Outbox(args) = &cli.command {
-        return outbox::run(url, args, cli.json).await;
+        return outbox::run(url, args, cli.json, cli.timeout).await;
     }
     let plan = Plan::of(&cli.command)?;
     let migrate = matches!(plan, Plan::Migrate);
-    let store = connect::open(url, cli.table.as_deref(), migrate).await?;
-    let admin = Admin::new(store);
-    let store_error = |e: StoreError| Failure::Store(connect::chain(&e));
+    let opened = connect::open(url, cli.table.as_deref(), migrate);
+    let store = within(cli.timeout, "opening the store", opened).await?;
+    let admin = Admin::new(store).timeout(cli.timeout);
+    let store_error = |e: StoreError| {
+        let mut why = connect::chain(&e);
+        if e.kind() == StoreErrorKind::OutcomeUnknown {
+            why = format!("{why}; {MAY_HAVE_BEEN_APPLIED}");
+        }
+        Failure::Store(why)
+    };
     match plan {
         Plan::Migrate => {
             let table = cli.table.as_deref().unwrap_or("idempotent_records");

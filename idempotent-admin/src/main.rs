@@ -23,7 +23,10 @@
 //! and newline `\t`, `\r`, `\n`, and `--key` reads that form back. `release`, `unhold`,
 //! `delete`, `purge` and the outbox's `retry` and `discard` ask for confirmation unless
 //! `--yes` is given. Output is a readable table, or JSON with `--json`. Durations are written
-//! `500ms`, `30s`, `10m`, `2h` or `7d`.
+//! `500ms`, `30s`, `10m`, `2h` or `7d`. Every call to the store (opening it included) fails
+//! after `--timeout` without an answer (30 s unless given), with exit 3 and a message that
+//! a change the call carried may have been applied: a silent connection never hangs the
+//! command.
 //!
 //! On an SQL store `--table` (before the command) names the records table, as the
 //! application's store builder does (`idempotent_records` by default). The record commands
@@ -36,10 +39,12 @@
 //! no known scheme or that does not parse, an invalid table name, `--table` on a store that
 //! is not SQL, a cursor of another store, an outbox command on a store that is not SQL); 3
 //! the store failed (unreachable, refused the credentials, no such database, no records
-//! table, a record it cannot read). Errors print their causes.
+//! table, a record it cannot read, no answer within `--timeout`). Errors print their causes.
 
+use std::future::Future;
 use std::io::{BufRead, Write};
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::Parser;
 
@@ -90,6 +95,25 @@ fn main() -> ExitCode {
         }
     }
 }
+
+/// `call`, failed with exit 3 when the store has not answered within `timeout` (`--timeout`):
+/// the message names the call (`what`) and says a change it carried may have been applied.
+pub(crate) async fn within<T>(
+    timeout: Duration,
+    what: &str,
+    call: impl Future<Output = Result<T, Failure>>,
+) -> Result<T, Failure> {
+    match tokio::time::timeout(timeout, call).await {
+        Ok(answer) => answer,
+        Err(_) => Err(Failure::Store(format!(
+            "{what}: no answer from the store within {timeout:?}; {MAY_HAVE_BEEN_APPLIED}"
+        ))),
+    }
+}
+
+/// What an unanswered call may have done, for its message.
+pub(crate) const MAY_HAVE_BEEN_APPLIED: &str =
+    "a change it carried may have been applied (look before trying again)";
 
 /// Asks on the terminal unless `yes`; anything but `y` or `yes` refuses.
 pub(crate) fn confirm(yes: bool, question: &str) -> Result<(), Failure> {

@@ -1,6 +1,7 @@
 //! `idempotent-admin outbox ...`: the transactional outbox of an SQL database (PostgreSQL,
 //! MySQL / MariaDB, SQLite), on top of `idempotency::outbox::Outbox`.
 
+use std::future::Future;
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
@@ -11,7 +12,7 @@ use idempotency::sql::sqlx::{self, Pool};
 use idempotency::store::StoreError;
 use serde_json::json;
 
-use crate::{confirm, parse_duration, Failure};
+use crate::{confirm, parse_duration, within, Failure};
 
 #[derive(Debug, Args)]
 pub(crate) struct OutboxArgs {
@@ -73,45 +74,56 @@ enum OutboxCommand {
 }
 
 /// Runs an outbox command on the SQL database at `url`.
-pub(crate) async fn run(url: &str, args: &OutboxArgs, as_json: bool) -> Result<(), Failure> {
+/// Every statement fails (exit 3) after `timeout` without an answer.
+pub(crate) async fn run(
+    url: &str,
+    args: &OutboxArgs,
+    as_json: bool,
+    timeout: Duration,
+) -> Result<(), Failure> {
     let scheme = url.split(':').next().unwrap_or_default();
     match scheme {
-        "postgres" | "postgresql" => on::<sqlx::Postgres>(url, args, as_json).await,
+        "postgres" | "postgresql" => on::<sqlx::Postgres>(url, args, as_json, timeout).await,
         "mysql" | "mariadb" => {
             let url = url.replacen("mariadb:", "mysql:", 1);
-            on::<sqlx::MySql>(&url, args, as_json).await
+            on::<sqlx::MySql>(&url, args, as_json, timeout).await
         }
-        "sqlite" => on::<sqlx::Sqlite>(url, args, as_json).await,
+        "sqlite" => on::<sqlx::Sqlite>(url, args, as_json, timeout).await,
         other => Err(Failure::Input(format!(
             "the outbox lives in an SQL database (postgres://, mysql://, sqlite:), not `{other}:`"
         ))),
     }
 }
 
-async fn on<DB: OutboxDialect>(url: &str, args: &OutboxArgs, as_json: bool) -> Result<(), Failure> {
-    let pool = Pool::<DB>::connect(url)
-        .await
-        .map_err(|e| Failure::Store(format!("cannot use the database: {e}")))?;
+async fn on<DB: OutboxDialect>(
+    url: &str,
+    args: &OutboxArgs,
+    as_json: bool,
+    timeout: Duration,
+) -> Result<(), Failure> {
+    let connect = async {
+        Pool::<DB>::connect(url)
+            .await
+            .map_err(|e| Failure::Store(format!("cannot use the database: {e}")))
+    };
+    let pool = within(timeout, "connecting", connect).await?;
     let outbox = Outbox::with_table(pool, &args.table)
         .map_err(|e| Failure::Input(format!("bad table: {e}")))?;
-    let failed = |e: StoreError| Failure::Store(format!("{e}"));
     match &args.command {
         OutboxCommand::Counts => {
-            let counts = outbox.counts().await.map_err(failed)?;
+            let counts = answer(timeout, "counts", outbox.counts()).await?;
             print_counts(&counts, as_json);
             Ok(())
         }
         OutboxCommand::Dead { limit } => {
-            let dead = outbox.dead(*limit).await.map_err(failed)?;
+            let dead = answer(timeout, "dead", outbox.dead(*limit)).await?;
             print_dead(&dead, as_json);
             Ok(())
         }
         OutboxCommand::Retry { id, yes } => {
             confirm(*yes, &format!("Publish dead message `{id}` again?"))?;
-            let done = outbox
-                .retry(&MessageId::from_string(id.clone()))
-                .await
-                .map_err(failed)?;
+            let message = MessageId::from_string(id.clone());
+            let done = answer(timeout, "retry", outbox.retry(&message)).await?;
             settled(
                 "retry",
                 id,
@@ -121,10 +133,8 @@ async fn on<DB: OutboxDialect>(url: &str, args: &OutboxArgs, as_json: bool) -> R
             )
         }
         OutboxCommand::Inspect { id } => {
-            let row = outbox
-                .inspect(&MessageId::from_string(id.clone()))
-                .await
-                .map_err(failed)?;
+            let message = MessageId::from_string(id.clone());
+            let row = answer(timeout, "inspect", outbox.inspect(&message)).await?;
             match row {
                 Some(row) => {
                     print_stored(&row, as_json);
@@ -149,10 +159,8 @@ async fn on<DB: OutboxDialect>(url: &str, args: &OutboxArgs, as_json: bool) -> R
                 *yes,
                 &format!("Delete dead message `{id}`? It is never published."),
             )?;
-            let done = outbox
-                .discard(&MessageId::from_string(id.clone()))
-                .await
-                .map_err(failed)?;
+            let message = MessageId::from_string(id.clone());
+            let done = answer(timeout, "discard", outbox.discard(&message)).await?;
             settled("discard", id, done, as_json, "is deleted")
         }
         OutboxCommand::Discard {
@@ -164,19 +172,15 @@ async fn on<DB: OutboxDialect>(url: &str, args: &OutboxArgs, as_json: bool) -> R
                 *yes,
                 &format!("Delete message `{id}`, pending or dead? It is never published."),
             )?;
-            let outcome = outbox
-                .force_discard(&MessageId::from_string(id.clone()))
-                .await
-                .map_err(failed)?;
+            let message = MessageId::from_string(id.clone());
+            let outcome = answer(timeout, "discard", outbox.force_discard(&message)).await?;
             force_discarded(id, outcome, as_json)
         }
         OutboxCommand::PurgePublished { older_than, batch } => {
             let mut purged = 0u64;
             loop {
-                let n = outbox
-                    .purge_published(*older_than, (*batch).max(1))
-                    .await
-                    .map_err(failed)?;
+                let purge = outbox.purge_published(*older_than, (*batch).max(1));
+                let n = answer(timeout, "purge-published", purge).await?;
                 purged += n;
                 if n < u64::from((*batch).max(1)) {
                     break;
@@ -193,6 +197,19 @@ async fn on<DB: OutboxDialect>(url: &str, args: &OutboxArgs, as_json: bool) -> R
             Ok(())
         }
     }
+}
+
+/// One outbox call: its error, or no answer within `timeout`, fails the command (exit 3).
+async fn answer<T>(
+    timeout: Duration,
+    what: &str,
+    call: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, Failure> {
+    let failed = async {
+        call.await
+            .map_err(|e| Failure::Store(format!("{what}: {e}")))
+    };
+    within(timeout, what, failed).await
 }
 
 fn print_counts(counts: &OutboxCounts, as_json: bool) {

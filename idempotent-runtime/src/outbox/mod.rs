@@ -269,6 +269,13 @@ pub struct OutboxMessage {
 /// An outbox table on a sqlx pool of PostgreSQL, MySQL / MariaDB or SQLite: enqueue in
 /// transactions, operate on dead rows. The [`Relay`] publishes it. Cloning is cheap (the pool
 /// and the statements are shared).
+///
+/// The relay bounds every statement it sends by its lease; the operator's calls
+/// ([`retry`](Outbox::retry), [`discard`](Outbox::discard),
+/// [`purge_published`](Outbox::purge_published), ...) are not bounded in time: on a connection
+/// that goes silent they wait until it fails. Wrap them in `tokio::time::timeout` where a
+/// caller must not wait (the `idempotent-admin` command line does, with `--timeout`); a
+/// change abandoned that way may still have been applied.
 pub struct Outbox<DB: OutboxDialect> {
     pool: Pool<DB>,
     table: TableName,
