@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use crate::engine::bounded;
 use crate::error::StoreError;
+use crate::store::deadline::bounded;
 
 use crate::store::sql::dialect::Arg;
 use crate::store::sql::dialect::Dialect;
