@@ -436,6 +436,140 @@ async fn batch_statements_look_their_keys_up_on_a_table_without_statistics() {
     drop(records);
 }
 
+/// A batch statement matches each row of the table to its item of the batch once. The items
+/// arrive as arrays, and a generic plan that estimates their number from nothing (ten rows)
+/// can join them to the table's rows by a nested loop that reads every item again for every
+/// row: work that grows with the square of the batch (250,000 pairs rejected for 500 keys).
+/// Whatever the table's statistics when the connection planned it, each statement's plan
+/// rejects fewer pairs than the batch has keys.
+#[tokio::test]
+async fn batch_statements_match_rows_to_items_in_one_pass() {
+    const KEYS: usize = 200;
+    let (records, store) = fresh().await;
+    let table = store.table().to_string();
+    let mut conn = store.pool().acquire().await.unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER TABLE {table} SET (autovacuum_enabled = false);
+         SET plan_cache_mode = force_generic_plan;"
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    // Key `g` is int8send(g), its token the key twice.
+    let array = |from: usize, bytes: &dyn Fn(usize) -> String| {
+        let items: Vec<String> = (from..from + KEYS)
+            .map(|g| format!("\"\\\\x{}\"", bytes(g)))
+            .collect();
+        format!("'{{{}}}'::bytea[]", items.join(","))
+    };
+    let key = |g: usize| format!("{g:016x}");
+    let token = |g: usize| format!("{g:016x}{g:016x}");
+    let repeat = |item: &str| format!("ARRAY[{}]", vec![item; KEYS].join(","));
+    // Keys 1..=KEYS are held (in progress under their token), the next KEYS are fresh.
+    let held = format!(
+        "INSERT INTO {table} (record_key, prefix, token, fence, state, lease_until, result, \
+         fingerprint, created_at, updated_at, expires_at) \
+         SELECT int8send(g), 'p', int8send(g) || int8send(g), 1, 'in_progress', \
+         now() + INTERVAL '1 hour', NULL, NULL, now(), now(), now() + INTERVAL '1 hour' \
+         FROM generate_series(1, {KEYS}) AS g"
+    );
+    let statements = [
+        (
+            "claim_many_fresh",
+            store.statements().claim_many_fresh().unwrap(),
+            format!(
+                "({}, {}, {}, {}, {}, {})",
+                array(KEYS + 1, &key),
+                repeat("'p'"),
+                array(KEYS + 1, &token),
+                repeat("60000000::int8"),
+                repeat("NULL::bytea"),
+                repeat("3600000000::int8"),
+            ),
+        ),
+        (
+            "claim_many",
+            store.statements().claim_many().unwrap(),
+            format!(
+                "({}, {}, {}, {}, {}, {})",
+                array(1, &key),
+                repeat("'p'"),
+                array(KEYS + 1, &token),
+                repeat("60000000::int8"),
+                repeat("NULL::bytea"),
+                repeat("3600000000::int8"),
+            ),
+        ),
+        (
+            "complete_many",
+            store.statements().complete_many().unwrap(),
+            format!(
+                "({}, {}, {}, {}, {})",
+                array(1, &key),
+                array(1, &token),
+                repeat("'\\x72'::bytea"),
+                repeat("3600000000::int8"),
+                repeat("true"),
+            ),
+        ),
+    ];
+    let states = [
+        ("empty, never analyzed", held.clone()),
+        (
+            "filled, never analyzed",
+            format!(
+                "{held}; INSERT INTO {table} (record_key, prefix, token, fence, state, \
+                 lease_until, result, fingerprint, created_at, updated_at, expires_at) \
+                 SELECT int8send(g), 'p', int8send(g) || int8send(g), 1, 'completed', now(), \
+                 NULL, NULL, now(), now(), now() + INTERVAL '1 hour' \
+                 FROM generate_series(1000001, 1006000) AS g"
+            ),
+        ),
+        ("filled and analyzed", format!("ANALYZE {table}")),
+    ];
+    for (round, (state, before)) in states.into_iter().enumerate() {
+        if round < 2 {
+            sqlx::raw_sql(AssertSqlSafe(format!("TRUNCATE {table}")))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+        }
+        sqlx::raw_sql(AssertSqlSafe(before))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        for (name, sql, args) in &statements {
+            let prepare = format!("PREPARE {name}{round} AS {sql}");
+            sqlx::raw_sql(AssertSqlSafe(prepare))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            // Run, then undone: every statement sees the rows as `before` left them.
+            sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
+            let explain =
+                format!("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) EXECUTE {name}{round}{args}");
+            let lines: Vec<String> = sqlx::query_scalar(AssertSqlSafe(explain))
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap();
+            sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+            let plan = lines.join("\n");
+            let rejected: usize = plan
+                .lines()
+                .filter_map(|line| line.trim().strip_prefix("Rows Removed by Join Filter: "))
+                .map(|n| n.parse::<usize>().unwrap())
+                .sum();
+            assert!(
+                rejected < KEYS,
+                "{name}, table {state}: {rejected} pairs rejected for {KEYS} keys:\n{plan}"
+            );
+        }
+    }
+    drop(conn);
+    store.pool().close().await;
+    drop(records);
+}
+
 /// A batch claim is two statements: the insert-only claim of its fresh keys, then the full
 /// claim of the others. When the second one fails, the keys the first one took are still
 /// acquired (their owners run, or give them back), and only the other keys' claims fail:
