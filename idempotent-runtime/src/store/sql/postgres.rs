@@ -231,6 +231,12 @@ WHERE t.record_key = ANY($1::bytea[])
 /// record, and answers in one row the positions (from 1) of the keys it took, `NULL` when it
 /// took them all, and their fences in the same order. [`CLAIM_MANY`] follows for the keys it
 /// did not take.
+///
+/// Every key it takes gets the same fence, the clock's at the statement's timestamp (a key
+/// with no record has no fence to go on from), so the fences are aggregated in any order,
+/// and the inserted rows are matched to their positions only when it did not take them all:
+/// the join with `input` is a scalar subquery that runs only then (on a batch of 100 fresh
+/// keys, 0.05 ms of the statement's 0.8).
 macro_rules! claim_many_fresh_statement {
     ($state:expr) => {
         concat!(
@@ -242,9 +248,10 @@ ON CONFLICT (record_key) DO NOTHING
 RETURNING record_key, fence
 )
 SELECT CASE WHEN count(*) = cardinality($1::bytea[]) THEN NULL
-            ELSE coalesce(array_agg(i.ord ORDER BY i.ord), ARRAY[]::int8[]) END,
-       coalesce(array_agg(t.fence ORDER BY i.ord), ARRAY[]::int8[])
-FROM taken AS t JOIN input AS i USING (record_key)"
+            ELSE (SELECT coalesce(array_agg(i.ord ORDER BY i.ord), ARRAY[]::int8[])
+                  FROM taken JOIN input AS i USING (record_key)) END,
+       coalesce(array_agg(t.fence), ARRAY[]::int8[])
+FROM taken AS t"
         )
     };
 }
@@ -311,8 +318,8 @@ LIMIT $4"
 /// Completes and releases the items of five parallel arrays (key, token, result, ttl,
 /// complete?), each as [`COMPLETE`] or [`RELEASE`] would, and answers in one row: `NULL`
 /// when it ended every item, otherwise the positions (from 1) of the items it ended (an
-/// empty array when none; `array_agg` of no rows is `NULL`).
-/// An item whose record is already completed by its token is ended again (unchanged), as a
+/// empty array when none; `array_agg` of no rows is `NULL`), gathered by a second read of
+/// `ended` that runs only then. An item whose record is already completed by its token is ended again (unchanged), as a
 /// retried completion is. `record_key = ANY($1)` makes the rows an index lookup of the
 /// batch's keys on a new table and on an analyzed one, as in [`CLAIM_MANY`]: joined with
 /// `input` alone, the generic plan made on a new table scans the whole table. After a
@@ -352,7 +359,7 @@ WHERE r.record_key = ANY($1::bytea[]) AND r.record_key = i.record_key AND r.toke
 RETURNING i.n
 )
 SELECT CASE WHEN count(*) = cardinality($1::bytea[]) THEN NULL
-            ELSE coalesce(array_agg(n), ARRAY[]::int8[]) END
+            ELSE (SELECT coalesce(array_agg(n), ARRAY[]::int8[]) FROM ended) END
 FROM ended"
 );
 
