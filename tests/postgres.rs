@@ -476,7 +476,8 @@ async fn batch_statements_match_rows_to_items_in_one_pass() {
     let held = format!(
         "INSERT INTO {table} (record_key, prefix, token, fence, state, lease_until, result, \
          fingerprint, created_at, updated_at, expires_at) \
-         SELECT convert_to(lpad(g::text, 56, '0'), 'UTF8'), 'p', int8send(g) || int8send(g), 1, 'in_progress', \
+         SELECT convert_to(lpad(g::text, 56, '0'), 'UTF8'), 'p', int8send(g) || int8send(g), \
+         1, 'in_progress', \
          now() + INTERVAL '1 hour', NULL, NULL, now(), now(), now() + INTERVAL '1 hour' \
          FROM generate_series(1, {KEYS}) AS g"
     );
@@ -527,8 +528,9 @@ async fn batch_statements_match_rows_to_items_in_one_pass() {
             format!(
                 "{held}; INSERT INTO {table} (record_key, prefix, token, fence, state, \
                  lease_until, result, fingerprint, created_at, updated_at, expires_at) \
-                 SELECT convert_to(lpad(g::text, 56, '0'), 'UTF8'), 'p', int8send(g) || int8send(g), 1, \
-                 'completed', now(), '\\x72', NULL, now(), now(), now() + INTERVAL '1 hour' \
+                 SELECT convert_to(lpad(g::text, 56, '0'), 'UTF8'), 'p', \
+                 int8send(g) || int8send(g), 1, 'completed', now(), '\\x72', NULL, now(), \
+                 now(), now() + INTERVAL '1 hour' \
                  FROM generate_series(1000001, 1004000) AS g"
             ),
         ),

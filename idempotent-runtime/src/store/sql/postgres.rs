@@ -229,8 +229,8 @@ WHERE t.record_key = ANY($1::bytea[])
 /// The insert-only claim of a batch, sent before [`CLAIM_MANY`] as [`CLAIM_FRESH`] is before
 /// [`CLAIM`], with `$state` as in [`claim_statement!`]: it takes the keys that have no
 /// record, and answers in one row the positions (from 1) of the keys it took, `NULL` when it
-/// took them all, and their fences in the same order. [`CLAIM_MANY`] follows for the keys it
-/// did not take.
+/// took them all, and their fences (one per key taken). [`CLAIM_MANY`] follows for the keys
+/// it did not take.
 ///
 /// Every key it takes gets the same fence, the clock's at the statement's timestamp (a key
 /// with no record has no fence to go on from), so the fences are aggregated in any order,
@@ -320,9 +320,10 @@ LIMIT $4"
 /// when it ended every item, otherwise the positions (from 1) of the items it ended (an
 /// empty array when none; `array_agg` of no rows is `NULL`), gathered by a second read of
 /// `ended` that runs only then. An item whose record is already completed by its token is
-/// ended again (unchanged), as a retried completion is. `record_key = ANY($1)` makes the rows an index lookup of the
-/// batch's keys on a new table and on an analyzed one, as in [`CLAIM_MANY`]: joined with
-/// `input` alone, the generic plan made on a new table scans the whole table. After a
+/// ended again (unchanged), as a retried completion is. `record_key = ANY($1)` makes the
+/// rows an index lookup of the batch's keys on a new table and on an analyzed one, as in
+/// [`CLAIM_MANY`]: joined with `input` alone, the generic plan made on a new table scans
+/// the whole table. After a
 /// `TRUNCATE`, until the table is analyzed again (autovacuum does within its naptime, a
 /// minute by default), a connection's generic plan can still be a sequential scan with `ANY`
 /// as its filter: measured at 6 to 11 ms a batch of 100 on 1,400 rows, growing with the
