@@ -1,19 +1,4 @@
-//! PostgreSQL: the claim is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE <free>` inside a
-//! statement that also reports the record when the claim did not take it.
-
-use std::sync::Arc;
-
-use sqlx::pool::PoolOptions;
-use sqlx::postgres::{PgArguments, PgConnection, Postgres};
-use sqlx::query::Query;
-use sqlx::{AssertSqlSafe, Pool, Row};
-
-use crate::database::SqlDatabase;
-use crate::store::sql::bind::{ending_args, statement_fns};
-use crate::store::sql::by_key::{by_position, claim_keys, ended_at, in_request_order};
-use crate::store::sql::dialect::{ticks, DialectImpl, Statements, Templates, HEADROOM};
-use crate::store::sql::record::{RecordRow, Step};
-use crate::store::{BoxFuture, ClaimRequest, Ending};
+//! The SQL PostgreSQL is sent, written for the default table `idempotent_records`.
 
 /// The database's clock in microseconds since the Unix epoch: the fence of a key that has no
 /// record ([`next_fence`](crate::store::next_fence)). `statement_timestamp()` is one instant
@@ -145,10 +130,10 @@ RETURNING state, token, fence, fingerprint, result, 0::int8 AS lease_left"
     };
 }
 
-const CLAIM_FRESH: &str = claim_fresh_statement!("'in_progress'");
+pub(super) const CLAIM_FRESH: &str = claim_fresh_statement!("'in_progress'");
 
 /// [`CLAIM_FRESH`] committed asynchronously, as [`CLAIM_ASYNC`].
-const CLAIM_FRESH_ASYNC: &str = claim_fresh_statement!(async_state!());
+pub(super) const CLAIM_FRESH_ASYNC: &str = claim_fresh_statement!(async_state!());
 
 /// Takes the key when its record is free (absent, expired, released, or in progress with a
 /// run-out lease and no other payload), and reports the record either way.
@@ -158,11 +143,11 @@ const CLAIM_FRESH_ASYNC: &str = claim_fresh_statement!(async_state!());
 /// When it does not take it, `taken` is empty and the second branch reports the record as
 /// of the statement's snapshot; `end` sends the statement again in the rare case that
 /// the snapshot shows a free record (it changed while the statement waited for the lock).
-const CLAIM: &str = claim_statement!("'in_progress'");
+pub(super) const CLAIM: &str = claim_statement!("'in_progress'");
 
 /// [`CLAIM`] committed asynchronously: the state's expression turns `synchronous_commit`
 /// off for the statement's own transaction (see `SqlStoreBuilder::asynchronous_claims`).
-const CLAIM_ASYNC: &str = claim_statement!(async_state!());
+pub(super) const CLAIM_ASYNC: &str = claim_statement!(async_state!());
 
 /// The rows of a batch claim: six parallel arrays (key, prefix, token, lease, fingerprint,
 /// ttl) and each row's place in them.
@@ -256,10 +241,10 @@ FROM taken AS t"
     };
 }
 
-const CLAIM_MANY_FRESH: &str = claim_many_fresh_statement!("'in_progress'");
+pub(super) const CLAIM_MANY_FRESH: &str = claim_many_fresh_statement!("'in_progress'");
 
 /// [`CLAIM_MANY_FRESH`] committed asynchronously, as [`CLAIM_ASYNC`].
-const CLAIM_MANY_FRESH_ASYNC: &str = claim_many_fresh_statement!(async_state!());
+pub(super) const CLAIM_MANY_FRESH_ASYNC: &str = claim_many_fresh_statement!(async_state!());
 
 /// The claim of a batch of distinct keys: [`CLAIM`] over the rows of six parallel arrays
 /// (key, prefix, token, lease, fingerprint, ttl), one statement whatever the outcomes. The
@@ -278,10 +263,10 @@ const CLAIM_MANY_FRESH_ASYNC: &str = claim_many_fresh_statement!(async_state!())
 /// the generic plan made on a filled table without statistics ANDs the key lookup with a
 /// scan of the `expires_at` index, which reads an entry for every live record, batch after
 /// batch.
-const CLAIM_MANY: &str = claim_many_statement!("'in_progress'");
+pub(super) const CLAIM_MANY: &str = claim_many_statement!("'in_progress'");
 
 /// [`CLAIM_MANY`] committed asynchronously, as [`CLAIM_ASYNC`].
-const CLAIM_MANY_ASYNC: &str = claim_many_statement!(async_state!());
+pub(super) const CLAIM_MANY_ASYNC: &str = claim_many_statement!(async_state!());
 
 /// The record columns, then how long the record has been in its state and how long it has
 /// left, in microseconds.
@@ -294,7 +279,7 @@ macro_rules! listed_columns {
     };
 }
 
-const READ: &str = concat!(
+pub(super) const READ: &str = concat!(
     "SELECT ",
     listed_columns!(),
     "
@@ -304,7 +289,7 @@ WHERE record_key = $1 AND expires_at > statement_timestamp()"
 
 /// A page of live records with the prefix `$3`, by key after `$1` and below `$2` (a range of
 /// the primary key), at most `$4`.
-const SCAN: &str = concat!(
+pub(super) const SCAN: &str = concat!(
     "SELECT record_key, ",
     listed_columns!(),
     "
@@ -345,7 +330,7 @@ LIMIT $4"
 /// statistics estimated each test at half a percent of the rows, so one row of the table to
 /// join, and joined by a nested loop again (3.6 ms a batch of 100 on 2,500 records, against
 /// 0.9).
-const COMPLETE_MANY: &str = concat!(
+pub(super) const COMPLETE_MANY: &str = concat!(
     "\
 WITH input AS (
     SELECT * FROM ROWS FROM (
@@ -376,7 +361,7 @@ SELECT CASE WHEN count(*) = cardinality($1::bytea[]) THEN NULL
 FROM ended"
 );
 
-const DELETE: &str = concat!(
+pub(super) const DELETE: &str = concat!(
     "DELETE FROM idempotent_records
 WHERE record_key = $1 AND token = $2 AND expires_at > statement_timestamp()
   AND NOT (state = 'in_progress' AND lease_until > statement_timestamp())
@@ -384,14 +369,14 @@ WHERE record_key = $1 AND token = $2 AND expires_at > statement_timestamp()
     readable!("")
 );
 
-const DELETE_CORRUPT: &str = concat!(
+pub(super) const DELETE_CORRUPT: &str = concat!(
     "DELETE FROM idempotent_records WHERE record_key = $1
   AND NOT (state IN ('in_progress', 'completed', 'released') AND ",
     readable!(""),
     ")"
 );
 
-const COMPLETE: &str = concat!(
+pub(super) const COMPLETE: &str = concat!(
     "\
 UPDATE idempotent_records SET
     result = CASE WHEN state = 'in_progress' THEN $1 ELSE result END,
@@ -406,7 +391,7 @@ WHERE record_key = $3 AND token = $4 AND state IN ('in_progress', 'completed')
     " AND expires_at > statement_timestamp()"
 );
 
-const REOPEN: &str = concat!(
+pub(super) const REOPEN: &str = concat!(
     "\
 UPDATE idempotent_records SET state = 'released', result = NULL,
     updated_at = statement_timestamp()
@@ -416,7 +401,7 @@ WHERE record_key = $1 AND token = $2 AND state IN ('in_progress', 'completed', '
     " AND expires_at > statement_timestamp()"
 );
 
-const RELEASE: &str = concat!(
+pub(super) const RELEASE: &str = concat!(
     "\
 UPDATE idempotent_records SET state = 'released', updated_at = statement_timestamp()
 WHERE record_key = $1 AND token = $2 AND state = 'in_progress'
@@ -425,7 +410,7 @@ WHERE record_key = $1 AND token = $2 AND state = 'in_progress'
     " AND expires_at > statement_timestamp()"
 );
 
-const RENEW: &str = concat!(
+pub(super) const RENEW: &str = concat!(
     "\
 UPDATE idempotent_records SET
     lease_until = statement_timestamp() + $1 * INTERVAL '1 microsecond',
@@ -439,188 +424,9 @@ WHERE record_key = $3 AND token = $4 AND state = 'in_progress'
 /// The locked rows are skipped (a claim is reviving them), and the outer condition is
 /// evaluated again on the row's latest version, so a record taken over after the inner
 /// `SELECT` is never deleted.
-const PURGE: &str = "\
+pub(super) const PURGE: &str = "\
 DELETE FROM idempotent_records
 WHERE record_key IN (SELECT record_key FROM idempotent_records
                      WHERE expires_at <= statement_timestamp()
                      ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)
   AND expires_at <= statement_timestamp()";
-
-impl DialectImpl for Postgres {
-    const SQL: Templates = Templates {
-        claim: CLAIM,
-        seen: READ,
-        complete: COMPLETE,
-        release: RELEASE,
-        reopen: REOPEN,
-        renew: RENEW,
-        read: READ,
-        purge: PURGE,
-        scan: SCAN,
-        delete: DELETE,
-        delete_corrupt: DELETE_CORRUPT,
-        complete_many: COMPLETE_MANY,
-        claim_async: CLAIM_ASYNC,
-        claim_many_async: CLAIM_MANY_ASYNC,
-        claim_many: CLAIM_MANY,
-        // The batch statement reports the records it did not take.
-        seen_many: "",
-        claim_fresh: CLAIM_FRESH,
-        claim_fresh_async: CLAIM_FRESH_ASYNC,
-        claim_many_fresh: CLAIM_MANY_FRESH,
-        claim_many_fresh_async: CLAIM_MANY_FRESH_ASYNC,
-        claim_reporting: "",
-        claim_many_reporting: "",
-    };
-    const MIGRATIONS: &'static [(i64, &'static str, &'static str)] = &[(
-        1,
-        "create idempotent_records",
-        include_str!("../../../migrations/postgres/0001_create_idempotent_records.sql"),
-    )];
-
-    fn open(
-        options: PoolOptions<Self>,
-        url: &str,
-    ) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>> {
-        Box::pin(options.connect(url))
-    }
-
-    /// Every PostgreSQL `INSERT` takes a `RETURNING` clause: the claim sends
-    /// [`CLAIM_FRESH`] first, unless the store was built with `plain_claims`.
-    fn reports_claims(_: &Pool<Self>) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
-        Box::pin(async { Ok(true) })
-    }
-
-    /// [`CLAIM_FRESH`], and when it met a row, [`CLAIM`]: an absent key is acquired in one
-    /// round trip, any other claim is answered in two. Nothing happens between the two
-    /// statements: the first one changed nothing when the second one is sent.
-    fn claim<'c>(
-        conn: &'c mut PgConnection,
-        sql: &'c Statements,
-        req: &'c ClaimRequest,
-        fresh: bool,
-    ) -> BoxFuture<'c, Result<Step, sqlx::Error>> {
-        Box::pin(async move {
-            let send = |statement: &Arc<str>| {
-                sqlx::query(AssertSqlSafe(statement.clone()))
-                    .bind(req.key.as_bytes())
-                    .bind(req.key.prefix())
-                    .bind(&req.token.as_bytes()[..])
-                    .bind(ticks(req.lease, Self::TICK))
-                    .bind(req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-                    .bind(ticks(req.record_lifetime(), Self::TICK))
-            };
-            if fresh && !sql.claim_fresh.is_empty() {
-                if let Some(row) = send(&sql.claim_fresh).fetch_optional(&mut *conn).await? {
-                    return Ok(Step::Seen(Some(RecordRow::decode(&row)?)));
-                }
-            }
-            let row = send(&sql.claim).fetch_optional(&mut *conn).await?;
-            Ok(Step::Seen(row.as_ref().map(RecordRow::decode).transpose()?))
-        })
-    }
-
-    const BATCH: usize = 500;
-
-    /// [`CLAIM_MANY`]: the records of the keys it took and of those it did not.
-    fn claim_batch<'c>(
-        conn: &'c mut PgConnection,
-        sql: &'c Statements,
-        reqs: &'c [&'c ClaimRequest],
-    ) -> BoxFuture<'c, Result<Vec<Step>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = bind_batch(&sql.claim_many, reqs).fetch_all(conn).await?;
-            let mut seen = claim_keys(reqs);
-            for row in &rows {
-                let (key, step) = RecordRow::decode_keyed(row)?;
-                seen.insert(&key, step);
-            }
-            Ok(in_request_order(seen))
-        })
-    }
-
-    /// [`CLAIM_MANY_FRESH`]: a batch of fresh keys is claimed in one round trip, answered
-    /// in one row of positions and fences; the store sends [`CLAIM_MANY`] for the other keys.
-    fn claim_batch_fresh<'c>(
-        conn: &'c mut PgConnection,
-        sql: &'c Statements,
-        reqs: &'c [&'c ClaimRequest],
-    ) -> BoxFuture<'c, Result<Vec<Option<Step>>, sqlx::Error>> {
-        Box::pin(async move {
-            let row = bind_batch(&sql.claim_many_fresh, reqs)
-                .fetch_one(conn)
-                .await?;
-            let taken = by_position(reqs.len(), row.try_get(0)?, row.try_get(1)?)?;
-            Ok(taken.into_iter().map(|f| f.map(Step::taken)).collect())
-        })
-    }
-
-    const COMPLETE_BATCH: usize = 500;
-
-    fn complete_batch<'c>(
-        conn: &'c mut PgConnection,
-        sql: &'c Statements,
-        items: &'c [&'c Ending],
-    ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
-        Box::pin(async move {
-            let keys: Vec<&[u8]> = items.iter().map(|item| item.key.as_bytes()).collect();
-            let tokens: Vec<&[u8]> = items
-                .iter()
-                .map(|item| &item.token.as_bytes()[..])
-                .collect();
-            let (mut results, mut ttls, mut completes) = (Vec::new(), Vec::new(), Vec::new());
-            for item in items {
-                let (result, ttl, complete) = ending_args(item, Self::TICK);
-                results.push(result);
-                ttls.push(ttl);
-                completes.push(complete);
-            }
-            let ended: Option<Vec<i64>> =
-                sqlx::query_scalar(AssertSqlSafe(sql.complete_many.clone()))
-                    .bind(&keys)
-                    .bind(&tokens)
-                    .bind(&results)
-                    .bind(&ttls)
-                    .bind(&completes)
-                    .fetch_one(conn)
-                    .await?;
-            ended_at(items.len(), ended)
-        })
-    }
-
-    /// A `bytea` value is at most 1 GiB; a row (and the message carrying it) no more.
-    fn result_capacity(_: &Pool<Self>) -> BoxFuture<'_, Result<usize, sqlx::Error>> {
-        Box::pin(async { Ok((1 << 30) - 1 - HEADROOM) })
-    }
-
-    statement_fns!(PgConnection);
-}
-
-/// `statement` ([`CLAIM_MANY`] or [`CLAIM_MANY_FRESH`]) with the six arrays of `reqs`.
-fn bind_batch<'q>(
-    statement: &Arc<str>,
-    reqs: &[&'q ClaimRequest],
-) -> Query<'q, Postgres, PgArguments> {
-    let keys: Vec<&[u8]> = reqs.iter().map(|req| req.key.as_bytes()).collect();
-    let prefixes: Vec<&str> = reqs.iter().map(|req| req.key.prefix()).collect();
-    let tokens: Vec<&[u8]> = reqs.iter().map(|req| &req.token.as_bytes()[..]).collect();
-    let leases: Vec<i64> = reqs
-        .iter()
-        .map(|req| ticks(req.lease, Postgres::TICK))
-        .collect();
-    let fingerprints: Vec<Option<&[u8]>> = reqs
-        .iter()
-        .map(|req| req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-        .collect();
-    let ttls: Vec<i64> = reqs
-        .iter()
-        .map(|req| ticks(req.record_lifetime(), Postgres::TICK))
-        .collect();
-    sqlx::query(AssertSqlSafe(statement.clone()))
-        .bind(keys)
-        .bind(prefixes)
-        .bind(tokens)
-        .bind(leases)
-        .bind(fingerprints)
-        .bind(ttls)
-}
