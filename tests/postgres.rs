@@ -481,32 +481,29 @@ async fn batch_statements_match_rows_to_items_in_one_pass() {
          now() + INTERVAL '1 hour', NULL, NULL, now(), now(), now() + INTERVAL '1 hour' \
          FROM generate_series(1, {KEYS}) AS g"
     );
+    // A batch claim of the keys from `first` on, under new tokens (a minute's lease, no
+    // fingerprint, an hour's ttl): fresh keys from `KEYS + 1`, held ones from 1.
+    let claim_args = |first: usize| {
+        format!(
+            "({}, {}, {}, {}, {}, {})",
+            array(first, &key),
+            repeat("'p'"),
+            array(KEYS + 1, &token),
+            repeat("60000000::int8"),
+            repeat("NULL::bytea"),
+            repeat("3600000000::int8"),
+        )
+    };
     let statements = [
         (
             "claim_many_fresh",
             store.statements().claim_many_fresh().unwrap(),
-            format!(
-                "({}, {}, {}, {}, {}, {})",
-                array(KEYS + 1, &key),
-                repeat("'p'"),
-                array(KEYS + 1, &token),
-                repeat("60000000::int8"),
-                repeat("NULL::bytea"),
-                repeat("3600000000::int8"),
-            ),
+            claim_args(KEYS + 1),
         ),
         (
             "claim_many",
             store.statements().claim_many().unwrap(),
-            format!(
-                "({}, {}, {}, {}, {}, {})",
-                array(1, &key),
-                repeat("'p'"),
-                array(KEYS + 1, &token),
-                repeat("60000000::int8"),
-                repeat("NULL::bytea"),
-                repeat("3600000000::int8"),
-            ),
+            claim_args(1),
         ),
         (
             "complete_many",
