@@ -28,19 +28,27 @@ where
     F: Future<Output = Result<T, StoreError>>,
 {
     Bounded {
-        call: Box::pin(call),
+        call,
         bound,
         what,
         timer: None,
     }
 }
 
-/// The future of [`bounded`].
-pub(crate) struct Bounded<F> {
-    call: Pin<Box<F>>,
-    bound: Duration,
-    what: &'static str,
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+pin_project_lite::pin_project! {
+    /// The future of [`bounded`]. The call is held in place, not boxed: a store's call is a
+    /// boxed future already, and a box around it would be one allocation more for each call
+    /// of an owner's path. The timer is boxed: a Tokio `Sleep` held in place makes every future
+    /// that holds a store call larger, and the futures that are moved whole (the HTTP
+    /// layer's run, as it is boxed) copy it each time.
+    pub(crate) struct Bounded<F> {
+        #[pin]
+        call: F,
+        bound: Duration,
+        what: &'static str,
+        // Set on the first poll that finds the call pending.
+        timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    }
 }
 
 impl<F, T> Future for Bounded<F>
@@ -49,18 +57,19 @@ where
 {
     type Output = Result<T, StoreError>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        if let Poll::Ready(out) = self.call.as_mut().poll(cx) {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if let Poll::Ready(out) = this.call.poll(cx) {
             return Poll::Ready(out);
         }
-        let bound = self.bound;
-        let timer = self
+        let bound = *this.bound;
+        let timer = this
             .timer
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(bound)));
         if timer.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Err(StoreError::new(
                 StoreErrorKind::OutcomeUnknown,
-                format!("no answer to the {} within {bound:?}", self.what),
+                format!("no answer to the {} within {bound:?}", this.what),
             )));
         }
         Poll::Pending
