@@ -31,6 +31,7 @@
 //! format 1 for a part holding a brace is not found by format 2 (a duplicate of such a
 //! message arriving across the upgrade runs again unless the handler's `done` check answers).
 
+use std::cell::RefCell;
 use std::fmt;
 use std::sync::Arc;
 
@@ -129,6 +130,78 @@ pub struct Key {
     prefix_len: usize,
 }
 
+/// The largest scratch buffer a thread keeps between keys; one grown past it by a long part is
+/// let go.
+const SCRATCH_KEPT: usize = 4 * 1024;
+
+thread_local! {
+    /// Where a key is written before it is copied, once, into its shared buffer: one
+    /// allocation a key, not two.
+    static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The key of `prefix`, `version` and `parts`, written in this thread's scratch buffer, or in
+/// a fresh one when that is in use (a key part that builds a key while it is written) or
+/// already gone (a thread that is ending).
+fn encode(prefix: &str, version: u32, parts: &[&dyn KeyPart]) -> Result<Arc<[u8]>, KeyError> {
+    let kept = SCRATCH.try_with(|scratch| {
+        let mut buffer = scratch.try_borrow_mut().ok()?;
+        buffer.clear();
+        let out = write_key(&mut buffer, prefix, version, parts).map(|()| Arc::from(&buffer[..]));
+        if buffer.capacity() > SCRATCH_KEPT {
+            *buffer = Vec::new();
+        }
+        Some(out)
+    });
+    match kept {
+        Ok(Some(out)) => out,
+        Ok(None) | Err(_) => {
+            let mut buffer = Vec::new();
+            write_key(&mut buffer, prefix, version, parts)?;
+            Ok(Arc::from(buffer))
+        }
+    }
+}
+
+/// Writes the key of `prefix`, `version` and `parts` into `bytes` (empty): the header, then
+/// each part written in place and encoded where it lies.
+fn write_key(
+    bytes: &mut Vec<u8>,
+    prefix: &str,
+    version: u32,
+    parts: &[&dyn KeyPart],
+) -> Result<(), KeyError> {
+    bytes.reserve(prefix.len() + 16 + 64);
+    bytes.extend_from_slice(prefix.as_bytes());
+    bytes.extend_from_slice(b":v");
+    push_decimal(bytes, u64::from(version));
+    bytes.extend_from_slice(b":{");
+    let body_start = bytes.len();
+    for (index, part) in parts.iter().enumerate() {
+        if index > 0 {
+            bytes.push(b',');
+        }
+        let start = bytes.len();
+        part.write_key_part(bytes);
+        let len = bytes.len() - start;
+        if len == 0 {
+            return Err(KeyError::EmptyPart { index });
+        }
+        if len > MAX_PART_LEN {
+            return Err(KeyError::PartTooLong { index, len });
+        }
+        encode_in_place(bytes, start);
+    }
+    if bytes.len() - body_start > MAX_INLINE_PARTS {
+        let digest = Sha256::digest(&bytes[body_start..]);
+        bytes.truncate(body_start);
+        bytes.push(b'#');
+        push_hex(bytes, &digest);
+    }
+    bytes.push(b'}');
+    Ok(())
+}
+
 impl Key {
     /// Builds a key from a prefix, a version and the parts, in order.
     ///
@@ -143,37 +216,8 @@ impl Key {
         if parts.len() > MAX_PARTS {
             return Err(KeyError::TooManyParts { count: parts.len() });
         }
-        // One buffer: the header, then each part written in place and encoded where it lies.
-        let mut bytes = Vec::with_capacity(prefix.len() + 16 + 64);
-        bytes.extend_from_slice(prefix.as_bytes());
-        bytes.extend_from_slice(b":v");
-        push_decimal(&mut bytes, u64::from(version));
-        bytes.extend_from_slice(b":{");
-        let body_start = bytes.len();
-        for (index, part) in parts.iter().enumerate() {
-            if index > 0 {
-                bytes.push(b',');
-            }
-            let start = bytes.len();
-            part.write_key_part(&mut bytes);
-            let len = bytes.len() - start;
-            if len == 0 {
-                return Err(KeyError::EmptyPart { index });
-            }
-            if len > MAX_PART_LEN {
-                return Err(KeyError::PartTooLong { index, len });
-            }
-            encode_in_place(&mut bytes, start);
-        }
-        if bytes.len() - body_start > MAX_INLINE_PARTS {
-            let digest = Sha256::digest(&bytes[body_start..]);
-            bytes.truncate(body_start);
-            bytes.push(b'#');
-            push_hex(&mut bytes, &digest);
-        }
-        bytes.push(b'}');
         Ok(Key {
-            bytes: bytes.into(),
+            bytes: encode(prefix, version, parts)?,
             prefix_len: prefix.len(),
         })
     }

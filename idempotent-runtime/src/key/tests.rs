@@ -181,3 +181,67 @@ fn a_prefix_is_refused_for_the_same_characters_on_either_path() {
         );
     }
 }
+
+/// A part that builds a key of its own while it is written, and writes that key's text.
+struct Nested;
+
+impl KeyPart for Nested {
+    fn write_key_part(&self, out: &mut Vec<u8>) {
+        match Key::new("inner", 3, &[&"a"]) {
+            Ok(inner) => out.extend_from_slice(inner.as_bytes()),
+            Err(_) => out.extend_from_slice(b"no inner key"),
+        }
+    }
+}
+
+#[test]
+fn a_part_that_builds_a_key_while_it_is_written_gets_both_keys_right() {
+    let key = Key::new("outer", 1, &[&"x", &Nested, &"y"]).unwrap();
+    let inner = Key::new("inner", 3, &[&"a"]).unwrap();
+    assert_eq!(inner.to_string(), "inner:v3:{1:a}");
+    let expected = Key::new("outer", 1, &[&"x", &inner.to_string(), &"y"]).unwrap();
+    assert_eq!(key, expected);
+}
+
+#[test]
+fn a_key_after_a_refused_or_long_one_carries_nothing_of_it() {
+    let first = Key::new("p", 1, &[&"abc", &7u32]).unwrap();
+    // Refused after a part was written: an empty part, and a part over the limit.
+    assert!(matches!(
+        Key::new("q", 2, &[&"left over", &""]),
+        Err(KeyError::EmptyPart { index: 1 })
+    ));
+    let over = "z".repeat(MAX_PART_LEN + 1);
+    assert!(matches!(
+        Key::new("q", 2, &[&"left over", &over]),
+        Err(KeyError::PartTooLong { index: 1, .. })
+    ));
+    assert_eq!(Key::new("p", 1, &[&"abc", &7u32]).unwrap(), first);
+    // The longest key there is, hashed, then a short one.
+    let long = "x".repeat(MAX_PART_LEN);
+    let parts: Vec<&dyn KeyPart> = vec![&long; MAX_PARTS];
+    assert!(Key::new("p", 1, &parts).unwrap().is_hashed());
+    let again = Key::new("p", 1, &[&"abc", &7u32]).unwrap();
+    assert_eq!(again, first);
+    assert_eq!(again.to_string(), "p:v1:{3:abc,1:7}");
+}
+
+#[test]
+fn keys_built_on_many_threads_are_each_their_own() {
+    let threads: Vec<_> = (0..4u32)
+        .map(|thread| {
+            std::thread::spawn(move || {
+                (0..200u32)
+                    .map(|n| Key::new("t", thread, &[&n]).map(|key| key.to_string()))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+        })
+        .collect();
+    for (thread, handle) in threads.into_iter().enumerate() {
+        let keys = handle.join().unwrap().unwrap();
+        for (n, key) in keys.iter().enumerate() {
+            let n = n.to_string();
+            assert_eq!(key, &format!("t:v{thread}:{{{}:{n}}}", n.len()));
+        }
+    }
+}
