@@ -98,6 +98,61 @@ mod tests {
         assert_eq!(started.elapsed(), Duration::from_secs(3));
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_call_that_answers_before_its_bound_gives_its_own_answer() {
+        let started = tokio::time::Instant::now();
+        let late = async {
+            tokio::time::sleep(Duration::from_millis(2_999)).await;
+            Ok::<_, StoreError>(7)
+        };
+        let out = bounded(Duration::from_secs(3), "read", late).await;
+        assert_eq!(out.ok(), Some(7));
+        assert_eq!(started.elapsed(), Duration::from_millis(2_999));
+        // A call's own error goes through as it is, not as an unknown outcome.
+        let refused = async {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            Err::<(), _>(StoreError::new(StoreErrorKind::Unavailable, "refused"))
+        };
+        let err = bounded(Duration::from_secs(3), "claim", refused)
+            .await
+            .err()
+            .map(|e| e.kind());
+        assert_eq!(err, Some(StoreErrorKind::Unavailable));
+    }
+
+    /// Sets its flag when dropped.
+    struct Dropped(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_bound_dropped_before_or_after_its_expiry_drops_its_call() {
+        for expire in [false, true] {
+            let dropped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let guard = Dropped(dropped.clone());
+            let call = async move {
+                let _guard = guard;
+                std::future::pending::<Result<(), StoreError>>().await
+            };
+            let mut bound = Box::pin(bounded(Duration::from_secs(1), "release", call));
+            let polled = futures_util::poll!(bound.as_mut());
+            assert!(polled.is_pending());
+            assert!(!dropped.load(std::sync::atomic::Ordering::SeqCst));
+            if expire {
+                assert!(bound.as_mut().await.is_err());
+            }
+            drop(bound);
+            assert!(
+                dropped.load(std::sync::atomic::Ordering::SeqCst),
+                "expire: {expire}"
+            );
+        }
+    }
+
     #[test]
     fn a_call_that_answers_at_once_needs_no_runtime() {
         let ready = std::future::ready(Ok::<_, StoreError>(7));
