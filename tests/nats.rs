@@ -192,6 +192,23 @@ impl Broker for Fixture {
             ("CHILD_SCHEMA", self.schema.clone()),
         ]
     }
+
+    async fn describe(&self) -> String {
+        let mut consumer = self.consumer.clone();
+        match consumer.info().await {
+            Ok(info) => format!(
+                "pending {}, ack_pending {}, redelivered {}, waiting pulls {}, \
+                 delivered up to {}, acknowledged up to {}",
+                info.num_pending,
+                info.num_ack_pending,
+                info.num_redelivered,
+                info.num_waiting,
+                info.delivered.stream_sequence,
+                info.ack_floor.stream_sequence,
+            ),
+            Err(err) => format!("consumer info failed: {err}"),
+        }
+    }
 }
 
 broker_suite!(Fixture);

@@ -216,6 +216,35 @@ impl Broker for Fixture {
             ("CHILD_SCHEMA", self.schema.clone()),
         ]
     }
+
+    async fn describe(&self) -> String {
+        let passive = |queue: &str| {
+            let queue = queue.to_owned();
+            let channel = self.channel.clone();
+            async move {
+                channel
+                    .queue_declare(
+                        queue.as_str().into(),
+                        QueueDeclareOptions::default().passive(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map(|q| {
+                        format!(
+                            "{} ready, {} consumers",
+                            q.message_count(),
+                            q.consumer_count()
+                        )
+                    })
+                    .unwrap_or_else(|err| format!("unknown ({err})"))
+            }
+        };
+        format!(
+            "work queue: {}; dead-letter queue: {}",
+            passive(&self.queue).await,
+            passive(&self.dead).await
+        )
+    }
 }
 
 impl Fixture {

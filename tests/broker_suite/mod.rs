@@ -115,6 +115,11 @@ pub trait Broker: Sized + Send + Sync + 'static {
     async fn dead_letters(&self) -> usize;
     /// The environment of the `child_consumer` process consuming this fixture.
     fn child_env(&self) -> Vec<(&'static str, String)>;
+    /// The broker's own view of the queue or stream (counts of pending, unacknowledged and
+    /// redelivered messages), printed when a scenario times out.
+    async fn describe(&self) -> String {
+        String::new()
+    }
 
     async fn settled(&self) -> i64 {
         self.orders().progress().await.unwrap().0
@@ -122,6 +127,29 @@ pub trait Broker: Sized + Send + Sync + 'static {
 
     async fn tally(&self) -> Tally {
         self.orders().tally().await.unwrap()
+    }
+
+    /// Waits until `messages` messages have a final outcome; on timeout, panics with what
+    /// the business table, `kitchen` and the broker saw, so a stall can be told apart from a
+    /// lost message.
+    async fn wait_settled(&self, messages: i64, within: Duration, kitchen: &Kitchen) {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let settled = self.settled().await;
+            if settled == messages {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                panic!(
+                    "timed out after {within:?} waiting for {messages} messages with a final \
+                     outcome: {settled} have one\n  business: {:?}\n  handlers: {}\n  broker: {}",
+                    self.tally().await,
+                    kitchen.seen.describe(),
+                    self.describe().await,
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     fn kitchen(&self, store: SharedStore, work: Duration) -> Arc<Kitchen> {
@@ -182,12 +210,7 @@ pub async fn duplicates_are_filtered_with_exact_counts<B: Broker>() {
     );
 
     let running = fx.consume_orders(10, redelivery(), kitchen.clone()).await;
-    wait_for(
-        "90 messages with a final outcome",
-        Duration::from_secs(60),
-        || async { fx.settled().await == 90 },
-    )
-    .await;
+    fx.wait_settled(90, Duration::from_secs(60), &kitchen).await;
     let summary = running.stop().await;
 
     let tally = fx.tally().await;
@@ -310,12 +333,7 @@ pub async fn consumer_killed_mid_handler_is_redelivered_and_processed_once<B: Br
         Duration::from_millis(10),
     );
     let running = fx.consume_orders(4, redelivery(), kitchen.clone()).await;
-    wait_for(
-        "6 messages with a final outcome",
-        Duration::from_secs(30),
-        || async { fx.settled().await == 6 },
-    )
-    .await;
+    fx.wait_settled(6, Duration::from_secs(60), &kitchen).await;
     let summary = running.stop().await;
 
     let tally = fx.tally().await;
@@ -376,12 +394,7 @@ pub async fn store_outage_during_consumption_loses_nothing<B: Broker>() {
     })
     .await
     .unwrap();
-    wait_for(
-        "80 messages with a final outcome",
-        Duration::from_secs(60),
-        || async { fx.settled().await == 80 },
-    )
-    .await;
+    fx.wait_settled(80, Duration::from_secs(60), &kitchen).await;
     let summary = running.stop().await;
     drop(server);
 

@@ -223,6 +223,22 @@ pub struct Seen {
     pub redelivered: Mutex<HashSet<String>>,
 }
 
+impl Seen {
+    /// The counts, as a timed-out test prints them.
+    pub fn describe(&self) -> String {
+        let mut redelivered: Vec<String> =
+            self.redelivered.lock().unwrap().iter().cloned().collect();
+        redelivered.sort();
+        format!(
+            "in_progress {}, store_errors {}, failures {}, acked_before_effect {}, redelivered {redelivered:?}",
+            self.in_progress.load(Ordering::SeqCst),
+            self.store_errors.load(Ordering::SeqCst),
+            self.failures.load(Ordering::SeqCst),
+            self.acked_before_effect.load(Ordering::SeqCst),
+        )
+    }
+}
+
 /// One consumer's handler state.
 pub struct Kitchen {
     pub orders: Business,
