@@ -254,16 +254,19 @@ where
     // what the check after the claim would read (a request still running under the previous
     // layout is not seen either way), and the request waits one round trip for both. A
     // request answered without running (a replay, a duplicate) does not wait for it.
-    let (early, mut read) = match previous.as_ref() {
-        Some(previous) => {
-            let (sent, read) = oneshot::channel();
-            let early = async move {
-                let _ = sent.send(Prepared::done_before(Some(previous), config).await);
-            };
-            (Some(early), Some(read))
+    // The read leaves its answer in `early_answer` for the first check. Both are polled by
+    // `alongside` in this task, the read first, so the check finds the answer in the poll that
+    // produced it, and a check that waits for it is woken by the read's own progress.
+    // (A mutex, not a cell: the run may move to a task of its own, so it must be `Send`.)
+    let early_answer: Mutex<Option<Result<bool, crate::Error>>> = Mutex::new(None);
+    let early = previous.as_ref().map(|previous| {
+        let early_answer = &early_answer;
+        async move {
+            let done = Prepared::done_before(Some(previous), config).await;
+            *early_answer.lock().unwrap_or_else(PoisonError::into_inner) = Some(done);
         }
-        None => (None, None),
-    };
+    });
+    let mut first_check = early.is_some();
     // Pinned here and lent: the run's future is large, and moving it into `alongside` would
     // copy it.
     let operation = std::pin::pin!(config
@@ -274,13 +277,21 @@ where
         .done(|| {
             // The first check takes the read made alongside the claim; a later one (a claim
             // that found a live owner and tries again) reads anew.
-            let early = read.take();
-            let previous = previous.as_ref();
+            let first = std::mem::take(&mut first_check);
+            let (previous, early_answer) = (previous.as_ref(), &early_answer);
             async move {
-                if let Some(read) = early {
-                    if let Ok(done) = read.await {
-                        return done;
-                    }
+                if first {
+                    return std::future::poll_fn(|_| {
+                        match early_answer
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .take()
+                        {
+                            Some(done) => Poll::Ready(done),
+                            None => Poll::Pending,
+                        }
+                    })
+                    .await;
                 }
                 Prepared::done_before(previous, config).await
             }
