@@ -194,12 +194,41 @@ async fn long_paths_run_and_overlong_keys_are_400() {
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
 
+/// Writes what the previous version of the layer wrote for `POST /pay/abc` from tenant `a`
+/// with the client key `key`: its record under the previous layout
+/// (`<prefix>:v1:{scope, method, path, key}`), completed.
+async fn completed_before_the_upgrade(store: &http_harness::Store, key: &str) {
+    use sha2::Digest as _;
+    let scope: String = sha2::Sha256::digest(b"a")[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let parts: [&dyn idempotency::KeyPart; 4] = [&scope, &"POST", &"/pay/abc", &key];
+    let previous = idempotency::Key::new(&store.prefix, 1, &parts).unwrap();
+    let hour = std::time::Duration::from_secs(3600);
+    let owner = idempotency::store::ClaimRequest::new(
+        previous.clone(),
+        idempotency::store::Token::generate(),
+        hour,
+        hour,
+    );
+    assert!(matches!(
+        store.store.claim(&owner).await.unwrap(),
+        idempotency::store::Claim::Acquired { .. }
+    ));
+    let done = idempotency::store::Completion::new(None, hour);
+    assert!(store
+        .store
+        .complete(&previous, &owner.token, &done)
+        .await
+        .unwrap());
+}
+
 /// A key the previous version of the layer completed (its record under the previous layout,
 /// `<prefix>:v1:{scope, method, path, key}`) is not run again after an upgrade: the retry is
 /// answered `409 already-processed`. With the check turned off it runs, as a new key would.
 #[tokio::test]
 async fn a_request_processed_before_an_upgrade_is_not_run_again() {
-    use sha2::Digest as _;
     for backend in BACKENDS {
         for check in [true, false] {
             let runs = Arc::new(AtomicUsize::new(0));
@@ -207,30 +236,7 @@ async fn a_request_processed_before_an_upgrade_is_not_run_again() {
                 layer.previous_layout(check)
             })
             .await;
-            // What the previous version wrote for `POST /pay/abc` from tenant `a`.
-            let scope: String = sha2::Sha256::digest(b"a")[..16]
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect();
-            let parts: [&dyn idempotency::KeyPart; 4] = [&scope, &"POST", &"/pay/abc", &"old-1"];
-            let previous = idempotency::Key::new(&server.store.prefix, 1, &parts).unwrap();
-            let hour = std::time::Duration::from_secs(3600);
-            let owner = idempotency::store::ClaimRequest::new(
-                previous.clone(),
-                idempotency::store::Token::generate(),
-                hour,
-                hour,
-            );
-            let store = &server.store.store;
-            assert!(matches!(
-                store.claim(&owner).await.unwrap(),
-                idempotency::store::Claim::Acquired { .. }
-            ));
-            let done = idempotency::store::Completion::new(None, hour);
-            assert!(store
-                .complete(&previous, &owner.token, &done)
-                .await
-                .unwrap());
+            completed_before_the_upgrade(&server.store, "old-1").await;
 
             let retry = send(server.post("/pay/abc", "old-1")).await;
             if check {
@@ -262,6 +268,8 @@ enum PreviousRead {
     Fail,
     /// Never answer.
     Hang,
+    /// Read from the real store once a claim has answered.
+    AfterTheClaim,
 }
 
 /// The real Redis store, whose reads of the previous layout's keys do what the test asks and
@@ -273,6 +281,7 @@ struct PreviousReads {
     mode: std::sync::Mutex<PreviousRead>,
     read_began: tokio::sync::Notify,
     claims_wait_for_a_read: std::sync::atomic::AtomicBool,
+    claim_answered: tokio::sync::Notify,
 }
 
 impl PreviousReads {
@@ -282,6 +291,7 @@ impl PreviousReads {
             mode: std::sync::Mutex::new(PreviousRead::Pass),
             read_began: tokio::sync::Notify::new(),
             claims_wait_for_a_read: std::sync::atomic::AtomicBool::new(false),
+            claim_answered: tokio::sync::Notify::new(),
         })
     }
 
@@ -304,7 +314,11 @@ impl idempotency::store::Store for PreviousReads {
             if self.claims_wait_for_a_read.load(Ordering::SeqCst) {
                 self.read_began.notified().await;
             }
-            self.inner.claim(req).await
+            let claimed = self.inner.claim(req).await;
+            if *self.mode.lock().unwrap() == PreviousRead::AfterTheClaim {
+                self.claim_answered.notify_one();
+            }
+            claimed
         })
     }
 
@@ -328,6 +342,10 @@ impl idempotency::store::Store for PreviousReads {
                     "the previous layout's read failed",
                 )),
                 PreviousRead::Hang => std::future::pending().await,
+                PreviousRead::AfterTheClaim => {
+                    self.claim_answered.notified().await;
+                    self.inner.read(key).await
+                }
             }
         })
     }
@@ -410,6 +428,30 @@ async fn a_failed_previous_layout_read_runs_nothing_and_gives_the_key_back() {
 #[tokio::test]
 async fn a_previous_layout_read_that_never_answers_is_abandoned_at_the_bound() {
     refused_without_running_then_retried(PreviousRead::Hang, "read-hangs").await;
+}
+
+/// A previous-layout read that answers after the claim did is waited for: the check after
+/// the claim takes its answer when it comes. Here the request was completed before the
+/// upgrade and its read answers only once the claim has: the request is `409
+/// already-processed` and runs nothing.
+#[tokio::test]
+async fn a_previous_layout_read_slower_than_the_claim_is_waited_for() {
+    let (server, reads, runs) = start_on_previous_reads().await;
+    completed_before_the_upgrade(&server.store, "late-read").await;
+    reads.set(PreviousRead::AfterTheClaim);
+    let retry = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        send(server.post("/pay/abc", "late-read")),
+    )
+    .await
+    .expect("the check lost the late read's answer");
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.text());
+    assert_eq!(retry.problem(), "already-processed");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "ran before the read answered"
+    );
 }
 
 /// A replay is answered from the record it finds, without waiting for the previous layout's
