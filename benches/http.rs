@@ -37,7 +37,8 @@
 //! per request under callgrind (see `support/instructions.rs`): `http_bare_instructions`,
 //! `http_layer_instructions` and `http_instructions_ratio` (bare's count over the layer's:
 //! read as the throughput ratio is, the higher the better), a figure the machine's load does
-//! not move, with `http_*_counted_scripts_per_request`: the scripts Redis ran per request of
+//! not move, `http_current_layout_instructions` and `http_current_layout_instructions_ratio`
+//! for the layer without the upgrade check, with `http_*_counted_scripts_per_request`: the scripts Redis ran per request of
 //! the counted runs (the layer: 1.0 when its claims were the fast `SET ... NX GET`, 2.0 when,
 //! slowed down under callgrind, they went through the script).
 //! `IDEMPOTENT_BENCH_INSTRUCTIONS=0` skips it.
@@ -360,11 +361,20 @@ async fn run(url: &str, run_tag: &str) -> Result<(), BoxError> {
             instructions::per_cycle_expected("bare", INSTRUCTION_OPS, &mut scripts, expected)?;
         let (layer, layer_scripts) =
             instructions::per_cycle_expected("layer", INSTRUCTION_OPS, &mut scripts, expected)?;
+        let (current, current_scripts) =
+            instructions::per_cycle_expected("current", INSTRUCTION_OPS, &mut scripts, expected)?;
         figure("http_bare_instructions", bare, 0);
         figure("http_layer_instructions", layer, 0);
+        figure("http_current_layout_instructions", current, 0);
         figure("http_bare_counted_scripts_per_request", bare_scripts, 2);
         figure("http_layer_counted_scripts_per_request", layer_scripts, 2);
+        figure(
+            "http_current_layout_counted_scripts_per_request",
+            current_scripts,
+            2,
+        );
         figure("http_instructions_ratio", bare / layer, 3);
+        figure("http_current_layout_instructions_ratio", bare / current, 3);
     }
     Ok(())
 }
