@@ -20,7 +20,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
-use http_harness::{send, serve, Running, BACKENDS};
+use http_harness::{send, serve, Answer, Running, BACKENDS};
 
 /// `POST`/`PATCH /pay/{id}` and `POST /refund/{id}`: each run counted, the id (as axum decoded
 /// it) and the run's number in the body.
@@ -366,6 +366,13 @@ async fn start_on_previous_reads() -> (Running, Arc<PreviousReads>, Arc<AtomicUs
     (server, reads.unwrap(), runs)
 }
 
+/// `request`'s answer; fails the test with `held` when it takes a minute or more.
+async fn within_a_minute(request: reqwest::RequestBuilder, held: &str) -> Answer {
+    tokio::time::timeout(std::time::Duration::from_secs(60), send(request))
+        .await
+        .expect(held)
+}
+
 /// A fresh request waits one round trip for its claim and the previous layout's read, not one
 /// after the other: the read is sent alongside the claim. Here the claim only proceeds once
 /// the read has begun; a read made after the claim would never begin, and the request would
@@ -374,12 +381,11 @@ async fn start_on_previous_reads() -> (Running, Arc<PreviousReads>, Arc<AtomicUs
 async fn the_previous_layouts_read_goes_out_with_the_claim() {
     let (server, reads, runs) = start_on_previous_reads().await;
     reads.claims_wait_for_a_read.store(true, Ordering::SeqCst);
-    let first = tokio::time::timeout(
-        std::time::Duration::from_secs(60),
-        send(server.post("/pay/abc", "with-claim")),
+    let first = within_a_minute(
+        server.post("/pay/abc", "with-claim"),
+        "the previous layout's read waited for the claim",
     )
-    .await
-    .expect("the previous layout's read waited for the claim");
+    .await;
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
@@ -389,12 +395,11 @@ async fn the_previous_layouts_read_goes_out_with_the_claim() {
 async fn refused_without_running_then_retried(mode: PreviousRead, body: &str) {
     let (server, reads, runs) = start_on_previous_reads().await;
     reads.set(mode);
-    let refused = tokio::time::timeout(
-        std::time::Duration::from_secs(60),
-        send(server.post("/pay/abc", body)),
+    let refused = within_a_minute(
+        server.post("/pay/abc", body),
+        "the previous layout's read held the request",
     )
-    .await
-    .expect("the previous layout's read held the request");
+    .await;
     assert_eq!(
         refused.status,
         StatusCode::SERVICE_UNAVAILABLE,
@@ -439,12 +444,11 @@ async fn a_previous_layout_read_slower_than_the_claim_is_waited_for() {
     let (server, reads, runs) = start_on_previous_reads().await;
     completed_before_the_upgrade(&server.store, "late-read").await;
     reads.set(PreviousRead::AfterTheClaim);
-    let retry = tokio::time::timeout(
-        std::time::Duration::from_secs(60),
-        send(server.post("/pay/abc", "late-read")),
+    let retry = within_a_minute(
+        server.post("/pay/abc", "late-read"),
+        "the check lost the late read's answer",
     )
-    .await
-    .expect("the check lost the late read's answer");
+    .await;
     assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.text());
     assert_eq!(retry.problem(), "already-processed");
     assert_eq!(
@@ -463,12 +467,11 @@ async fn a_replay_does_not_wait_for_the_previous_layouts_read() {
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
 
     reads.set(PreviousRead::Hang);
-    let again = tokio::time::timeout(
-        std::time::Duration::from_secs(60),
-        send(server.post("/pay/abc", "replayed")),
+    let again = within_a_minute(
+        server.post("/pay/abc", "replayed"),
+        "the replay waited for the previous layout's read",
     )
-    .await
-    .expect("the replay waited for the previous layout's read");
+    .await;
     assert_eq!(again.status, StatusCode::CREATED);
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
