@@ -163,7 +163,8 @@ impl Conn {
     ) -> Result<Vec<Value>, RedisError> {
         match self.clone() {
             Conn::Single(mut conn) => pipe.query_async(&mut conn).await,
-            Conn::Sentinel(primary) => primary.pipeline(&pipe).await,
+            // Boxed, as in `Conn::query`: following a failover is a large future.
+            Conn::Sentinel(primary) => Box::pin(primary.pipeline(&pipe)).await,
             Conn::Cluster(mut conn) => {
                 let count = pipe.len();
                 let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));

@@ -21,10 +21,18 @@ pub(super) enum Conn {
 
 impl Conn {
     pub(super) async fn query(&self, cmd: &::redis::Cmd) -> Result<Value, RedisError> {
-        match self.clone() {
-            Conn::Single(mut c) => c.req_packed_command(cmd).await,
-            Conn::Sentinel(primary) => primary.query(cmd).await,
-            Conn::Cluster(mut c) => c.req_packed_command(cmd).await,
+        match self {
+            Conn::Single(c) => {
+                let mut c = c.clone();
+                c.req_packed_command(cmd).await
+            }
+            // Boxed: a call that follows a failover is a large future, and every store call
+            // holds this one (on one server or a cluster, a pointer and a connection handle).
+            Conn::Sentinel(primary) => Box::pin(primary.query(cmd)).await,
+            Conn::Cluster(c) => {
+                let mut c = c.clone();
+                c.req_packed_command(cmd).await
+            }
         }
     }
 

@@ -41,7 +41,7 @@ use crate::key::Key;
 use crate::store::redis::batch::no_script;
 use crate::store::redis::conn::{is_no_script, script_error, Conn, Lua, SCRIPT_SENDS};
 use crate::store::redis::store::RedisStore;
-use crate::store::{Claim, ClaimRequest};
+use crate::store::{BoxFuture, Claim, ClaimRequest};
 
 #[cfg(doc)]
 use crate::store::redis::RedisStoreBuilder;
@@ -121,7 +121,9 @@ impl RedisStore {
                 })
             }
             Some(wait) => {
-                let waited = self.inner.conn.write_waited(lua, cmd, wait).await;
+                // Boxed: the pipeline with its `WAIT` is a large future, and every claim and
+                // completion holds this one; a durable write waits for replicas anyway.
+                let waited = Box::pin(self.inner.conn.write_waited(lua, cmd, wait)).await;
                 let (reply, acked) = self.answered(waited).await?;
                 Ok(Written {
                     reply,
@@ -274,11 +276,19 @@ impl RedisStore {
     /// A claim that may be held but is not known to be replicated (its `WAIT` fell short, or
     /// its reply was lost in durable mode): given back by its token, and the call fails
     /// closed.
-    pub(super) async fn give_back(&self, req: &ClaimRequest, why: String) -> StoreError {
-        if let Err(err) = self.by_token("release", &req.key, &req.token).await {
-            tracing::warn!(key = %req.key, error = %err, "cannot give back a claim that was not replicated; it stays until its lease runs out");
-        }
-        StoreError::new(StoreErrorKind::Unavailable, why)
+    ///
+    /// Boxed: only a durable claim gives back, and every claim's future would hold this one.
+    pub(super) fn give_back<'a>(
+        &'a self,
+        req: &'a ClaimRequest,
+        why: String,
+    ) -> BoxFuture<'a, StoreError> {
+        Box::pin(async move {
+            if let Err(err) = self.by_token("release", &req.key, &req.token).await {
+                tracing::warn!(key = %req.key, error = %err, "cannot give back a claim that was not replicated; it stays until its lease runs out");
+            }
+            StoreError::new(StoreErrorKind::Unavailable, why)
+        })
     }
 
     /// The error of a durable claim whose reply was lost: given back, failed closed.

@@ -147,7 +147,8 @@ impl RedisStore {
                 if self.inner.recheck.load(Ordering::Relaxed)
                     && self.inner.recheck.swap(false, Ordering::AcqRel)
                 {
-                    self.recheck_run_id().await;
+                    // Boxed: it is rare, and every store call holds this future.
+                    Box::pin(self.recheck_run_id()).await;
                 }
             }
             Err(err) => {
