@@ -1,7 +1,9 @@
 //! [`Operation`]: one idempotent call, from its claim to its answer.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use futures_util::FutureExt as _;
 use serde::de::DeserializeOwned;
@@ -259,18 +261,9 @@ where
         B: FnOnce(Current) -> F,
         F: Future<Output = R>,
     {
-        // The span is made at the first poll, as an `async fn` would make it, so that it is a
-        // child of the span the future runs in; `then` holds the operation, then the call, in
-        // one place.
-        futures_util::future::lazy(|_| {
-            quiet(tracing::debug_span!(
-                "idempotency",
-                key = tracing::field::Empty,
-                fence = tracing::field::Empty,
-                outcome = tracing::field::Empty,
-            ))
-        })
-        .then(move |span| self.execute(Some(body), span.clone()).instrument(span))
+        Started::Unstarted {
+            start: Some(move |span: tracing::Span| self.execute(Some(body), span)),
+        }
         .map(R::from_result)
     }
 
@@ -360,6 +353,56 @@ where
                 }
             };
             return report.refuse(unwrap_req(req).key, refusal, &results);
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`Operation::run_with`]: until its first poll, what starts the call (the
+    /// operation and its body); then the call, in its span.
+    ///
+    /// The span is made at the first poll, as an `async fn` would make it, so that it is a
+    /// child of the span the future runs in. The call then takes the place of what started
+    /// it, in at most one move of the call's future (some kilobytes; a `lazy(..).then(..)`
+    /// chain would move it twice), and the operation and the body are not kept beside it, as
+    /// an `async` block around the call would keep them.
+    #[project = StartedProj]
+    enum Started<S, F> {
+        Unstarted { start: Option<S> },
+        Running {
+            #[pin]
+            call: tracing::instrument::Instrumented<F>,
+        },
+    }
+}
+
+impl<S, F> Future for Started<S, F>
+where
+    S: FnOnce(tracing::Span) -> F,
+    F: Future,
+{
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        loop {
+            match self.as_mut().project() {
+                StartedProj::Running { call } => return call.poll(cx),
+                StartedProj::Unstarted { start } => {
+                    // `start` only builds the call's future (nothing of the caller's runs in
+                    // it), and the state moves on right after it is taken.
+                    let Some(start) = start.take() else {
+                        unreachable!("an idempotent call lost what starts it")
+                    };
+                    let span = quiet(tracing::debug_span!(
+                        "idempotency",
+                        key = tracing::field::Empty,
+                        fence = tracing::field::Empty,
+                        outcome = tracing::field::Empty,
+                    ));
+                    let call = start(span.clone()).instrument(span);
+                    self.set(Started::Running { call });
+                }
+            }
         }
     }
 }

@@ -402,7 +402,9 @@ where
         .operation::<Result<StoredCall, Failure<S::Error>>>(key)
         .fingerprint_of(fingerprint)
         .replay_with(StoredCall::encode, StoredCall::decode)
-        .run(async {
+        // A closure that makes the body when it is called: it holds the call and a few
+        // references, where the body's unstarted future is as large as it will ever be.
+        .run_with(|_| async {
             ran.store(true, Ordering::Relaxed);
             // A method that panics has done nothing it answered for: its key is released.
             let reply = match AssertUnwindSafe(inner.call(call)).catch_unwind().await {

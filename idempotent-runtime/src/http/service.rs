@@ -296,7 +296,10 @@ where
                 Prepared::done_before(previous, config).await
             }
         })
-        .run(async {
+        // A closure that makes the body when it is called, not the body itself: the closure
+        // holds the request and a few references, where the body's future, unstarted, is as
+        // large as it will ever be, and the engine keeps the closure in its frame until then.
+        .run_with(|_| async {
             live.ran.store(true, Ordering::Relaxed);
             // A handler that panics has done nothing it answered for: its key is released
             // (the engine sees an error) and the client gets a `500`, not a dropped connection.
