@@ -235,7 +235,7 @@ async fn complete(
                 ttl: completion.ttl,
                 claim: completion.claim,
             };
-            complete_resolving(claim, &smaller, None).await
+            Box::pin(complete_resolving(claim, &smaller, None)).await
         }
         other => other,
     }
@@ -259,14 +259,19 @@ async fn complete_resolving(
     match answer {
         Err(err) if err.is_outcome_unknown() => {
             tracing::debug!(error = %err, "completion reply lost; reading the record back");
-            match bounded(bound, "read", store.read(&claim.key)).await? {
-                Some(record) if record.token == claim.token => match record.state {
-                    RecordState::Completed => Ok(true),
-                    RecordState::InProgress { .. } => send().await,
+            // Boxed, as the retry with a smaller result is in `complete`: both are rare, and
+            // every completion's future would otherwise carry them.
+            Box::pin(async move {
+                match bounded(bound, "read", store.read(&claim.key)).await? {
+                    Some(record) if record.token == claim.token => match record.state {
+                        RecordState::Completed => Ok(true),
+                        RecordState::InProgress { .. } => send().await,
+                        _ => Ok(false),
+                    },
                     _ => Ok(false),
-                },
-                _ => Ok(false),
-            }
+                }
+            })
+            .await
         }
         other => other,
     }
@@ -290,8 +295,9 @@ async fn complete_watched(
     if let Some(Ok(answer)) = first {
         return Ok(answer);
     }
-    // Boxed: the rare path (a first completion that failed) would otherwise make every
-    // owner's future, and every batch item's, as large as itself.
+    // Boxed: every completion outside a batch runs here, and a batch item's only after its
+    // first completion failed; held in place, it would make every batch item's future as
+    // large as itself.
     let watched = Box::pin(async move {
         let attempt = std::pin::pin!(complete(claim, completion, first));
         watch(attempt, claim, OnLostLease::Continue).await
