@@ -481,6 +481,37 @@ async fn a_call_holds_its_handler_future_a_bounded_number_of_times() {
     assert_eq!(made_from_claim.await.unwrap(), 7);
 }
 
+/// A call dropped before its first poll has done nothing: what starts it (the operation and
+/// its body) is dropped with it, so no claim was sent (the key is free at once for the next
+/// call) and no body ran. For a body made before the call (`run`) and one made from the
+/// claim (`run_with`).
+#[tokio::test]
+async fn a_call_dropped_before_its_first_poll_claims_nothing_and_runs_nothing() {
+    let store = Arc::new(MemoryStore::new());
+    let guard = idempotency::Idempotency::new(Duration::from_secs(60)).store(store.clone());
+    let key = Key::new("unpolled", 1, &[&1u32]).unwrap();
+    let ran = AtomicUsize::new(0);
+    let made_before = guard.run(key.clone(), async {
+        ran.fetch_add(1, Ordering::SeqCst);
+        Ok::<u8, idempotency::Error>(1)
+    });
+    let made_from_claim = guard.operation(key.clone()).run_with(|_| async {
+        ran.fetch_add(1, Ordering::SeqCst);
+        Ok::<u8, idempotency::Error>(2)
+    });
+    drop(made_before);
+    drop(made_from_claim);
+    tokio::task::yield_now().await;
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+    assert!(store.read(&key).await.unwrap().is_none());
+    let next = guard.run(key.clone(), async {
+        ran.fetch_add(1, Ordering::SeqCst);
+        Ok::<u8, idempotency::Error>(3)
+    });
+    assert_eq!(next.await.unwrap(), 3);
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+}
+
 /// Each new span's name, with its parent's.
 type SpansSeen = Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>;
 
