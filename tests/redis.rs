@@ -724,9 +724,20 @@ async fn outage_fails_closed_and_processing_resumes() {
     // The state-only read (the HTTP layer's upgrade check) fails as a read does: never a
     // "not completed" that would let a request completed before run again.
     let done = Key::new("outage", 1, &[&0u32]).unwrap();
+    // So does the read sent with a claim, and the claim fails with it.
+    let minute = Duration::from_secs(60);
+    let fresh = Key::new("outage", 1, &[&99u32]).unwrap();
+    let fresh = Arc::new(ClaimRequest::new(fresh, Token::generate(), minute, minute));
+    let (claimed, read) = store
+        .clone()
+        .claim_and_is_completed(fresh, done.clone())
+        .expect("a Redis store on one server sends a claim and a read together")
+        .await;
+    assert!(claimed.is_err(), "claimed without Redis: {claimed:?}");
     for (what, err) in [
         ("read", store.read(&done).await.err()),
         ("is_completed", store.is_completed(&done).await.err()),
+        ("claim_and_is_completed", read.err()),
     ] {
         let err = err.unwrap_or_else(|| panic!("{what} answered without Redis"));
         assert!(!err.is_permanent(), "{what}: {err:?}");
@@ -844,10 +855,23 @@ async fn a_store_call_future_does_not_carry_the_failover_or_durable_paths() {
     let is_completed = store.is_completed(&key);
     let is_completed_size = std::mem::size_of_val(&*is_completed);
     assert!(is_completed.await.unwrap());
+    // A claim with a read in its round trip (the HTTP layer's fresh requests).
+    let other = Key::new(&format!("{}:future-size", backend.namespace), 1, &[&2u32]).unwrap();
+    let again = ClaimRequest::new(other, Token::generate(), minute, minute * 10);
+    let both = backend
+        .store
+        .clone()
+        .claim_and_is_completed(Arc::new(again), key.clone())
+        .expect("a Redis store on one server sends a claim and a read together");
+    let both_size = std::mem::size_of_val(&*both);
+    let (claimed, read) = both.await;
+    assert!(matches!(claimed, Ok(Claim::Acquired { .. })), "{claimed:?}");
+    assert!(read.unwrap());
     for (call, size) in [
         ("claim", claim_size),
         ("complete", complete_size),
         ("is_completed", is_completed_size),
+        ("claim_and_is_completed", both_size),
     ] {
         assert!(size <= AT_MOST, "{call}: a {size}-byte future");
     }

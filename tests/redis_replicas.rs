@@ -537,7 +537,7 @@ async fn durable_at(url: &str, fast_claims: bool) -> RedisStore {
 
 /// A claim the replica did not acknowledge is given back and the call fails closed; once the
 /// replica is back the same key is claimed, and a reported claim is on the replica. For the
-/// fast claim (`SET ... NX GET`) and the script.
+/// fast claim (`SET ... NX GET`) and the script, alone and with a read in its round trip.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreplicated_claim_is_given_back_and_fails_closed() {
     let (primary, replica) = primary_and_replica();
@@ -565,6 +565,22 @@ async fn an_unreplicated_claim_is_given_back_and_fails_closed() {
         assert!(
             !matches!(record, Some(ref r) if matches!(r.state, RecordState::InProgress { .. })),
             "the claim was not given back: {record:?}"
+        );
+
+        // The same for a claim sent with a read in its round trip (an HTTP request's).
+        let with_read = Arc::new(minute_claim(&format!("{name}-with-read")));
+        replica.pause();
+        let (claimed, _) = Arc::new(raw.clone())
+            .claim_and_is_completed(with_read.clone(), key(&name))
+            .expect("a Redis store on one server sends a claim and a read together")
+            .await;
+        replica.resume();
+        let err = claimed.expect_err("an unreplicated claim with a read was acquired");
+        assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
+        let record = raw.read(&with_read.key).await.unwrap();
+        assert!(
+            !matches!(record, Some(ref r) if matches!(r.state, RecordState::InProgress { .. })),
+            "the claim sent with a read was not given back: {record:?}"
         );
 
         assert_eq!(run(&store, &name, &runs).await.unwrap(), 7);

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency::store::{Claim, Completion, RecordState};
+use idempotency::store::{Claim, ClaimRequest, Completion, RecordState};
 use idempotency::Error;
 use tokio::sync::{Barrier, Notify};
 
@@ -245,4 +245,81 @@ pub async fn expired_lease_is_taken_over_with_the_next_fence(b: impl Backend) {
     assert_eq!((record.fence, record.token), (f + 1, new.token));
     assert!(matches!(record.state, RecordState::InProgress { .. }));
     assert!(store.complete(&k, &new.token, &done).await.unwrap());
+}
+
+/// [`Store::claim_and_is_completed`](idempotency::store::Store::claim_and_is_completed)
+/// answers as `claim` and `is_completed` would, each for its own key, whatever state either
+/// key is in. A store that cannot send the two together answers `None` (the engine then sends
+/// the two calls apart, and the other cases cover them): this case asserts that much only.
+pub async fn a_claim_with_a_read_answers_as_the_two_calls(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix(&b, "claim-read");
+    let minute = Duration::from_secs(60);
+    let [fresh, also_fresh, running, done, absent] =
+        ["fresh", "also-fresh", "running", "done", "absent"].map(|name| key(&prefix, &[&name]));
+    let owner = req(&running, minute);
+    let Claim::Acquired {
+        fence: running_fence,
+    } = store.claim(&owner).await.unwrap()
+    else {
+        panic!("a fresh key was not acquired");
+    };
+    let finished = req(&done, minute);
+    let Claim::Acquired { fence: done_fence } = store.claim(&finished).await.unwrap() else {
+        panic!("a fresh key was not acquired");
+    };
+    let paid = Completion::new(Some(b"paid".to_vec()), minute);
+    assert!(store.complete(&done, &finished.token, &paid).await.unwrap());
+
+    let both = |claim: &ClaimRequest, other: &idempotency::Key| {
+        store
+            .clone()
+            .claim_and_is_completed(Arc::new(claim.clone()), other.clone())
+    };
+    let first = req(&fresh, minute);
+    let Some(answer) = both(&first, &absent) else {
+        return;
+    };
+    let (claim, read) = answer.await;
+    let Ok(Claim::Acquired { fence }) = claim else {
+        panic!("a fresh key was not acquired: {claim:?}");
+    };
+    assert!(!read.unwrap(), "a key without a record read as completed");
+    let record = store.read(&fresh).await.unwrap().unwrap();
+    assert_eq!(
+        (record.token, record.fence),
+        (first.token, fence),
+        "the claim was not written as `claim` writes it"
+    );
+    assert!(matches!(record.state, RecordState::InProgress { .. }));
+
+    // The same owner again (a retry after a lost reply): the same fence; a live claim read.
+    let (claim, read) = both(&first, &running).unwrap().await;
+    assert_eq!(claim.unwrap(), Claim::Acquired { fence });
+    assert!(!read.unwrap(), "an in-progress record read as completed");
+
+    let (claim, read) = both(&req(&also_fresh, minute), &done).unwrap().await;
+    assert!(matches!(claim, Ok(Claim::Acquired { .. })), "{claim:?}");
+    assert!(read.unwrap(), "a completed record read as not completed");
+
+    let (claim, read) = both(&req(&running, minute), &done).unwrap().await;
+    assert_answer(
+        &b,
+        claim.unwrap(),
+        Claim::InProgress {
+            fence: running_fence,
+        },
+    );
+    assert!(read.unwrap(), "a completed record read as not completed");
+
+    let (claim, read) = both(&req(&done, minute), &fresh).unwrap().await;
+    assert_answer(
+        &b,
+        claim.unwrap(),
+        Claim::Completed {
+            fence: done_fence,
+            result: Some(b"paid".to_vec()),
+        },
+    );
+    assert!(!read.unwrap(), "an in-progress record read as completed");
 }

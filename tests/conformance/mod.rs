@@ -245,6 +245,7 @@ macro_rules! conformance_cases {
             fences_grow_across_record_expiry,
             completed_key_is_a_duplicate_and_replays_its_result,
             expired_lease_is_taken_over_with_the_next_fence,
+            a_claim_with_a_read_answers_as_the_two_calls,
             watchdog_keeps_a_slow_handler_owner,
             handler_that_outlives_its_lease_loses_ownership,
             complete_and_renew_check_the_token,

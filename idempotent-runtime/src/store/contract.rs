@@ -188,6 +188,43 @@ pub trait Store: Send + Sync + 'static {
         })
     }
 
+    /// [`claim`](Store::claim) `req` and [`is_completed`](Store::is_completed) `other`, sent
+    /// together in one round trip, for a store that can: the engine asks it for the first claim
+    /// of a call that is done when another key's record is completed (the HTTP layer's request
+    /// under the previous key layout). Both answers come back together, each as its own method
+    /// would give it: a claim's lost reply is an
+    /// [`OutcomeUnknown`](crate::StoreErrorKind::OutcomeUnknown) error the engine resolves by
+    /// reading the record back, as for `claim`.
+    ///
+    /// `None` (the default) when the store cannot send them together, and then the engine sends
+    /// the two calls side by side. A store that answers the two over one connection (Redis: one
+    /// pipeline, `[SET .. NX .. GET, GET]`) gains a round trip's work; one whose calls may
+    /// answer apart should keep the default, since the engine waits for the read only when the
+    /// claim acquired. A store behind a `Box` or a `&'static` reference answers `None`: the
+    /// call needs the store's own `Arc`.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use idempotent_runtime::{ClaimRequest, Key, MemoryStore, Store, Token};
+    ///
+    /// let store = Arc::new(MemoryStore::new());
+    /// let minute = Duration::from_secs(60);
+    /// let req = ClaimRequest::new(Key::new("doc", 2, &[&"a"]).unwrap(), Token::generate(), minute, minute);
+    /// let previous = Key::new("doc", 1, &[&"a"]).unwrap();
+    /// // The memory store answers every call at once: it has no round trip to share.
+    /// assert!(store.claim_and_is_completed(Arc::new(req), previous).is_none());
+    /// ```
+    #[allow(clippy::type_complexity)]
+    fn claim_and_is_completed(
+        self: Arc<Self>,
+        req: Arc<ClaimRequest>,
+        other: Key,
+    ) -> Option<BoxFuture<'static, (Result<Claim, StoreError>, Result<bool, StoreError>)>> {
+        let _ = (req, other);
+        None
+    }
+
     /// The largest stored result, in bytes, this store takes. The engine completes a record
     /// whose result is larger without the result (duplicates then get
     /// [`Error::Duplicate`](crate::Error::Duplicate), never a re-run). Backends never report
@@ -216,9 +253,11 @@ impl Ending {
     }
 }
 
-/// Forwards every method of [`Store`] through a pointer to a store.
+/// Forwards every method of [`Store`] through a pointer to a store, but for the methods written
+/// in its braces: only an `Arc` can hand [`Store::claim_and_is_completed`] the store's own
+/// `Arc`, so a `Box` or a reference keeps its default.
 macro_rules! forward_store {
-    ($(#[$doc:meta])* impl<S> Store for $ty:ty) => {
+    ($(#[$doc:meta])* impl<S> Store for $ty:ty { $($extra:tt)* }) => {
         $(#[$doc])*
         impl<S: Store + ?Sized> Store for $ty {
             fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
@@ -273,6 +312,7 @@ macro_rules! forward_store {
             fn is_completed<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<bool, StoreError>> {
                 (**self).is_completed(key)
             }
+            $($extra)*
             fn max_result_size(&self) -> usize {
                 (**self).max_result_size()
             }
@@ -285,16 +325,25 @@ macro_rules! forward_store {
 
 forward_store!(
     /// A shared store is a store.
-    impl<S> Store for Arc<S>
+    impl<S> Store for Arc<S> {
+        fn claim_and_is_completed(
+            self: Arc<Self>,
+            req: Arc<ClaimRequest>,
+            other: Key,
+        ) -> Option<BoxFuture<'static, (Result<Claim, StoreError>, Result<bool, StoreError>)>>
+        {
+            S::claim_and_is_completed(Arc::clone(&*self), req, other)
+        }
+    }
 );
 forward_store!(
     /// A boxed store is a store.
-    impl<S> Store for Box<S>
+    impl<S> Store for Box<S> {}
 );
 forward_store!(
     /// A reference to a store that lives for the whole program (a `static`, or
     /// `Box::leak`) is a store.
-    impl<S> Store for &'static S
+    impl<S> Store for &'static S {}
 );
 
 /// Converts a store handle into a [`SharedStore`]. Implemented for `Arc<S>` of any store,

@@ -16,8 +16,8 @@
 //! A backend implements two traits:
 //!
 //! - [`Store`], what the engine calls on every handler run: `claim`, `complete`, `release`,
-//!   `renew` and `read` (the batch methods, `release_acquired`, `is_completed`, the result
-//!   limit and the name have defaults);
+//!   `renew` and `read` (the batch methods, `release_acquired`, `is_completed`,
+//!   `claim_and_is_completed`, the result limit and the name have defaults);
 //! - [`OperatorStore`], what an operator's tools call: `reopen`, `scan` and `delete`.
 //!   [`Admin`](crate::admin::Admin) and the `idempotent-admin` command line take only a store
 //!   that implements it, and so do the stores that wrap others ([`TieredStore`],

@@ -7,11 +7,14 @@ use std::time::Duration;
 use ::redis::Value;
 
 use crate::error::{StoreError, StoreErrorKind};
+use crate::key::Key;
 use crate::store::redis::batch::{no_script, send_again};
 use crate::store::redis::clock::Estimate;
-use crate::store::redis::conn::{command_error, script_error};
+use crate::store::redis::conn::{command_error, script_error, Conn};
+use crate::store::redis::store::completed_reply;
 use crate::store::redis::store::RedisStore;
 use crate::store::redis::wire::{claim_cmd, decode_claim, fast_claim_record, parse_record};
+use crate::store::Store as _;
 use crate::store::{claim_answer, clamped_millis, Claim, ClaimAnswer, ClaimRequest, RecordState};
 
 impl RedisStore {
@@ -276,17 +279,7 @@ impl RedisStore {
     /// estimate) or when the key's record needs the script to decide (a released record, a
     /// run-out lease, a value that is no record): the caller then runs the script.
     pub(super) async fn fast_claim(&self, req: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
-        if !self.inner.fast_claims || !self.inner.clock.fast_durations(req.lease, req.ttl) {
-            return Ok(None);
-        }
-        let now = std::time::Instant::now();
-        self.refresh_clock(now);
-        self.inner.clock.of_server(self.inner.conn.generation());
-        let Some(at) = self.inner.clock.estimate(now) else {
-            return Ok(None);
-        };
-        // The durations were checked above.
-        let Some(cmd) = fast_claim_cmd(req, at) else {
+        let Some((cmd, at)) = self.fast_claim_now(req) else {
             return Ok(None);
         };
         let written = match self.write(None, &cmd).await {
@@ -301,6 +294,90 @@ impl RedisStore {
         }
         Ok(claim)
     }
+}
+
+impl RedisStore {
+    /// The fast claim's command for `req` and the estimate of the server's clock it is made
+    /// at; `None` when the fast claim does not apply now (see [`fast_claim`](Self::fast_claim)).
+    fn fast_claim_now(&self, req: &ClaimRequest) -> Option<(::redis::Cmd, Estimate)> {
+        if !self.inner.fast_claims || !self.inner.clock.fast_durations(req.lease, req.ttl) {
+            return None;
+        }
+        let now = std::time::Instant::now();
+        self.refresh_clock(now);
+        self.inner.clock.of_server(self.inner.conn.generation());
+        let at = self.inner.clock.estimate(now)?;
+        // The durations were checked above.
+        Some((fast_claim_cmd(req, at)?, at))
+    }
+
+    /// [`Store::claim_and_is_completed`]: the fast claim and a `GET` of `other` in one
+    /// pipeline (with its `WAIT` in durable mode). Where the fast claim does not apply, the
+    /// claim and the read go side by side on the connection; where its reply leaves the
+    /// claim to the script, the script follows.
+    ///
+    /// [`Store::claim_and_is_completed`]: crate::store::Store::claim_and_is_completed
+    pub(super) async fn claim_reading(
+        &self,
+        req: &ClaimRequest,
+        other: &Key,
+    ) -> (Result<Claim, StoreError>, Result<bool, StoreError>) {
+        let Some((cmd, at)) = self.fast_claim_now(req) else {
+            return futures_util::future::join(self.claim(req), self.is_completed(other)).await;
+        };
+        let mut pipe = ::redis::pipe();
+        pipe.ignore_errors();
+        pipe.add_command(cmd);
+        pipe.cmd("GET").arg(other.as_bytes());
+        let sent = match (&self.inner.conn, self.durable()) {
+            (Conn::Single(conn), None) => {
+                let mut conn = conn.clone();
+                pipe.query_async(&mut conn)
+                    .await
+                    .map(|replies| (replies, true))
+            }
+            // Boxed: a cluster's pipeline (never sent here), Sentinel's and a durable write's
+            // are large futures, and this one is boxed whole as the claim is made.
+            _ => Box::pin(self.pipeline_waited(pipe, 0)).await,
+        };
+        let (replies, replicated) = match self.answered(sent).await {
+            Ok(sent) => sent,
+            Err(err) => {
+                let read = Err(script_error(other, err.clone()));
+                return (Err(self.claim_unknown(req, err).await), read);
+            }
+        };
+        let mut replies = replies.into_iter();
+        let (claimed, read) = (replies.next(), replies.next());
+        let read = match read {
+            Some(value) => completed_reply(other, value),
+            None => Err(short_pipeline()),
+        };
+        let claim = match claimed {
+            // WRONGTYPE and the like: the script reports what the key holds.
+            Some(Value::ServerError(err)) if err.code() == "WRONGTYPE" => None,
+            Some(Value::ServerError(err)) => Some(Err(script_error(&req.key, err.into()))),
+            Some(reply) => fast_claim_reply(req, at, reply).map(Ok),
+            None => Some(Err(short_pipeline())),
+        };
+        let claim = match claim {
+            Some(Ok(Claim::Acquired { .. })) if !replicated => {
+                Err(self.give_back(req, self.short("claim")).await)
+            }
+            Some(claim) => claim,
+            // Boxed: rare, and the pipeline's future is boxed whole as the claim is made.
+            None => Box::pin(self.claim_one_by_script(req)).await,
+        };
+        (claim, read)
+    }
+}
+
+/// What a pipeline that answered fewer replies than it was sent says of them.
+fn short_pipeline() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Protocol,
+        "a pipeline answered fewer replies than it was sent",
+    )
 }
 
 /// A batch item's claim, once every pipeline has answered.

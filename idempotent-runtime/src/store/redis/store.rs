@@ -342,15 +342,22 @@ impl Store for RedisStore {
             let mut get = ::redis::cmd("GET");
             get.arg(key.as_bytes());
             let reply = self.answered(self.inner.conn.query(&get).await).await;
-            match reply.map_err(|err| script_error(key, err))? {
-                Value::ServerError(err) if err.code() == "WRONGTYPE" => Err(StoreError::new(
-                    StoreErrorKind::Corrupt,
-                    format!("the value under `{key}` is not a record: value of another type"),
-                )),
-                Value::ServerError(err) => Err(script_error(key, err.into())),
-                value => decode_completed(key, &value),
-            }
+            completed_reply(key, reply.map_err(|err| script_error(key, err))?)
         })
+    }
+
+    fn claim_and_is_completed(
+        self: Arc<Self>,
+        req: Arc<ClaimRequest>,
+        other: Key,
+    ) -> Option<BoxFuture<'static, (Result<Claim, StoreError>, Result<bool, StoreError>)>> {
+        // A cluster may serve the two keys from different nodes.
+        if self.inner.conn.is_cluster() {
+            return None;
+        }
+        Some(Box::pin(
+            async move { self.claim_reading(&req, &other).await },
+        ))
     }
 
     fn max_result_size(&self) -> usize {
@@ -362,6 +369,18 @@ impl Store for RedisStore {
             Conn::Single(_) | Conn::Sentinel(_) => "redis",
             Conn::Cluster(_) => "redis_cluster",
         }
+    }
+}
+
+/// What a `GET` of `key` answered, as [`Store::is_completed`] gives it.
+pub(super) fn completed_reply(key: &Key, reply: Value) -> Result<bool, StoreError> {
+    match reply {
+        Value::ServerError(err) if err.code() == "WRONGTYPE" => Err(StoreError::new(
+            StoreErrorKind::Corrupt,
+            format!("the value under `{key}` is not a record: value of another type"),
+        )),
+        Value::ServerError(err) => Err(script_error(key, err.into())),
+        value => decode_completed(key, &value),
     }
 }
 
