@@ -7,7 +7,8 @@
 //! `http::IdempotencyLayer` (the body as the handler, its response sometimes streamed with an
 //! await point before its last frame, sometimes with another request body under the same key,
 //! sometimes looking for the previous key layout's record, which one key
-//! has, completed before an upgrade), unary gRPC calls through the real
+//! has, completed before an upgrade: read with the claim in one command where the simulated
+//! store sends the two together, as Redis does, beside it otherwise), unary gRPC calls through the real
 //! `grpc::IdempotencyLayer` (a real tonic client and a real tonic handler of the body, in
 //! process, keyed by metadata, sometimes with another message under the same key), calls through a `CombiningStore` or a `TieredStore` (two
 //! simulated stores, the front of which can lose its data at any step), lock holders (`Lock`),
@@ -183,6 +184,10 @@ enum Command {
     ClaimMany(Vec<ClaimRequest>),
     /// A batch ending: one round trip.
     CompleteMany(Vec<Ending>),
+    /// A claim and a read of another key's state in one round trip
+    /// (`Store::claim_and_is_completed`), as the Redis store pipelines them: applied together,
+    /// answered together, lost together.
+    ClaimReading(ClaimRequest, Key),
 }
 
 #[derive(Debug)]
@@ -193,6 +198,7 @@ enum Reply {
     Scan(Result<ScanPage, StoreError>),
     Claims(Vec<Result<Claim, StoreError>>),
     Bools(Vec<Result<bool, StoreError>>),
+    ClaimRead(Result<Claim, StoreError>, Result<bool, StoreError>),
 }
 
 struct InFlight {
@@ -249,6 +255,10 @@ struct SimStore {
     is_front: bool,
     /// The back's handle on the front layer, to end the front's commands.
     front: Option<Arc<SimStore>>,
+    /// Sends a claim and a read of another key together when asked
+    /// (`Store::claim_and_is_completed`), as the Redis store does; else answers `None`, and
+    /// the engine sends the two apart.
+    reads_with_claims: bool,
 }
 
 impl SimStore {
@@ -296,15 +306,11 @@ impl SimStore {
     /// Applies a command to the real store, checking rule 2 on the way.
     fn apply(&self, command: &Command, world: &mut World) -> Reply {
         match command {
-            Command::Claim(req) => {
-                let claim = ready(self.inner.claim(req));
-                if let Ok(Claim::Acquired { fence }) = &claim {
-                    world
-                        .token_fences
-                        .insert(req.token.as_bytes().to_vec(), *fence);
-                }
-                Reply::Claim(claim)
-            }
+            Command::Claim(req) => Reply::Claim(self.claim_now(req, world)),
+            Command::ClaimReading(req, other) => Reply::ClaimRead(
+                self.claim_now(req, world),
+                ready(self.inner.is_completed(other)),
+            ),
             Command::Complete(key, token, completion) => {
                 Reply::Bool(self.complete_now(key, token, completion, world))
             }
@@ -365,6 +371,17 @@ impl SimStore {
                 Reply::Scan(ready(self.inner.scan(prefix, cursor, *limit)))
             }
         }
+    }
+
+    /// A claim, noting the fence an acquired one got.
+    fn claim_now(&self, req: &ClaimRequest, world: &mut World) -> Result<Claim, StoreError> {
+        let claim = ready(self.inner.claim(req));
+        if let Ok(Claim::Acquired { fence }) = &claim {
+            world
+                .token_fences
+                .insert(req.token.as_bytes().to_vec(), *fence);
+        }
+        claim
     }
 
     /// A completion, counting a refused one (its owner had lost the key).
@@ -461,7 +478,9 @@ impl SimStore {
             4 => {
                 self.apply(&command, world);
                 let claimed: Vec<usize> = match &command {
-                    Command::Claim(req) => vec![self.key_index(&req.key)],
+                    Command::Claim(req) | Command::ClaimReading(req, _) => {
+                        vec![self.key_index(&req.key)]
+                    }
                     Command::ClaimMany(reqs) => {
                         reqs.iter().map(|req| self.key_index(&req.key)).collect()
                     }
@@ -509,7 +528,10 @@ impl SimStore {
 /// The claims `command` acquired, as `reply` says.
 fn acquired<'a>(command: &'a Command, reply: &Reply) -> Vec<&'a ClaimRequest> {
     match (command, reply) {
-        (Command::Claim(req), Reply::Claim(Ok(Claim::Acquired { .. }))) => vec![req],
+        (Command::Claim(req), Reply::Claim(Ok(Claim::Acquired { .. })))
+        | (Command::ClaimReading(req, _), Reply::ClaimRead(Ok(Claim::Acquired { .. }), _)) => {
+            vec![req]
+        }
         (Command::ClaimMany(reqs), Reply::Claims(claims)) => reqs
             .iter()
             .zip(claims)
@@ -532,6 +554,9 @@ fn fail(command: &Command, kind: StoreErrorKind) -> Reply {
     let err = StoreError::new(kind, "simulated fault");
     match command {
         Command::Claim(_) => Reply::Claim(Err(err)),
+        Command::ClaimReading(..) => {
+            Reply::ClaimRead(Err(err), Err(StoreError::new(kind, "simulated fault")))
+        }
         Command::Read(_) => Reply::Read(Err(err)),
         Command::Scan(..) => Reply::Scan(Err(err)),
         Command::ClaimMany(reqs) => Reply::Claims(
@@ -552,6 +577,9 @@ fn fail(command: &Command, kind: StoreErrorKind) -> Reply {
 fn describe(command: &Command) -> String {
     match command {
         Command::Claim(req) => format!("claim {} token {:?}", req.key, req.token),
+        Command::ClaimReading(req, other) => {
+            format!("claim {} token {:?} reading {other}", req.key, req.token)
+        }
         Command::Complete(key, token, c) => format!(
             "complete {key} token {token:?} result {:?}",
             c.result.as_ref().map(Vec::len)
@@ -641,6 +669,20 @@ impl Store for SimStore {
             Reply::Claim(c) => Some(c),
             _ => None,
         })
+    }
+    fn claim_and_is_completed(
+        self: Arc<Self>,
+        req: Arc<ClaimRequest>,
+        other: Key,
+    ) -> Option<BoxFuture<'static, (Result<Claim, StoreError>, Result<bool, StoreError>)>> {
+        if !self.reads_with_claims {
+            return None;
+        }
+        let command = Command::ClaimReading((*req).clone(), other);
+        Some(sent(self.send(command), |r| match r {
+            Reply::ClaimRead(claim, read) => Some((claim, read)),
+            _ => None,
+        }))
     }
     fn complete<'a>(
         &'a self,
@@ -1144,6 +1186,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         Key::new("grpc", 1, &parts).unwrap()
     }));
     let origin = tokio::time::Instant::now();
+    let reads_with_claims = choices.chance(1, 2);
     // The front layer, used by schedules whose callers go through a `TieredStore`.
     let front = Arc::new(SimStore {
         inner: MemoryStore::with_clock(TokioClock { origin }),
@@ -1151,6 +1194,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         keys: keys.clone(),
         is_front: true,
         front: None,
+        reads_with_claims,
     });
     let store = Arc::new(SimStore {
         inner: MemoryStore::with_clock(TokioClock { origin }),
@@ -1158,6 +1202,7 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         keys: keys.clone(),
         is_front: false,
         front: Some(front.clone()),
+        reads_with_claims,
     });
     let shared: SharedStore = store.clone();
     let with_done = choices.chance(1, 3);
@@ -1167,7 +1212,9 @@ async fn schedule(choices: &mut Choices, traced: bool) -> Outcome {
         values: vec![BTreeSet::new(); keys.len()],
     }));
     let log = |line: String| world.lock().unwrap().log(|| line);
-    log(format!("keys={n_keys} done_check={with_done}"));
+    log(format!(
+        "keys={n_keys} done_check={with_done} reads_with_claims={reads_with_claims}"
+    ));
     // HTTP layers look for a request's record under the previous key layout, and the first
     // HTTP key may have one, completed before an upgrade: no request of it may run.
     let previous_layout = choices.chance(1, 2);

@@ -318,7 +318,7 @@ where
             return own(
                 &report,
                 owner,
-                &mut check,
+                (None, &mut check),
                 results,
                 on_lost,
                 &mut Some(body),

@@ -1,8 +1,12 @@
 //! What a handler returns, and the business-status checks an operation can ask.
 
 use std::future::Future;
+use std::time::Duration;
 
-use crate::error::Error;
+use crate::engine::deadline::{bounded, call_bound};
+use crate::error::{Error, StoreError};
+use crate::key::Key;
+use crate::store::SharedStore;
 
 /// The output of an idempotent handler: `Result<T, E>` where `E: From<idempotency::Error>`.
 #[diagnostic::on_unimplemented(
@@ -29,6 +33,42 @@ impl<T, E: From<Error>> HandlerResult for Result<T, E> {
     }
     fn from_result(result: Result<T, E>) -> Self {
         result
+    }
+}
+
+/// A key whose completed record means a call's effect is applied already (the HTTP layer's
+/// request under the previous key layout, completed before an upgrade): a check made, like a
+/// business check, after an acquired claim and when the claim finds a live owner.
+///
+/// The first claim reads it in its own round trip ([`PendingClaim::checking`]), and the first
+/// check takes that answer; a later check reads it anew, bounded as every store call of an
+/// owner's path is.
+///
+/// [`PendingClaim::checking`]: crate::engine::pending::PendingClaim::checking
+#[derive(Debug)]
+pub(crate) struct DoneKey {
+    pub(crate) key: Key,
+    /// The answer read with the claim, until a check takes it.
+    pub(crate) read: Option<Result<bool, StoreError>>,
+}
+
+impl DoneKey {
+    /// Whether the record under the key is completed: the answer read with the claim, else a
+    /// read now.
+    pub(crate) async fn applied(
+        &mut self,
+        store: &SharedStore,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        if let Some(read) = self.read.take() {
+            return read;
+        }
+        bounded(
+            call_bound(lease),
+            "completed-state read",
+            store.is_completed(&self.key),
+        )
+        .await
     }
 }
 

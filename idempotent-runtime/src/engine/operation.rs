@@ -15,7 +15,7 @@ use crate::engine::claimed::Claimed;
 use crate::engine::conclude::{quiet, Refusal, Report};
 use crate::engine::current::Current;
 use crate::engine::decide::{decide, Busy, Next, Waiting};
-use crate::engine::handler::{BusinessCheck, Check, HandlerResult, NoCheck};
+use crate::engine::handler::{BusinessCheck, Check, DoneKey, HandlerResult, NoCheck};
 use crate::engine::idempotency::Idempotency;
 use crate::engine::owner::Owner;
 use crate::engine::pending::PendingClaim;
@@ -61,6 +61,8 @@ pub struct Operation<R: HandlerResult, D = NoCheck> {
     fingerprint: Option<Fingerprint>,
     results: Results<R>,
     done: D,
+    /// A key whose completed record means the effect is applied.
+    done_key: Option<Key>,
 }
 
 impl<R: HandlerResult, D> Operation<R, D> {
@@ -78,6 +80,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
             fingerprint,
             results,
             done,
+            done_key: None,
         }
     }
 }
@@ -90,6 +93,7 @@ impl<R: HandlerResult> Operation<R> {
             fingerprint: None,
             results: Results::default(),
             done: NoCheck,
+            done_key: None,
         }
     }
 }
@@ -128,6 +132,17 @@ impl<R: HandlerResult, D> Operation<R, D> {
         decode: fn(&[u8]) -> Result<R::Ok, Error>,
     ) -> Self {
         self.results = self.results.with_replay_codec(encode, decode);
+        self
+    }
+
+    /// Counts the effect as applied when the record under `key` is completed (the HTTP
+    /// layer's request under the previous key layout): checked as a business check is, before
+    /// the business check. The first claim reads it in its own round trip where the store can
+    /// ([`Store::claim_and_is_completed`](crate::store::Store::claim_and_is_completed)), beside
+    /// it otherwise.
+    #[cfg(feature = "http")]
+    pub(crate) fn done_if_completed(mut self, key: Option<Key>) -> Self {
+        self.done_key = key;
         self
     }
 
@@ -205,6 +220,7 @@ impl<R: HandlerResult, D> Operation<R, D> {
             fingerprint: self.fingerprint,
             results: self.results,
             done: Check(check),
+            done_key: self.done_key,
         }
     }
 }
@@ -280,6 +296,7 @@ where
             fingerprint,
             results,
             mut done,
+            done_key,
         } = self;
         let key = key.map_err(Error::from)?;
         span.record("key", tracing::field::display(&key));
@@ -292,9 +309,22 @@ where
         let mut waiting = Waiting::new(settings.in_progress);
         let name = store.name();
         let mut first_wait: Option<metrics::Started> = None;
+        // The first claim reads the done key with it; later checks read it anew.
+        let mut done_key = done_key.map(|key| DoneKey { key, read: None });
+        let mut first = true;
         loop {
             let sent_at = tokio::time::Instant::now();
-            let claimed = PendingClaim::new(&store, &req).await;
+            let mut pending = match done_key.as_ref() {
+                Some(done_key) if std::mem::take(&mut first) => {
+                    PendingClaim::checking(&store, &req, &done_key.key)
+                }
+                _ => PendingClaim::new(&store, &req),
+            };
+            let claimed = (&mut pending).await;
+            if let Some(done_key) = done_key.as_mut() {
+                done_key.read = pending.read();
+            }
+            drop(pending);
             metrics::claim_duration(&req.key, name, metrics::Started::at(sent_at));
             let claim = match claimed {
                 Ok(claim) => claim,
@@ -327,11 +357,25 @@ where
                     let claimed = Claimed::new(store, unwrap_req(req), fence, sent_at);
                     let owner = Owner::new(Arc::new(claimed));
                     let on_lost = settings.on_lost_lease;
-                    return own(&report, owner, &mut done, &results, on_lost, &mut body).await;
+                    let done = (done_key.as_mut(), &mut done);
+                    return own(&report, owner, done, &results, on_lost, &mut body).await;
                 }
                 Next::Completed { result, .. } => Refusal::Completed(result),
                 Next::Mismatch { .. } => Refusal::Mismatch,
                 Next::Busy { fence, then } => {
+                    if let Some(done_key) = done_key.as_mut() {
+                        if done_key
+                            .applied(&store, req.lease)
+                            .await
+                            .map_err(Error::Store)?
+                        {
+                            return report.refuse(
+                                unwrap_req(req).key,
+                                Refusal::DoneBefore,
+                                &results,
+                            );
+                        }
+                    }
                     if let Some(check) = done.start() {
                         if check.await? {
                             return report.refuse(

@@ -109,29 +109,96 @@ pub(crate) async fn give_back(
 /// time answers [`StoreErrorKind::OutcomeUnknown`] to its caller, and is then finished in the
 /// background as if the caller had been dropped. A claim abandoned in flight may still be
 /// applied later; finishing it, rather than dropping it, is what lets it be given back then.
+///
+/// Made by [`checking`](Self::checking), it also reads whether another key's record is
+/// completed ([`Store::is_completed`](crate::store::Store::is_completed)), in the claim's own
+/// round trip where the store can ([`Store::claim_and_is_completed`]), beside it otherwise;
+/// [`read`](Self::read) takes that answer once the claim is in.
+///
+/// [`Store::claim_and_is_completed`]: crate::store::Store::claim_and_is_completed
 pub(crate) struct PendingClaim {
     store: SharedStore,
     req: Arc<ClaimRequest>,
-    fut: Option<BoxFuture<'static, Result<Claim, StoreError>>>,
+    /// The claim (with its lost reply read back), and the read when it shares the claim's
+    /// round trip.
+    fut: Option<BoxFuture<'static, Answers>>,
+    /// The read sent beside the claim, until it answers.
+    read: Option<BoxFuture<'static, Result<bool, StoreError>>>,
+    /// The claim's answer, while an acquired claim waits for the read beside it.
+    claimed: Option<Result<Claim, StoreError>>,
+    /// The read's answer, once in.
+    read_answer: Option<Result<bool, StoreError>>,
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
+
+/// A claim's answer, and the read's when it came with it.
+type Answers = (Result<Claim, StoreError>, Option<Result<bool, StoreError>>);
 
 impl PendingClaim {
     pub(crate) fn new(store: &SharedStore, req: &Arc<ClaimRequest>) -> PendingClaim {
         let (s, r) = (store.clone(), req.clone());
+        PendingClaim::of(
+            store,
+            req.clone(),
+            Box::pin(async move {
+                let first = s.claim(&r).await;
+                (claim(&s, &r, first).await, None)
+            }),
+            None,
+        )
+    }
+
+    /// A claim that also reads whether `other`'s record is completed: in one round trip when
+    /// the store can send them together, else side by side. The claim answers as soon as it
+    /// is in, unless it acquired the key: then it waits for the read too, within the same
+    /// bound (its answer is then [`read`](Self::read)'s). A read that has not answered by then
+    /// answers `OutcomeUnknown`, and is dropped: a read changes nothing.
+    pub(crate) fn checking(
+        store: &SharedStore,
+        req: &Arc<ClaimRequest>,
+        other: &Key,
+    ) -> PendingClaim {
+        let (s, r) = (store.clone(), req.clone());
+        match store
+            .clone()
+            .claim_and_is_completed(req.clone(), other.clone())
+        {
+            Some(both) => PendingClaim::of(
+                store,
+                req.clone(),
+                Box::pin(async move {
+                    let (first, read) = both.await;
+                    (claim(&s, &r, first).await, Some(read))
+                }),
+                None,
+            ),
+            None => {
+                let (reader, other) = (store.clone(), other.clone());
+                let read = Box::pin(async move { reader.is_completed(&other).await });
+                let mut pending = PendingClaim::new(store, req);
+                pending.read = Some(read);
+                pending
+            }
+        }
+    }
+
+    fn of(
+        store: &SharedStore,
+        req: Arc<ClaimRequest>,
+        fut: BoxFuture<'static, Answers>,
+        read: Option<BoxFuture<'static, Result<bool, StoreError>>>,
+    ) -> PendingClaim {
         PendingClaim {
             store: store.clone(),
-            req: req.clone(),
-            fut: Some(Box::pin(async move {
-                let first = s.claim(&r).await;
-                claim(&s, &r, first).await
-            })),
+            req,
+            fut: Some(fut),
+            read,
+            claimed: None,
+            read_answer: None,
             timer: None,
         }
     }
-}
 
-impl PendingClaim {
     /// The rest of a claim round trip whose first answer was `first`: a lost reply read back.
     fn resolving(
         store: &SharedStore,
@@ -139,12 +206,19 @@ impl PendingClaim {
         first: Result<Claim, StoreError>,
     ) -> PendingClaim {
         let (s, r) = (store.clone(), req.clone());
-        PendingClaim {
-            store: store.clone(),
+        PendingClaim::of(
+            store,
             req,
-            fut: Some(Box::pin(async move { claim(&s, &r, first).await })),
-            timer: None,
-        }
+            Box::pin(async move { (claim(&s, &r, first).await, None) }),
+            None,
+        )
+    }
+
+    /// The answer of the read [`checking`](Self::checking) sent, once the claim answered:
+    /// `None` when it was not waited for (the claim did not acquire the key first) or none
+    /// was sent.
+    pub(crate) fn read(&mut self) -> Option<Result<bool, StoreError>> {
+        self.read_answer.take()
     }
 }
 
@@ -152,22 +226,53 @@ impl Future for PendingClaim {
     type Output = Result<Claim, StoreError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(fut) = self.fut.as_mut() else {
-            return Poll::Ready(Err(StoreError::new(
-                StoreErrorKind::Protocol,
-                "claim polled after it finished",
-            )));
-        };
-        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
-            self.fut = None;
-            return Poll::Ready(out);
+        let this = &mut *self;
+        if let Some(read) = this.read.as_mut() {
+            if let Poll::Ready(answer) = read.as_mut().poll(cx) {
+                this.read = None;
+                this.read_answer = Some(answer);
+            }
+        }
+        if this.claimed.is_none() {
+            let Some(fut) = this.fut.as_mut() else {
+                return Poll::Ready(Err(StoreError::new(
+                    StoreErrorKind::Protocol,
+                    "claim polled after it finished",
+                )));
+            };
+            if let Poll::Ready((claimed, read)) = fut.as_mut().poll(cx) {
+                this.fut = None;
+                if read.is_some() {
+                    this.read_answer = read;
+                }
+                this.claimed = Some(claimed);
+            }
+        }
+        if let Some(claimed) = this.claimed.take() {
+            // Only an acquired claim runs the check the read is for: another answer does not
+            // wait for it.
+            if this.read.is_none() || !matches!(claimed, Ok(Claim::Acquired { .. })) {
+                this.read = None;
+                return Poll::Ready(claimed);
+            }
+            this.claimed = Some(claimed);
         }
         // A claim answered on its first poll (an in-memory store) sets no timer.
-        let bound = call_bound(self.req.lease);
-        let timer = self
+        let bound = call_bound(this.req.lease);
+        let timer = this
             .timer
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(bound)));
         std::task::ready!(timer.as_mut().poll(cx));
+        if let Some(claimed) = this.claimed.take() {
+            // Acquired, and the read beside it has not answered: the check fails, and the
+            // claim is given back by its owner.
+            this.read = None;
+            this.read_answer = Some(Err(StoreError::new(
+                StoreErrorKind::OutcomeUnknown,
+                format!("no answer to the completed-state read within {bound:?}"),
+            )));
+            return Poll::Ready(claimed);
+        }
         // `fut` stays: dropping `self` finishes it in the background and gives it back.
         Poll::Ready(Err(StoreError::new(
             StoreErrorKind::OutcomeUnknown,
@@ -178,6 +283,20 @@ impl Future for PendingClaim {
 
 impl Drop for PendingClaim {
     fn drop(&mut self) {
+        // An acquired claim that waited for its read: its caller is gone before owning it.
+        if let Some(Ok(Claim::Acquired { .. })) = self.claimed {
+            let (store, req) = (self.store.clone(), self.req.clone());
+            tracing::debug!(key = %req.key, "claim abandoned while its read was in flight; giving it back");
+            let give_up_at = tokio::time::Instant::now() + req.record_lifetime();
+            run_detached(give_back(
+                store,
+                req.key.clone(),
+                req.token,
+                req.lease,
+                give_up_at,
+            ));
+            return;
+        }
         let Some(fut) = self.fut.take() else {
             return;
         };
@@ -185,7 +304,7 @@ impl Drop for PendingClaim {
         tracing::debug!(key = %req.key, "claim abandoned in flight; giving it back once it lands");
         let give_up_at = tokio::time::Instant::now() + req.record_lifetime();
         run_detached(async move {
-            if let Ok(Claim::Acquired { .. }) = fut.await {
+            if let (Ok(Claim::Acquired { .. }), _) = fut.await {
                 give_back(store, req.key.clone(), req.token, req.lease, give_up_at).await;
             }
         });

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::engine::claimed::Claimed;
 use crate::engine::conclude::{Outcome, Report};
 use crate::engine::current::Current;
-use crate::engine::handler::{BusinessCheck, HandlerResult};
+use crate::engine::handler::{BusinessCheck, DoneKey, HandlerResult};
 use crate::engine::owner::{Owner, Recording};
 use crate::engine::results::{Kept, Results};
 use crate::engine::watch::{watch, Watched};
@@ -62,7 +62,7 @@ where
 pub(crate) async fn own<R, D, B, F>(
     report: &Report,
     owner: Owner,
-    done: &mut D,
+    (done_key, done): (Option<&mut DoneKey>, &mut D),
     results: &Results<R>,
     on_lost: OnLostLease,
     body: &mut Option<B>,
@@ -85,23 +85,39 @@ where
             fence: claim.fence,
         }
     };
-    if let Some(check) = done.start() {
-        match watch(std::pin::pin!(check), &claim, OnLostLease::Continue).await {
-            Watched::Done(Ok(true)) => {
-                report.conclude(key, Outcome::DoneFallback);
-                // The effect is applied: record it, never give the claim back.
-                owner.record(None).await;
-                return Err(Error::Duplicate { key: key.clone() }.into());
+    // The done key first, then the business check, each under the watchdog; a lost lease
+    // ends neither (the body's own watch notices it).
+    let mut applied: Result<bool, R::Err> = Ok(false);
+    if let Some(done_key) = done_key {
+        let check = done_key.applied(&claim.store, claim.lease);
+        if let Watched::Done(read) =
+            watch(std::pin::pin!(check), &claim, OnLostLease::Continue).await
+        {
+            applied = read.map_err(|err| Error::Store(err).into());
+        }
+    }
+    if matches!(applied, Ok(false)) {
+        if let Some(check) = done.start() {
+            let checked = watch(std::pin::pin!(check), &claim, OnLostLease::Continue).await;
+            if let Watched::Done(checked) = checked {
+                applied = checked.map_err(Into::into);
             }
-            Watched::Done(Ok(false)) => {}
-            Watched::Done(Err(err)) => {
-                // Nothing ran: the call failed as a handler error would, and the claim is
-                // given back.
-                report.conclude(key, Outcome::Failed);
-                owner.release().await;
-                return Err(err.into());
-            }
-            Watched::Cancelled => {}
+        }
+    }
+    match applied {
+        Ok(true) => {
+            report.conclude(key, Outcome::DoneFallback);
+            // The effect is applied: record it, never give the claim back.
+            owner.record(None).await;
+            return Err(Error::Duplicate { key: key.clone() }.into());
+        }
+        Ok(false) => {}
+        Err(err) => {
+            // Nothing ran: the call failed as a handler error would, and the claim is given
+            // back.
+            report.conclude(key, Outcome::Failed);
+            owner.release().await;
+            return Err(err);
         }
     }
 

@@ -341,9 +341,10 @@ impl IdempotencyLayer {
     /// written by earlier versions of this layer): if that record is completed, the request
     /// was processed before the upgrade, and it is answered `409`
     /// [`already-processed`](Problem::AlreadyProcessed) instead of running again (default:
-    /// `true`). It costs one read per request, sent alongside the claim, so that a request
-    /// waits one round trip for both; a replay or a duplicate is answered without waiting
-    /// for it. A read that fails, or that has not answered within half the lease, runs
+    /// `true`). It costs one read per request, sent with the claim so that a request waits
+    /// one round trip for both: in the claim's own pipeline on Redis
+    /// ([`Store::claim_and_is_completed`](crate::store::Store::claim_and_is_completed)), beside
+    /// it on other stores, where a replay or a duplicate is answered without waiting for it. A read that fails, or that has not answered within half the lease, runs
     /// nothing: the request is answered `503` and its key given back. Turn it off once the
     /// layer has run this version for a `ttl` (no record of the previous layout lives
     /// longer), or for a deployment that never ran the previous one. A request

@@ -250,52 +250,16 @@ where
     RB: http_body::Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
-    // The previous layout's record is read alongside the claim, not after it: its answer is
-    // what the check after the claim would read (a request still running under the previous
-    // layout is not seen either way), and the request waits one round trip for both. A
-    // request answered without running (a replay, a duplicate) does not wait for it.
-    // The read leaves its answer in `early_answer` for the first check. Both are polled by
-    // `alongside` in this task, the read first, so the check finds the answer in the poll that
-    // produced it, and a check that waits for it is woken by the read's own progress.
-    // (A mutex, not a cell: the run may move to a task of its own, so it must be `Send`.)
-    let early_answer: Mutex<Option<Result<bool, crate::Error>>> = Mutex::new(None);
-    let early = previous.as_ref().map(|previous| {
-        let early_answer = &early_answer;
-        async move {
-            let done = Prepared::done_before(Some(previous), config).await;
-            *early_answer.lock().unwrap_or_else(PoisonError::into_inner) = Some(done);
-        }
-    });
-    let mut first_check = early.is_some();
-    // Pinned here and lent: the run's future is large, and moving it into `alongside` would
-    // copy it.
-    let operation = std::pin::pin!(config
+    // The previous layout's record is read with the claim, in its round trip where the store
+    // can: its answer is what a read after the claim would give (a request still running
+    // under the previous layout is not seen either way). A request answered without running
+    // (a replay, a duplicate) does not wait for it.
+    config
         .idempotency
         .operation::<Result<Stored, Failure<S::Error>>>(key)
         .fingerprint_of(fingerprint)
         .replay_with(|stored| stored.encode(codec::OK), Stored::decode)
-        .done(|| {
-            // The first check takes the read made alongside the claim; a later one (a claim
-            // that found a live owner and tries again) reads anew.
-            let first = std::mem::take(&mut first_check);
-            let (previous, early_answer) = (previous.as_ref(), &early_answer);
-            async move {
-                if first {
-                    return std::future::poll_fn(|_| {
-                        match early_answer
-                            .lock()
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .take()
-                        {
-                            Some(done) => Poll::Ready(done),
-                            None => Poll::Pending,
-                        }
-                    })
-                    .await;
-                }
-                Prepared::done_before(previous, config).await
-            }
-        })
+        .done_if_completed(previous)
         // A closure that makes the body when it is called, not the body itself: the closure
         // holds the request and a few references, where the body's future, unstarted, is as
         // large as it will ever be, and the engine keeps the closure in its frame until then.
@@ -314,22 +278,6 @@ where
                 }
             };
             stream::capture(config, response, send_head, &live.tail).await
-        }));
-    alongside(early, operation).await
-}
-
-/// Drives `early` (until it ends) alongside `main`, and returns `main`'s output as soon as it
-/// has it: `early` is dropped then, whether or not it ended.
-async fn alongside<T>(early: Option<impl Future<Output = ()>>, main: impl Future<Output = T>) -> T {
-    let mut early = std::pin::pin!(early);
-    let mut main = std::pin::pin!(main);
-    std::future::poll_fn(|cx| {
-        if let Some(running) = early.as_mut().as_pin_mut() {
-            if running.poll(cx).is_ready() {
-                early.set(None);
-            }
-        }
-        main.as_mut().poll(cx)
-    })
-    .await
+        })
+        .await
 }
