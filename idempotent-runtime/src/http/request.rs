@@ -15,13 +15,11 @@ use http::{header, Request, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
 
-use crate::engine::bounded;
 use crate::http::body::{Body, BoxError};
 use crate::http::key::{self, KeyHeader};
 use crate::http::respond::reject;
 use crate::http::{Config, Problem};
 use crate::key::{hex_string, Key, KeyError};
-use crate::store::deadline::call_bound;
 use crate::store::Fingerprint;
 
 /// The version in the key's layout: `<prefix>:v2:{scope, client key}`.
@@ -43,7 +41,10 @@ pub(crate) struct Prepared {
 impl Prepared {
     /// Whether the previous layout's record of this request says it was completed: a retry
     /// that spans an upgrade of the layer must not run the handler again. A read that has not
-    /// answered within the engine's bound on a store call (half the lease) is an error.
+    /// answered within the engine's bound on a store call (half the lease) is an error. For a
+    /// request run in the caller's transaction (the layer's own requests hand the key to the
+    /// engine, which reads it with the claim).
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     pub(crate) async fn done_before(
         previous: Option<&Key>,
         config: &Config,
@@ -61,8 +62,8 @@ impl Prepared {
         };
         // Bounded as every store call of an owner's path is: a read that never answers (a
         // custom store, a silent connection) is abandoned, and the engine gives the claim back.
-        let bound = call_bound(config.idempotency.lease_duration());
-        Ok(bounded(
+        let bound = crate::store::deadline::call_bound(config.idempotency.lease_duration());
+        Ok(crate::engine::bounded(
             bound,
             "previous layout's read",
             store.is_completed(previous),
