@@ -423,3 +423,123 @@ where
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::store::memory::MemoryStore;
+    use crate::store::{Completion, Record, RecordState, Store, Token};
+
+    /// The memory store, whose `is_completed` never answers: a read sent beside a claim that
+    /// stays out (a custom store cannot be made to do this on cue otherwise).
+    struct SilentReads(MemoryStore);
+
+    impl Store for SilentReads {
+        fn claim<'a>(&'a self, req: &'a ClaimRequest) -> BoxFuture<'a, Result<Claim, StoreError>> {
+            self.0.claim(req)
+        }
+        fn complete<'a>(
+            &'a self,
+            key: &'a Key,
+            token: &'a Token,
+            completion: &'a Completion,
+        ) -> BoxFuture<'a, Result<bool, StoreError>> {
+            self.0.complete(key, token, completion)
+        }
+        fn release<'a>(
+            &'a self,
+            key: &'a Key,
+            token: &'a Token,
+        ) -> BoxFuture<'a, Result<bool, StoreError>> {
+            self.0.release(key, token)
+        }
+        fn renew<'a>(
+            &'a self,
+            key: &'a Key,
+            token: &'a Token,
+            lease: Duration,
+        ) -> BoxFuture<'a, Result<bool, StoreError>> {
+            self.0.renew(key, token, lease)
+        }
+        fn read<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+            self.0.read(key)
+        }
+        fn is_completed<'a>(&'a self, _: &'a Key) -> BoxFuture<'a, Result<bool, StoreError>> {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    fn setup() -> (Arc<SilentReads>, SharedStore, Arc<ClaimRequest>, Key) {
+        let store = Arc::new(SilentReads(MemoryStore::new()));
+        let shared: SharedStore = store.clone();
+        let minute = Duration::from_secs(60);
+        let key = Key::new("pending", 2, &[&"a"]).unwrap_or_else(|_| unreachable!());
+        let other = Key::new("pending", 1, &[&"a"]).unwrap_or_else(|_| unreachable!());
+        let req = Arc::new(ClaimRequest::new(key, Token::generate(), minute, minute));
+        (store, shared, req, other)
+    }
+
+    async fn state(store: &SilentReads, key: &Key) -> Option<RecordState> {
+        store.0.read(key).await.ok().flatten().map(|r| r.state)
+    }
+
+    /// An acquired claim waiting for its read, dropped (its caller gone): the claim is given
+    /// back, not left for its lease to run out.
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_dropped_while_its_read_is_out_is_given_back() {
+        let (store, shared, req, other) = setup();
+        let mut pending = PendingClaim::checking(&shared, &req, &other);
+        let polled = futures_util::poll!(&mut pending);
+        assert!(polled.is_pending(), "answered without its read: {polled:?}");
+        assert!(matches!(
+            state(&store, &req.key).await,
+            Some(RecordState::InProgress { .. })
+        ));
+        drop(pending);
+        assert!(
+            matches!(
+                state(&store, &req.key).await,
+                None | Some(RecordState::Released)
+            ),
+            "the claim was kept"
+        );
+    }
+
+    /// A read that never answers is abandoned at the claim's bound: the acquired claim is
+    /// answered, with the read's answer unknown (the check then fails, and the owner gives
+    /// the claim back).
+    #[tokio::test(start_paused = true)]
+    async fn a_read_that_never_answers_is_unknown_at_the_bound() {
+        let (_store, shared, req, other) = setup();
+        let mut pending = PendingClaim::checking(&shared, &req, &other);
+        let claimed = (&mut pending).await;
+        assert!(matches!(claimed, Ok(Claim::Acquired { .. })), "{claimed:?}");
+        let read = pending.read();
+        assert!(
+            matches!(&read, Some(Err(err)) if err.is_outcome_unknown()),
+            "{read:?}"
+        );
+    }
+
+    /// A claim that did not acquire the key does not wait for the read: a duplicate is
+    /// answered at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_that_did_not_acquire_does_not_wait_for_its_read() {
+        let (_store, shared, req, other) = setup();
+        assert!(matches!(
+            PendingClaim::new(&shared, &req).await,
+            Ok(Claim::Acquired { .. })
+        ));
+        let mut duplicate = (*req).clone();
+        duplicate.token = Token::generate();
+        let mut pending = PendingClaim::checking(&shared, &Arc::new(duplicate), &other);
+        let polled = futures_util::poll!(&mut pending);
+        assert!(
+            matches!(polled, Poll::Ready(Ok(Claim::InProgress { .. }))),
+            "{polled:?}"
+        );
+        assert!(pending.read().is_none());
+    }
+}
