@@ -89,10 +89,7 @@ impl RedisStore {
                     Some(Value::ServerError(err)) if err.code() == "WRONGTYPE" => None,
                     Some(Value::ServerError(err)) => Some(Err(script_error(&req.key, err.into()))),
                     Some(reply) => fast_claim_reply(req, at, reply).map(Ok),
-                    None => Some(Err(StoreError::new(
-                        StoreErrorKind::Protocol,
-                        "a pipeline answered fewer replies than it was sent",
-                    ))),
+                    None => Some(Err(short_pipeline())),
                 }
             } else {
                 None
@@ -170,10 +167,7 @@ impl RedisStore {
         let mut replies = replies.into_iter();
         for (i, req) in reqs.iter().enumerate() {
             let claim = match replies.next() {
-                None => Some(Err(StoreError::new(
-                    StoreErrorKind::Protocol,
-                    "a pipeline answered fewer replies than it was sent",
-                ))),
+                None => Some(Err(short_pipeline())),
                 Some(reply) if no_script(&reply) => {
                     unloaded.push(i);
                     None
@@ -372,12 +366,12 @@ impl RedisStore {
     }
 }
 
+/// What is said of the replies a pipeline did not send back.
+pub(super) const SHORT_PIPELINE: &str = "a pipeline answered fewer replies than it was sent";
+
 /// What a pipeline that answered fewer replies than it was sent says of them.
 fn short_pipeline() -> StoreError {
-    StoreError::new(
-        StoreErrorKind::Protocol,
-        "a pipeline answered fewer replies than it was sent",
-    )
+    StoreError::new(StoreErrorKind::Protocol, SHORT_PIPELINE)
 }
 
 /// A batch item's claim, once every pipeline has answered.

@@ -7,6 +7,7 @@ use ::redis::Value;
 use crate::error::{StoreError, StoreErrorKind};
 use crate::key::Key;
 use crate::store::redis::batch::{no_script, send_again};
+use crate::store::redis::claim::SHORT_PIPELINE;
 use crate::store::redis::conn::{command_error, script_error};
 use crate::store::redis::store::RedisStore;
 use crate::store::redis::wire::{fast_completion, fast_release, in_progress_head, int};
@@ -147,7 +148,7 @@ impl RedisStore {
             let reply = replies.next().unwrap_or_else(|| {
                 Err(::redis::RedisError::from((
                     ::redis::ErrorKind::Parse,
-                    "a pipeline answered fewer replies than it was sent",
+                    SHORT_PIPELINE,
                 )))
             });
             let completion = matches!(item.action, End::Complete(_));
