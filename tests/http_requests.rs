@@ -8,6 +8,8 @@
 mod forward;
 #[path = "support/http_harness.rs"]
 mod http_harness;
+#[path = "support/proxy.rs"]
+mod proxy;
 #[path = "support/redis_server.rs"]
 mod redis_server;
 #[path = "support/sql_tables.rs"]
@@ -354,6 +356,12 @@ impl idempotency::store::Store for PreviousReads {
 /// A server on the real Redis whose previous-layout reads the test controls.
 async fn start_on_previous_reads() -> (Running, Arc<PreviousReads>, Arc<AtomicUsize>) {
     let runs = Arc::new(AtomicUsize::new(0));
+    let (server, reads) = serve_on_previous_reads(app(runs.clone())).await;
+    (server, reads, runs)
+}
+
+/// `router` served on the real Redis, whose previous-layout reads the test controls.
+async fn serve_on_previous_reads(router: Router) -> (Running, Arc<PreviousReads>) {
     let mut reads = None;
     let store = http_harness::store(http_harness::Backend::Redis)
         .await
@@ -362,8 +370,8 @@ async fn start_on_previous_reads() -> (Running, Arc<PreviousReads>, Arc<AtomicUs
             reads = Some(wrapped.clone());
             wrapped
         });
-    let server = http_harness::serve_on(store, app(runs.clone()), |layer| layer, |r| r).await;
-    (server, reads.unwrap(), runs)
+    let server = http_harness::serve_on(store, router, |layer| layer, |r| r).await;
+    (server, reads.unwrap())
 }
 
 /// `request`'s answer; fails the test with `held` when it takes a minute or more.
@@ -476,4 +484,99 @@ async fn a_replay_does_not_wait_for_the_previous_layouts_read() {
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A request that finds its key held by a live owner reads the previous layout's key again,
+/// after its claim, to tell `409 already-processed` from `409 in-flight`. When that read
+/// fails, the request is `503 store-unavailable`: it is neither told the request is in
+/// flight on an answer it does not have, nor run. The owner is not disturbed: it runs once,
+/// and the retry after it is its replay.
+#[tokio::test]
+async fn a_failed_previous_layout_read_beside_a_live_owner_is_store_unavailable() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let entered = Arc::new(tokio::sync::Notify::new());
+    let release = Arc::new(tokio::sync::Notify::new());
+    let router = {
+        let (runs, entered, release) = (runs.clone(), entered.clone(), release.clone());
+        Router::new().route(
+            "/pay/{id}",
+            post(move |Path(id): Path<String>| async move {
+                let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                entered.notify_one();
+                release.notified().await;
+                (StatusCode::CREATED, format!("paid {id} #{n}"))
+            }),
+        )
+    };
+    let (server, reads) = serve_on_previous_reads(router).await;
+    let owner = tokio::spawn(send(server.post("/pay/abc", "held")));
+    entered.notified().await;
+
+    reads.set(PreviousRead::Fail);
+    let duplicate = within_a_minute(
+        server.post("/pay/abc", "held"),
+        "the duplicate waited on the owner",
+    )
+    .await;
+    assert_eq!(
+        duplicate.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        duplicate.text()
+    );
+    assert_eq!(duplicate.problem(), "store-unavailable");
+
+    // With the reads back, the duplicate is told the owner is still running.
+    reads.set(PreviousRead::Pass);
+    let in_flight = send(server.post("/pay/abc", "held")).await;
+    assert_eq!(
+        in_flight.status,
+        StatusCode::CONFLICT,
+        "{}",
+        in_flight.text()
+    );
+    assert_eq!(in_flight.problem(), "in-flight");
+
+    release.notify_one();
+    let first = owner.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    let replay = send(server.post("/pay/abc", "held")).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// On Redis a fresh request's claim and the previous layout's read go out in one pipeline
+/// (`SET ... NX GET`, then `GET`). When that pipeline's reply is lost on a real connection
+/// (the proxy forwards it, Redis applies the claim, and the connection is cut before the
+/// answers come back), the claim is read back by token and found to be the request's own,
+/// and the read, lost with it, is sent again: the request runs once and is answered, as a
+/// request whose single claim lost its reply is.
+#[tokio::test]
+async fn a_lost_reply_to_the_claim_and_read_pipeline_runs_the_request_once() {
+    let upstream = redis_server::redis_url()
+        .trim_start_matches("redis://")
+        .parse()
+        .unwrap();
+    let proxy = proxy::Proxy::start(upstream).await;
+    let proxied: idempotency::SharedStore =
+        Arc::new(redis_server::connect_with(&proxy.url(), true).await);
+    let store = http_harness::store(http_harness::Backend::Redis)
+        .await
+        .wrapped(move |_| proxied);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let server = http_harness::serve_on(store, app(runs.clone()), |layer| layer, |r| r).await;
+    // A first request: the store knows the server's clock, so the next claim is a fast one.
+    let warm = send(server.post("/pay/warm", "warm-up")).await;
+    assert_eq!(warm.status, StatusCode::CREATED, "{}", warm.text());
+
+    proxy.lose_reply_to(b"\r\nNX\r\n");
+    let first = within_a_minute(server.post("/pay/abc", "lost"), "the lost reply held it").await;
+    assert_eq!(proxy.lost(), 1, "the proxy lost no reply");
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    assert_eq!(first.text(), "paid abc #2");
+    let again = send(server.post("/pay/abc", "lost")).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }

@@ -152,7 +152,9 @@ impl PendingClaim {
     /// the store can send them together, else side by side. The claim answers as soon as it
     /// is in, unless it acquired the key: then it waits for the read too, within the same
     /// bound (its answer is then [`read`](Self::read)'s). A read that has not answered by then
-    /// answers `OutcomeUnknown`, and is dropped: a read changes nothing.
+    /// answers `OutcomeUnknown`, and is dropped: a read changes nothing. When the round trip
+    /// that carried both lost its reply, the claim is read back and the read has no answer:
+    /// [`read`](Self::read) gives none, and the check reads anew.
     pub(crate) fn checking(
         store: &SharedStore,
         req: &Arc<ClaimRequest>,
@@ -168,7 +170,13 @@ impl PendingClaim {
                 req.clone(),
                 Box::pin(async move {
                     let (first, read) = both.await;
-                    (claim(&s, &r, first).await, Some(read))
+                    // A lost reply lost the read's answer with the claim's: the read is
+                    // sent again by the check that needs it, as a read changes nothing.
+                    let read = match &first {
+                        Err(err) if err.is_outcome_unknown() => None,
+                        _ => Some(read),
+                    };
+                    (claim(&s, &r, first).await, read)
                 }),
                 None,
             ),
