@@ -501,7 +501,18 @@ async fn lost_claim_reply(fast: bool, marker: &[u8]) {
 async fn lost_reply_to_a_batch_claim_is_resolved_item_by_item() {
     for (fast, marker) in [(true, &b"\r\nNX\r\n"[..]), (false, &b"\r\nclaim\r\n"[..])] {
         let proxy = proxy::Proxy::start("127.0.0.1:6379".parse().unwrap()).await;
-        let store: SharedStore = Arc::new(redis_server::connect_with(&proxy.url(), fast).await);
+        // On a loaded machine the clock's reading through the proxy can be less precise than
+        // the fast claim's default 1 ms, and the claims would go to the script: no pipeline
+        // would carry the fast claim's marker. 20 ms keeps them fast for a 30 s lease.
+        let store: SharedStore = Arc::new(
+            RedisStore::builder(&proxy.url())
+                .on_unsafe_config(UnsafeConfig::Warn)
+                .fast_claims(fast)
+                .fast_claim_max_error(Duration::from_millis(20))
+                .build()
+                .await
+                .unwrap(),
+        );
         let namespace = unique_namespace();
         let items: Vec<(Key, u32)> = (0..30u32)
             .map(|id| {
@@ -509,7 +520,9 @@ async fn lost_reply_to_a_batch_claim_is_resolved_item_by_item() {
                 (key, id)
             })
             .collect();
-        let guard = Idempotency::new(Duration::from_secs(60)).store(store.clone());
+        let guard = Idempotency::new(Duration::from_secs(60))
+            .lease(Duration::from_secs(30))
+            .store(store.clone());
         let executions = AtomicUsize::new(0);
         let handler = |id: u32| {
             let executions = &executions;
