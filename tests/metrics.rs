@@ -375,7 +375,7 @@ async fn completions_lost_after_the_caller_got_ok_are_counted() {
     };
     let proxied: SharedStore = Arc::new(build(proxy.url()).await);
     let direct: SharedStore = Arc::new(build(url.clone()).await);
-    let lease = Duration::from_millis(400);
+    let lease = Duration::from_secs(1);
     let guard = Idempotency::new(Duration::from_secs(60))
         .lease(lease)
         .store(proxied);

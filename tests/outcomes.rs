@@ -675,7 +675,7 @@ async fn operation(
             // the store, and the body is cancelled once the lease has run out.
             call.settings = call
                 .settings
-                .lease(Duration::from_millis(300))
+                .lease(Duration::from_secs(1))
                 .on_lost_lease(OnLostLease::Cancel);
             let (gate, started, _finish) = gate();
             let proxy_down = async {

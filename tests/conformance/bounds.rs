@@ -24,7 +24,7 @@ pub async fn a_completion_that_never_answers_is_bounded_and_read_back(b: impl Ba
     let faulty = Faulty::new(b.store());
     let store: SharedStore = faulty.clone();
     let k = key(&unique_prefix(&b, "silent-complete"), &[&"pay-1"]);
-    let lease = Duration::from_millis(600);
+    let lease = Duration::from_secs(1);
     let idem = Idempotency::new(Duration::from_secs(60))
         .lease(lease)
         .store(store.clone());
@@ -66,7 +66,7 @@ pub async fn a_completion_lost_after_the_caller_got_ok_is_reported(b: impl Backe
     let faulty = Faulty::new(b.store());
     let store: SharedStore = faulty.clone();
     let k = key(&unique_prefix(&b, "lost-complete"), &[&"pay-1"]);
-    let lease = Duration::from_millis(300);
+    let lease = Duration::from_secs(1);
     let idem = Idempotency::new(Duration::from_secs(60))
         .lease(lease)
         .store(store.clone());
@@ -129,7 +129,7 @@ pub async fn a_batch_claim_that_never_answers_fails_closed_and_gives_back(b: imp
     let store: SharedStore = faulty.clone();
     let prefix = unique_prefix(&b, "silent-batch");
     let items: Vec<(idempotency::Key, u32)> = (0..3u32).map(|i| (key(&prefix, &[&i]), i)).collect();
-    let lease = Duration::from_millis(400);
+    let lease = Duration::from_secs(1);
     let idem = Idempotency::new(Duration::from_secs(60))
         .lease(lease)
         .store(store.clone());

@@ -214,7 +214,7 @@ pub async fn completed_key_is_a_duplicate_and_replays_its_result(b: impl Backend
 pub async fn expired_lease_is_taken_over_with_the_next_fence(b: impl Backend) {
     let store = b.store();
     let k = key(&unique_prefix(&b, "takeover"), &[&"order-7"]);
-    let lease = Duration::from_millis(300);
+    let lease = Duration::from_secs(1);
     let old = req(&k, lease);
     let Claim::Acquired { fence: f } = store.claim(&old).await.unwrap() else {
         panic!("a new key was not acquired")

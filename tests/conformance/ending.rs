@@ -528,7 +528,7 @@ pub async fn lost_lease_is_signalled_to_the_body(b: impl Backend) {
     let faulty = Faulty::new(inner.clone());
     let store: SharedStore = faulty.clone();
     let prefix = unique_prefix(&b, "lost-lease");
-    let lease = Duration::from_millis(300);
+    let lease = Duration::from_secs(1);
 
     // Renewals fail for longer than the lease: the body is told, and carries on.
     faulty.fail_renewals.store(true, Ordering::SeqCst);

@@ -13,7 +13,7 @@ use super::{guard, key, req, same_fence, unique_prefix, Backend, TestError};
 pub async fn watchdog_keeps_a_slow_handler_owner(b: impl Backend) {
     let store = b.store();
     let k = key(&unique_prefix(&b, "watchdog"), &[&"slow"]);
-    let lease = Duration::from_millis(600);
+    let lease = Duration::from_secs(1);
     let g = guard(&store).lease(lease);
     let probe = {
         let (store, k) = (store.clone(), k.clone());
