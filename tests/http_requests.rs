@@ -546,6 +546,116 @@ async fn a_failed_previous_layout_read_beside_a_live_owner_is_store_unavailable(
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// The real Redis store (behind the proxy), whose pipelined claim and read go to the server
+/// and whose reads of the previous layout's keys (`:v1:`) fail while `fail` is set (its
+/// `is_completed` is the trait's, over this `read`): the read sent again after a lost
+/// pipeline reply cannot be made to fail on a real server without the claim's read-back
+/// failing too.
+struct FailingRereads {
+    inner: idempotency::SharedStore,
+    fail: std::sync::atomic::AtomicBool,
+}
+
+impl idempotency::store::Store for FailingRereads {
+    forward_store!(
+        claim,
+        claim_and_is_completed,
+        complete,
+        release,
+        renew,
+        max_result_size,
+        name
+    );
+
+    fn read<'a>(
+        &'a self,
+        key: &'a idempotency::Key,
+    ) -> idempotency::store::BoxFuture<
+        'a,
+        Result<Option<idempotency::store::Record>, idempotency::store::StoreError>,
+    > {
+        if key.to_string().contains(":v1:") && self.fail.load(Ordering::SeqCst) {
+            return Box::pin(std::future::ready(Err(
+                idempotency::store::StoreError::new(
+                    idempotency::store::StoreErrorKind::Unavailable,
+                    "the previous layout's read failed",
+                ),
+            )));
+        }
+        self.inner.read(key)
+    }
+}
+
+/// The real Redis store behind a proxy that can lose a reply; its claims are fast ones.
+async fn proxied_redis() -> (proxy::Proxy, idempotency::SharedStore) {
+    let upstream = redis_server::redis_url()
+        .trim_start_matches("redis://")
+        .parse()
+        .unwrap();
+    let proxy = proxy::Proxy::start(upstream).await;
+    // Without the wider clock error, a loaded machine's claim could go to the script, without
+    // the marker the proxy waits for. 5 ms, for the layer's 10 s lease.
+    let store: idempotency::SharedStore = Arc::new(
+        redis_server::connect_with_clock_error(
+            &proxy.url(),
+            true,
+            Some(std::time::Duration::from_millis(5)),
+        )
+        .await,
+    );
+    (proxy, store)
+}
+
+/// After the claim-and-read pipeline lost its reply, the claim is read back as the request's
+/// own and the previous layout's key is read again. When that read fails, the request is
+/// `503 store-unavailable`, not run, and its claim is given back: the retry, with the reads
+/// back, runs once, and the one after it is its replay.
+#[tokio::test]
+async fn a_failed_read_after_a_lost_pipeline_reply_is_store_unavailable() {
+    let (proxy, proxied) = proxied_redis().await;
+    let failing = Arc::new(FailingRereads {
+        inner: proxied,
+        fail: std::sync::atomic::AtomicBool::new(false),
+    });
+    let store = http_harness::store(http_harness::Backend::Redis)
+        .await
+        .wrapped({
+            let failing = failing.clone();
+            move |_| failing
+        });
+    let runs = Arc::new(AtomicUsize::new(0));
+    let server = http_harness::serve_on(store, app(runs.clone()), |layer| layer, |r| r).await;
+    // A first request: the store knows the server's clock, so the next claim is a fast one.
+    let warm = send(server.post("/pay/warm", "warm-up")).await;
+    assert_eq!(warm.status, StatusCode::CREATED, "{}", warm.text());
+
+    failing.fail.store(true, Ordering::SeqCst);
+    proxy.lose_reply_to(b"\r\nNX\r\n");
+    let refused = within_a_minute(server.post("/pay/abc", "lost"), "the lost reply held it").await;
+    assert_eq!(proxy.lost(), 1, "the proxy lost no reply");
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        refused.text()
+    );
+    assert_eq!(refused.problem(), "store-unavailable");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "ran without the read's answer"
+    );
+
+    failing.fail.store(false, Ordering::SeqCst);
+    let retried = send(server.post("/pay/abc", "lost")).await;
+    assert_eq!(retried.status, StatusCode::CREATED, "{}", retried.text());
+    assert_eq!(retried.text(), "paid abc #2");
+    let again = send(server.post("/pay/abc", "lost")).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, retried.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
 /// On Redis a fresh request's claim and the previous layout's read go out in one pipeline
 /// (`SET ... NX GET`, then `GET`). When that pipeline's reply is lost on a real connection
 /// (the proxy forwards it, Redis applies the claim, and the connection is cut before the
@@ -554,22 +664,7 @@ async fn a_failed_previous_layout_read_beside_a_live_owner_is_store_unavailable(
 /// request whose single claim lost its reply is.
 #[tokio::test]
 async fn a_lost_reply_to_the_claim_and_read_pipeline_runs_the_request_once() {
-    let upstream = redis_server::redis_url()
-        .trim_start_matches("redis://")
-        .parse()
-        .unwrap();
-    let proxy = proxy::Proxy::start(upstream).await;
-    // On a loaded machine the clock's reading through the proxy can be less precise than the
-    // fast claim's default 1 ms, and the claim would go to the script, without the marker the
-    // proxy waits for. 5 ms keeps it fast for the layer's 10 s lease.
-    let proxied: idempotency::SharedStore = Arc::new(
-        idempotency::redis::RedisStore::builder(&proxy.url())
-            .on_unsafe_config(idempotency::redis::UnsafeConfig::Warn)
-            .fast_claim_max_error(std::time::Duration::from_millis(5))
-            .build()
-            .await
-            .unwrap(),
-    );
+    let (proxy, proxied) = proxied_redis().await;
     let store = http_harness::store(http_harness::Backend::Redis)
         .await
         .wrapped(move |_| proxied);

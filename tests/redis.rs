@@ -26,7 +26,9 @@ use idempotency::store::{
     SharedOperatorStore, Store, StoreErrorKind, Token, DEFAULT_MAX_RESULT_SIZE, MAX_DURATION,
 };
 use idempotency::{Action, Error, Idempotency, Key, SharedStore};
-use redis_server::{connect, delete_matching, redis_url, RedisCluster, RedisServer};
+use redis_server::{
+    connect, connect_with_clock_error, delete_matching, redis_url, RedisCluster, RedisServer,
+};
 
 struct Standalone {
     store: Arc<RedisStore>,
@@ -501,17 +503,10 @@ async fn lost_claim_reply(fast: bool, marker: &[u8]) {
 async fn lost_reply_to_a_batch_claim_is_resolved_item_by_item() {
     for (fast, marker) in [(true, &b"\r\nNX\r\n"[..]), (false, &b"\r\nclaim\r\n"[..])] {
         let proxy = proxy::Proxy::start("127.0.0.1:6379".parse().unwrap()).await;
-        // On a loaded machine the clock's reading through the proxy can be less precise than
-        // the fast claim's default 1 ms, and the claims would go to the script: no pipeline
-        // would carry the fast claim's marker. 20 ms keeps them fast for a 30 s lease.
+        // Without the wider clock error, a loaded machine's claims could go to the script,
+        // and no pipeline would carry the fast claim's marker. 20 ms, for a 30 s lease.
         let store: SharedStore = Arc::new(
-            RedisStore::builder(&proxy.url())
-                .on_unsafe_config(UnsafeConfig::Warn)
-                .fast_claims(fast)
-                .fast_claim_max_error(Duration::from_millis(20))
-                .build()
-                .await
-                .unwrap(),
+            connect_with_clock_error(&proxy.url(), fast, Some(Duration::from_millis(20))).await,
         );
         let namespace = unique_namespace();
         let items: Vec<(Key, u32)> = (0..30u32)

@@ -110,6 +110,23 @@ macro_rules! forward_store {
             self.inner.read(key)
         }
     };
+    (@ claim_and_is_completed) => {
+        fn claim_and_is_completed(
+            self: ::std::sync::Arc<Self>,
+            req: ::std::sync::Arc<::idempotency::store::ClaimRequest>,
+            other: ::idempotency::Key,
+        ) -> Option<
+            ::idempotency::store::BoxFuture<
+                'static,
+                (
+                    Result<::idempotency::store::Claim, ::idempotency::store::StoreError>,
+                    Result<bool, ::idempotency::store::StoreError>,
+                ),
+            >,
+        > {
+            ::std::sync::Arc::clone(&self.inner).claim_and_is_completed(req, other)
+        }
+    };
     (@ max_result_size) => {
         fn max_result_size(&self) -> usize {
             self.inner.max_result_size()

@@ -30,13 +30,27 @@ pub async fn connect(url: &str) -> idempotency::redis::RedisStore {
 
 /// [`connect`], with the fast claim (`SET ... NX GET`) on or off (every claim by script).
 pub async fn connect_with(url: &str, fast_claims: bool) -> idempotency::redis::RedisStore {
+    connect_with_clock_error(url, fast_claims, None).await
+}
+
+/// [`connect_with`], accepting `max_error` as the error of the store's reading of the
+/// server's clock (`fast_claim_max_error`; the store's default when `None`). A store behind
+/// the test proxy needs it: on a loaded machine the reading through the proxy can be less
+/// precise than the default 1 ms, and every claim would then go to the script instead of
+/// the fast `SET ... NX GET` a test may wait for.
+pub async fn connect_with_clock_error(
+    url: &str,
+    fast_claims: bool,
+    max_error: Option<Duration>,
+) -> idempotency::redis::RedisStore {
     use idempotency::redis::{RedisStore, UnsafeConfig};
-    match RedisStore::builder(url)
+    let mut builder = RedisStore::builder(url)
         .on_unsafe_config(UnsafeConfig::Warn)
-        .fast_claims(fast_claims)
-        .build()
-        .await
-    {
+        .fast_claims(fast_claims);
+    if let Some(max_error) = max_error {
+        builder = builder.fast_claim_max_error(max_error);
+    }
+    match builder.build().await {
         Ok(store) => store,
         Err(err) => panic!(
             "Redis is not reachable at {url}: {err:?}\n\
