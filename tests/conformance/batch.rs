@@ -710,3 +710,58 @@ pub async fn leases_are_renewed_while_a_batch_ending_is_in_flight(b: impl Backen
         assert_eq!(record.state, RecordState::Completed, "{k}");
     }
 }
+
+/// A batch claim gives each item its own lease and record lifetime, whether the items share
+/// them or not, on fresh keys and on released records taken over: each record read back
+/// has the lease its request asked for left, and expires when its request's lifetime says.
+pub async fn a_batch_claim_keeps_each_items_lease_and_lifetime(b: impl Backend) {
+    let store = b.store();
+    let prefix = unique_prefix(&b, "batch-leases");
+    let secs = Duration::from_secs;
+    let k = |id: u32| key(&prefix, &[&id]);
+    let ask = |id: u32, lease: u64| {
+        ClaimRequest::new(k(id), Token::generate(), secs(lease), secs(10 * lease))
+    };
+    // Released records, taken over by the batches below.
+    for id in [5, 6, 8, 9] {
+        let r = req(&k(id), secs(30));
+        assert!(matches!(
+            store.claim(&r).await.unwrap(),
+            Claim::Acquired { .. }
+        ));
+        assert!(store.release(&k(id), &r.token).await.unwrap());
+    }
+    let batches = [
+        vec![ask(0, 100), ask(1, 200), ask(2, 300)],
+        vec![ask(3, 400), ask(4, 400)],
+        vec![ask(5, 500), ask(6, 600), ask(7, 700)],
+        vec![ask(8, 800), ask(9, 800)],
+    ];
+    for batch in &batches {
+        for (r, claim) in batch.iter().zip(store.claim_many(batch).await) {
+            assert!(
+                matches!(claim.unwrap(), Claim::Acquired { .. }),
+                "{}",
+                r.key
+            );
+            let record = store.read(&r.key).await.unwrap().expect("a claimed record");
+            let RecordState::InProgress { lease_left } = record.state else {
+                panic!("{} is {:?}", r.key, record.state);
+            };
+            assert!(
+                lease_left <= r.lease && lease_left > r.lease - secs(60),
+                "{}: {lease_left:?} left of {:?}",
+                r.key,
+                r.lease
+            );
+            if let Some(expires_in) = record.expires_in {
+                let lifetime = r.record_lifetime();
+                assert!(
+                    expires_in <= lifetime && expires_in > lifetime - secs(60),
+                    "{}: expires in {expires_in:?}, lifetime {lifetime:?}",
+                    r.key
+                );
+            }
+        }
+    }
+}

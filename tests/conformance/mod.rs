@@ -288,6 +288,7 @@ macro_rules! conformance_cases {
             complete_many_answers_as_single_endings_would,
             a_batch_checks_payloads_replays_and_asks_done_per_item,
             a_batch_claim_that_answers_fewer_items_fails_the_rest,
+            a_batch_claim_keeps_each_items_lease_and_lifetime,
             a_failed_batch_ending_is_recorded_item_by_item,
             a_batch_ending_that_never_answers_is_bounded_and_each_item_completes_alone,
             leases_are_renewed_while_a_batch_ending_is_in_flight,

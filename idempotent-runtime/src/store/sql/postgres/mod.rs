@@ -173,7 +173,9 @@ impl DialectImpl for Postgres {
     statement_fns!(PgConnection);
 }
 
-/// `statement` ([`CLAIM_MANY`] or [`CLAIM_MANY_FRESH`]) with the six arrays of `reqs`.
+/// `statement` ([`CLAIM_MANY`] or [`CLAIM_MANY_FRESH`]) with the six arrays of `reqs`; the
+/// leases and the ttls as one value each when every item has the same (the statements then
+/// compute the lease's end and the expiry once, not per row).
 fn bind_batch<'q>(
     statement: &Arc<str>,
     reqs: &[&'q ClaimRequest],
@@ -197,7 +199,16 @@ fn bind_batch<'q>(
         .bind(keys)
         .bind(prefixes)
         .bind(tokens)
-        .bind(leases)
+        .bind(shared(leases))
         .bind(fingerprints)
-        .bind(ttls)
+        .bind(shared(ttls))
+}
+
+/// `values` as one value when they are all the same, as they are when a batch's items share
+/// a policy.
+fn shared(mut values: Vec<i64>) -> Vec<i64> {
+    if values.windows(2).all(|pair| pair[0] == pair[1]) {
+        values.truncate(1);
+    }
+    values
 }

@@ -150,7 +150,8 @@ pub(super) const CLAIM: &str = claim_statement!("'in_progress'");
 pub(super) const CLAIM_ASYNC: &str = claim_statement!(async_state!());
 
 /// The rows of a batch claim: six parallel arrays (key, prefix, token, lease, fingerprint,
-/// ttl) and each row's place in them.
+/// ttl) and each row's place in them. The lease and ttl arrays hold one value when every
+/// item of the batch shares it (see [`insert_claims!`]): `unnest` pads them with `NULL`s.
 macro_rules! batch_input {
     () => {
         "\
@@ -162,8 +163,35 @@ WITH input AS (
     };
 }
 
+/// A time `$ticks` microseconds after the statement's timestamp, for each row of a batch
+/// claim: the one value of the array parameter `$array` when it has one (every item shares
+/// it), computed once for the statement as a scalar subquery; the row's own `$column`
+/// otherwise.
+macro_rules! after_statement {
+    ($array:literal, $column:literal) => {
+        concat!(
+            "CASE WHEN cardinality(",
+            $array,
+            "::int8[]) = 1
+                THEN (SELECT statement_timestamp() + (",
+            $array,
+            "::int8[])[1] * INTERVAL '1 microsecond')
+                ELSE statement_timestamp() + ",
+            $column,
+            " * INTERVAL '1 microsecond' END"
+        )
+    };
+}
+
 /// The insert of a batch claim's `input` rows in their order, with `$state` as in
 /// [`insert_claim!`].
+///
+/// What is the same for every row is computed once for the statement, as a scalar subquery
+/// (an init plan), not once per row: the clock's fence (a `numeric` computation), the state
+/// (whose asynchronous form sets `synchronous_commit`), and the lease's end and the expiry
+/// when every item shares its lease and its ttl, the common case, which the store then
+/// binds as one-element arrays. On a batch of 100 fresh keys this is 14 % of the
+/// insert-only claim's server instructions (callgrind on the backend, 100 batches).
 macro_rules! insert_claims {
     ($state:expr) => {
         concat!(
@@ -171,14 +199,18 @@ macro_rules! insert_claims {
 INSERT INTO idempotent_records AS r
         (record_key, prefix, token, fence, state, lease_until, result, fingerprint,
          created_at, updated_at, expires_at)
-    SELECT record_key, prefix, token, ",
+    SELECT record_key, prefix, token, (SELECT ",
             clock_fence!(),
-            ", ",
+            "), (SELECT ",
             $state,
+            "),
+           ",
+            after_statement!("$4", "lease"),
             ",
-           statement_timestamp() + lease * INTERVAL '1 microsecond', NULL::bytea, fingerprint,
-           statement_timestamp(), statement_timestamp(),
-           statement_timestamp() + ttl * INTERVAL '1 microsecond'
+           NULL::bytea, fingerprint, statement_timestamp(), statement_timestamp(),
+           ",
+            after_statement!("$6", "ttl"),
+            "
     FROM input
     ORDER BY ord"
         )
@@ -220,8 +252,10 @@ WHERE t.record_key = ANY($1::bytea[])
 /// Every key it takes gets the same fence, the clock's at the statement's timestamp (a key
 /// with no record has no fence to go on from), so the fences are aggregated in any order,
 /// and the inserted rows are matched to their positions only when it did not take them all:
-/// the join with `input` is a scalar subquery that runs only then (on a batch of 100 fresh
-/// keys, 0.05 ms of the statement's 0.8).
+/// the join with the keys' positions is a scalar subquery that runs only then (on a batch of
+/// 100 fresh keys, 0.05 ms of the statement's 0.8). It unnests the keys again rather than
+/// reading `input`: a `WITH` query read twice is materialized, and `input` read once is
+/// folded into the insert (5 % of the statement's server instructions).
 macro_rules! claim_many_fresh_statement {
     ($state:expr) => {
         concat!(
@@ -234,7 +268,9 @@ RETURNING record_key, fence
 )
 SELECT CASE WHEN count(*) = cardinality($1::bytea[]) THEN NULL
             ELSE (SELECT coalesce(array_agg(i.ord ORDER BY i.ord), ARRAY[]::int8[])
-                  FROM taken JOIN input AS i USING (record_key)) END,
+                  FROM taken
+                  JOIN unnest($1::bytea[]) WITH ORDINALITY AS i(record_key, ord)
+                  USING (record_key)) END,
        coalesce(array_agg(t.fence), ARRAY[]::int8[])
 FROM taken AS t"
         )
@@ -247,7 +283,8 @@ pub(super) const CLAIM_MANY_FRESH: &str = claim_many_fresh_statement!("'in_progr
 pub(super) const CLAIM_MANY_FRESH_ASYNC: &str = claim_many_fresh_statement!(async_state!());
 
 /// The claim of a batch of distinct keys: [`CLAIM`] over the rows of six parallel arrays
-/// (key, prefix, token, lease, fingerprint, ttl), one statement whatever the outcomes. The
+/// (key, prefix, token, lease, fingerprint, ttl; the lease and ttl arrays of one value when
+/// the items share it), one statement whatever the outcomes. The
 /// rows are inserted in the arrays' order (the store sorts them by key, so that concurrent
 /// overlapping batches lock their rows in the same order). Each taken key is returned by
 /// `taken`; the live record of every other key is returned as of the statement's snapshot,
