@@ -440,6 +440,8 @@ struct Sent {
     takeover: (u64, u64),
     /// A batch of a held key and two fresh ones.
     batch: (u64, u64),
+    /// A batch of fresh keys.
+    fresh_batch: (u64, u64),
 }
 
 /// Sends each kind of claim on a store with one connection (`plain`: the statements MySQL
@@ -476,11 +478,18 @@ async fn claims_send(plain: bool, expected: Sent) {
     for claim in claims.into_iter().skip(1) {
         acquired(claim);
     }
+    let batch = [fresh(4), fresh(5), fresh(6)];
+    let (sent, claims) = counted(&store, store.claim_many(&batch)).await;
+    assert_eq!(sent, expected.fresh_batch, "a batch of fresh keys");
+    for claim in claims {
+        acquired(claim);
+    }
 }
 
 /// Claims on MariaDB (10.5 and later): a fresh key is acquired by one insert-only statement;
 /// any other claim, a duplicate or a takeover, is answered by a second statement that
-/// returns the record (`RETURNING`), with no read. A batch is one statement.
+/// returns the record (`RETURNING`), with no read. A batch is the same: one insert-only
+/// statement for its fresh keys, a second one for the keys that had a row.
 #[tokio::test]
 async fn mariadb_claims_fresh_keys_in_one_statement_and_others_in_two() {
     claims_send(
@@ -490,7 +499,8 @@ async fn mariadb_claims_fresh_keys_in_one_statement_and_others_in_two() {
             duplicate: (2, 0),
             again: (2, 0),
             takeover: (2, 0),
-            batch: (1, 0),
+            batch: (2, 0),
+            fresh_batch: (1, 0),
         },
     )
     .await;
@@ -509,6 +519,7 @@ async fn mysql_claims_report_acquisitions_in_the_reply_and_read_the_rest() {
             again: (1, 1),
             takeover: (1, 0),
             batch: (1, 1),
+            fresh_batch: (1, 1),
         },
     )
     .await;

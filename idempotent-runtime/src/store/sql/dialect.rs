@@ -81,10 +81,12 @@ pub struct Templates {
     /// [`claim_fresh`](Templates::claim_fresh) committed asynchronously (PostgreSQL); empty
     /// otherwise.
     pub claim_fresh_async: &'static str,
-    /// The insert-only claim of a batch of distinct keys, answering in one row the positions
-    /// (from 1) of the keys it took (`NULL` when all) and their fences, sent before
-    /// [`claim_many`](Templates::claim_many), which claims the others (PostgreSQL); empty
-    /// otherwise, and dropped as [`claim_fresh`](Templates::claim_fresh) is.
+    /// The insert-only claim of a batch of distinct keys, sent before the batch claim that
+    /// claims the others ([`claim_many`](Templates::claim_many) on PostgreSQL, which answers
+    /// in one row the positions (from 1) of the keys it took (`NULL` when all) and their
+    /// fences; [`claim_many_reporting`](Templates::claim_many_reporting) on MariaDB, which
+    /// returns each key's row and whether it inserted it); empty otherwise, and dropped as
+    /// [`claim_fresh`](Templates::claim_fresh) is.
     pub claim_many_fresh: &'static str,
     /// [`claim_many_fresh`](Templates::claim_many_fresh) committed asynchronously
     /// (PostgreSQL); empty otherwise.
@@ -224,11 +226,11 @@ impl Statements {
         Some(&*self.claim_many).filter(|sql| !sql.is_empty())
     }
 
-    /// The insert-only claim of a batch sent before [`claim_many`](Self::claim_many) on
-    /// PostgreSQL, which acquires the keys that have no row and answers their positions and
-    /// fences in one row
-    /// ([`claim_many`](Self::claim_many) follows for the others), or `None` where the batch
-    /// claim is sent alone.
+    /// The insert-only claim of a batch, sent on PostgreSQL and on MariaDB 10.5 and later,
+    /// which acquires the keys that have no row (the full batch claim follows for the
+    /// others), or `None` where the batch claim is sent alone. On PostgreSQL it answers the
+    /// positions and fences of the keys it took in one row; on MariaDB it holds a `{rows}`
+    /// marker, as [`claim_many`](Self::claim_many) does, and returns each key's row.
     pub fn claim_many_fresh(&self) -> Option<&str> {
         Some(&*self.claim_many_fresh).filter(|sql| !sql.is_empty())
     }

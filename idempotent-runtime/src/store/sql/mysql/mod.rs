@@ -3,12 +3,13 @@
 //! reply. On MariaDB 10.5 and later, a shorter insert-only statement goes first (a fresh key
 //! is acquired by it alone), and the full claim that follows it when the key had a row
 //! returns the record (`RETURNING`); on MySQL, a claim that did not take the key reads the
-//! record with a locking read. A batch claim is one statement on MariaDB, a statement and
-//! a read on MySQL.
+//! record with a locking read. A batch claim is one insert-only statement on MariaDB,
+//! followed by the full claim for the keys that had a row, and a statement and a read on
+//! MySQL.
 
 use sqlx::mysql::{MySql, MySqlConnection};
 use sqlx::pool::PoolOptions;
-use sqlx::{AssertSqlSafe, Pool};
+use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
 use crate::store::sql::bind::{bind_claims, bind_endings, statement_fns};
@@ -20,9 +21,9 @@ use crate::store::{BoxFuture, ClaimRequest, Ending};
 mod statements;
 
 use statements::{
-    CLAIM, CLAIM_FRESH, CLAIM_MANY, CLAIM_MANY_REPORTING, CLAIM_REPORTING, CLAIM_ROW, COMPLETE,
-    COMPLETE_MANY, DELETE, DELETE_CORRUPT, PURGE, READ, RELEASE, RENEW, REOPEN, SCAN, SEEN,
-    SEEN_MANY,
+    CLAIM, CLAIM_FRESH, CLAIM_MANY, CLAIM_MANY_FRESH, CLAIM_MANY_REPORTING, CLAIM_REPORTING,
+    CLAIM_ROW, COMPLETE, COMPLETE_MANY, DELETE, DELETE_CORRUPT, PURGE, READ, RELEASE, RENEW,
+    REOPEN, SCAN, SEEN, SEEN_MANY,
 };
 
 /// The capacity of the `result` column, `MEDIUMBLOB`.
@@ -53,7 +54,7 @@ impl DialectImpl for MySql {
         seen_many: SEEN_MANY,
         claim_fresh: CLAIM_FRESH,
         claim_fresh_async: "",
-        claim_many_fresh: "",
+        claim_many_fresh: CLAIM_MANY_FRESH,
         claim_many_fresh_async: "",
         claim_reporting: CLAIM_REPORTING,
         claim_many_reporting: CLAIM_MANY_REPORTING,
@@ -158,6 +159,43 @@ impl DialectImpl for MySql {
                 seen.insert(&key, step);
             }
             Ok(in_request_order(seen))
+        })
+    }
+
+    /// [`CLAIM_MANY_FRESH`] (MariaDB): a batch of fresh keys is claimed in one round trip;
+    /// the store sends [`CLAIM_MANY_REPORTING`] for the keys it did not take.
+    fn claim_batch_fresh<'c>(
+        conn: &'c mut MySqlConnection,
+        sql: &'c Statements,
+        reqs: &'c [&'c ClaimRequest],
+    ) -> BoxFuture<'c, Result<Vec<Option<Step>>, sqlx::Error>> {
+        Box::pin(async move {
+            let rows = vec![CLAIM_ROW; reqs.len()].join(", ");
+            let claim = sql.claim_many_fresh.replace("{rows}", &rows);
+            let query = bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, Self::TICK);
+            let mut found = ByKey::new(reqs.iter().map(|req| req.key.as_bytes()));
+            for row in &query.fetch_all(&mut *conn).await? {
+                let key: Vec<u8> = row.try_get(0)?;
+                let token: Vec<u8> = row.try_get(1)?;
+                let fence: i64 = row.try_get(2)?;
+                let inserted: u64 = row.try_get(3)?;
+                found.insert(&key, (token, fence, inserted));
+            }
+            Ok(found
+                .into_found()
+                .into_iter()
+                .zip(reqs)
+                .map(|(found, req)| match found {
+                    Some((token, fence, inserted))
+                        if inserted != 0
+                            && u64::try_from(fence) == Ok(inserted)
+                            && token == req.token.as_bytes() =>
+                    {
+                        Some(Step::Acquired(inserted))
+                    }
+                    _ => None,
+                })
+                .collect())
         })
     }
 

@@ -142,6 +142,22 @@ pub(super) const CLAIM_FRESH: &str = concat!(
 ON DUPLICATE KEY UPDATE fence = fence + CAST(LAST_INSERT_ID(0) AS SIGNED)"
 );
 
+/// [`CLAIM_FRESH`] with one row per key (the store replaces `{rows}` as in [`CLAIM_MANY`]):
+/// the insert-only claim of a batch of distinct keys (MariaDB 10.5 and later), sent before
+/// [`CLAIM_MANY_REPORTING`] as [`CLAIM_FRESH`] is before [`CLAIM_REPORTING`]. It inserts the
+/// keys that have no row and leaves every other row exactly as it was, and returns each
+/// key's row with `LAST_INSERT_ID()` as that row left it: the new fence for a row it
+/// inserted (the row's own `LAST_INSERT_ID(fence)`), 0 for a row it left alone (the
+/// assignment resets it). A key is the request's only when that value is not 0 and equals
+/// the row's fence and the row holds the request's token; every other key goes to
+/// [`CLAIM_MANY_REPORTING`], so a misreported value costs a statement, never a wrong answer.
+pub(super) const CLAIM_MANY_FRESH: &str = concat!(
+    insert_into!(),
+    "{rows}
+ON DUPLICATE KEY UPDATE fence = fence + CAST(LAST_INSERT_ID(0) AS SIGNED)
+RETURNING record_key, token, fence, LAST_INSERT_ID()"
+);
+
 /// [`CLAIM`], returning the record it leaves: taken for the request (its token, in
 /// progress) or the record it did not take, which is live (an expired record is always
 /// free, so always taken). MariaDB 10.5 and later; what follows a [`CLAIM_FRESH`] that met
