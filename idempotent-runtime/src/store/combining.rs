@@ -33,8 +33,8 @@ type Ended = oneshot::Sender<Result<bool, StoreError>>;
 /// idle store adds no delay; a busy one sends one statement (one commit, on SQL) for many
 /// calls instead of one each. It pays where a batch is one statement: PostgreSQL's batch
 /// claim and batch ending, and MariaDB's (10.5 and later, whose batch claim is one
-/// statement with `RETURNING` for fresh keys, and a second one for keys that had a row). On MySQL a batch claim is a statement and a read: measure
-/// before using it there. On Redis, whose batches are pipelines, it saves little. The
+/// statement with `RETURNING` for fresh keys, and a second one for keys that had a row).
+/// On MySQL a batch claim is a statement and a read: measure before using it there. On Redis, whose batches are pipelines, it saves little. The
 /// measured figures are in the performance section of the repository's README, and
 /// `benches/sql.rs` measures them again.
 ///

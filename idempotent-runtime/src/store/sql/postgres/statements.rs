@@ -163,10 +163,9 @@ WITH input AS (
     };
 }
 
-/// A time `$ticks` microseconds after the statement's timestamp, for each row of a batch
-/// claim: the one value of the array parameter `$array` when it has one (every item shares
-/// it), computed once for the statement as a scalar subquery; the row's own `$column`
-/// otherwise.
+/// A time after the statement's timestamp, in microseconds, for each row of a batch claim:
+/// the one value of the array parameter `$array` when it has one (every item shares it),
+/// computed once for the statement as a scalar subquery; the row's own `$column` otherwise.
 macro_rules! after_statement {
     ($array:literal, $column:literal) => {
         concat!(
@@ -191,7 +190,7 @@ macro_rules! after_statement {
 /// (whose asynchronous form sets `synchronous_commit`), and the lease's end and the expiry
 /// when every item shares its lease and its ttl, the common case, which the store then
 /// binds as one-element arrays. On a batch of 100 fresh keys this is 14 % of the
-/// insert-only claim's server instructions (callgrind on the backend, 100 batches).
+/// insert-only claim's server instructions (counted on the backend under callgrind).
 macro_rules! insert_claims {
     ($state:expr) => {
         concat!(
