@@ -568,7 +568,8 @@ async fn lost_replies_to_batch_statements_on_postgres_are_resolved_item_by_item(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_replies_to_batch_statements_on_mariadb_are_resolved_item_by_item() {
-    // The batch claim is one statement (`RETURNING`): the claim round loses its reply.
+    // A batch of fresh keys is claimed by one statement (the insert-only claim, with
+    // `RETURNING`): the claim round loses its reply.
     lost_mariadb_batch_replies(false, Vec::new()).await;
 }
 

@@ -7,8 +7,9 @@
 //! followed by the full claim for the keys that had a row, and a statement and a read on
 //! MySQL.
 
-use sqlx::mysql::{MySql, MySqlConnection};
+use sqlx::mysql::{MySql, MySqlArguments, MySqlConnection};
 use sqlx::pool::PoolOptions;
+use sqlx::query::Query;
 use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
@@ -134,20 +135,18 @@ impl DialectImpl for MySql {
         reqs: &'c [&'c ClaimRequest],
     ) -> BoxFuture<'c, Result<Vec<Step>, sqlx::Error>> {
         Box::pin(async move {
-            let rows = vec![CLAIM_ROW; reqs.len()].join(", ");
             let mut seen = claim_keys(reqs);
             if !sql.claim_many_reporting.is_empty() {
-                let claim = sql.claim_many_reporting.replace("{rows}", &rows);
-                let query = bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, Self::TICK);
+                let query = multi_row_claim(&sql.claim_many_reporting, reqs);
                 for row in &query.fetch_all(&mut *conn).await? {
                     let (key, step) = RecordRow::decode_keyed(row)?;
                     seen.insert(&key, step);
                 }
                 return Ok(in_request_order(seen));
             }
-            let claim = sql.claim_many.replace("{rows}", &rows);
-            let query = bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, Self::TICK);
-            query.execute(&mut *conn).await?;
+            multi_row_claim(&sql.claim_many, reqs)
+                .execute(&mut *conn)
+                .await?;
             let keys = vec!["?"; reqs.len()].join(", ");
             let read = sql.seen_many.replace("{keys}", &keys);
             let mut query = sqlx::query(AssertSqlSafe(read));
@@ -170,9 +169,7 @@ impl DialectImpl for MySql {
         reqs: &'c [&'c ClaimRequest],
     ) -> BoxFuture<'c, Result<Vec<Option<Step>>, sqlx::Error>> {
         Box::pin(async move {
-            let rows = vec![CLAIM_ROW; reqs.len()].join(", ");
-            let claim = sql.claim_many_fresh.replace("{rows}", &rows);
-            let query = bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, Self::TICK);
+            let query = multi_row_claim(&sql.claim_many_fresh, reqs);
             let mut found = ByKey::new(reqs.iter().map(|req| req.key.as_bytes()));
             for row in &query.fetch_all(&mut *conn).await? {
                 let key: Vec<u8> = row.try_get(0)?;
@@ -304,6 +301,16 @@ fn returns_from_insert(version: &str) -> bool {
         (Some(Ok(major)), Some(Ok(minor))) => (major, minor) >= (10, 5),
         _ => false,
     }
+}
+
+/// `template` (a claim with a `{rows}` marker) with one [`CLAIM_ROW`] per request, bound to
+/// `reqs`.
+fn multi_row_claim<'q>(
+    template: &str,
+    reqs: &[&'q ClaimRequest],
+) -> Query<'q, MySql, MySqlArguments> {
+    let claim = template.replace("{rows}", &vec![CLAIM_ROW; reqs.len()].join(", "));
+    bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, MySql::TICK)
 }
 
 #[cfg(test)]
