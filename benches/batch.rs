@@ -15,7 +15,13 @@
 //! 2. **Messages per second.** Without the proxy: after a warm-up, 6 rounds of one pass of
 //!    each side (20 batches of 100 through the framework, 20 batches of 100 by hand, and 20
 //!    rounds of 100 concurrent single calls), the order rotating so that each side goes
-//!    first, second and third equally often; the median pass of each side counts.
+//!    first, second and third equally often; the median pass of each side counts. On
+//!    PostgreSQL and MariaDB a fourth side, the batch by hand on the store's row (see
+//!    `Row::Store`), makes it 8 rounds of 4 passes. The SQL tables are filled with 5,000
+//!    completed records each and analyzed first (see `prefill`), so that every statement
+//!    runs on the plan a deployment's table has. A line before the figures gives the median
+//!    of the ratios within each round, whose sides ran next to each other: the machine's
+//!    noise moves it less than the ratio of the sides' medians.
 //!
 //! Run it with:
 //!
@@ -35,6 +41,13 @@
 //!   the batch by hand;
 //! - `<db>_seed_batch_msgs_per_s`, `<db>_batch_ratio_vs_seed_design`: the batch by hand, and
 //!   the framework's batch over it;
+//! - on PostgreSQL and MariaDB, `<db>_seed_on_store_row_batch_msgs_per_s`: the batch by hand
+//!   on a table of the store's layout, writing the columns the rules need;
+//!   `<db>_seed_on_store_row_ratio`, it over the batch by hand on its own table (what the row
+//!   costs: the highest `<db>_batch_ratio_vs_seed_design` these statements could reach on
+//!   this row); `<db>_batch_ratio_vs_seed_on_store_row`, the framework's batch over it (what
+//!   the store's statements and the client cost on the same row);
+//!   `<db>_seed_on_store_row_server_cpu_us_per_item`, the server's CPU time per message;
 //! - `<db>_single_round_trips_per_100`: bursts of 100 single calls;
 //! - `postgres_` and `mysql_batch_round_trips_per_100_unchecked_pool`, `..._single_...`:
 //!   the same through a pool that does not ping connections;
@@ -244,11 +257,53 @@ enum Seed {
     Postgres {
         pool: sqlx::PgPool,
         table: String,
+        row: Row,
     },
     MySql {
         pool: sqlx::MySqlPool,
         table: String,
+        row: Row,
     },
+}
+
+/// The table a hand-written SQL batch writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Row {
+    /// The seed's idempotency table (key, token, state, result, creation time).
+    Seed,
+    /// A table the store's own migration made: the same statements, also writing what a
+    /// record holds for the rules (the prefix, a fence, the lease's end, the expiry, the time
+    /// of the last write; the completion moves the expiry, a record expiring `ttl` after it
+    /// was last written), in the store's row with its `expires_at` index. What the row costs
+    /// apart from the store's statements: the lease takeover, the fence from the clock, the
+    /// payload and corrupt-row checks and the report of the keys not taken are left out.
+    Store,
+}
+
+impl Row {
+    /// The key column, the insert's other columns and their values, and the completion's
+    /// other assignments, on `server`.
+    fn sql(self, server: Server) -> (&'static str, &'static str, &'static str, &'static str) {
+        match (self, server) {
+            (Row::Seed, Server::Postgres) => ("key", "", "", ""),
+            (Row::Seed, Server::MySql) => ("`key`", "", "", ""),
+            (Row::Store, Server::Postgres) => (
+                "record_key",
+                ", prefix, fence, lease_until, created_at, updated_at, expires_at",
+                ", 'bench:batch', 1, now() + INTERVAL '30 seconds', now(), now(), \
+                 now() + INTERVAL '1 hour'",
+                ", updated_at = now(), expires_at = now() + INTERVAL '1 hour'",
+            ),
+            (Row::Store, Server::MySql) => (
+                "record_key",
+                ", prefix, fence, lease_until, created_at, updated_at, expires_at",
+                ", 'bench:batch', 1, UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, UTC_TIMESTAMP(6), \
+                 UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 1 HOUR",
+                ", r.updated_at = UTC_TIMESTAMP(6), \
+                 r.expires_at = UTC_TIMESTAMP(6) + INTERVAL 1 HOUR",
+            ),
+        }
+    }
 }
 
 /// The seed design's completion script, as `benches/redis.rs` runs it.
@@ -271,45 +326,63 @@ impl Seed {
         })
     }
 
-    /// The seed's idempotency table (as `benches/sql.rs` creates it) in `table`, on a pool of
-    /// its own as large as the store's.
-    async fn sql(server: Server, url: &str, table: &str) -> Result<Seed, BoxError> {
+    /// The hand-written batch on `table`, on a pool of its own as large as the store's:
+    /// with [`Row::Seed`], the seed's idempotency table (as `benches/sql.rs` creates it),
+    /// created here; with [`Row::Store`], a table the store's migration made.
+    async fn sql(server: Server, url: &str, table: &str, row: Row) -> Result<Seed, BoxError> {
+        let table = table.to_string();
         Ok(match server {
             Server::Postgres => {
                 let pool = sqlx::postgres::PgPoolOptions::new()
                     .max_connections(8)
                     .connect(url)
                     .await?;
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "CREATE TABLE {table} (key BYTEA PRIMARY KEY, token BYTEA NOT NULL, \
-                     state TEXT NOT NULL, result BYTEA, \
-                     created_at TIMESTAMPTZ NOT NULL DEFAULT now())"
-                )))
-                .execute(&pool)
-                .await?;
-                Seed::Postgres {
-                    pool,
-                    table: table.to_string(),
+                if row == Row::Seed {
+                    sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "CREATE TABLE {table} (key BYTEA PRIMARY KEY, token BYTEA NOT NULL, \
+                         state TEXT NOT NULL, result BYTEA, \
+                         created_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+                    )))
+                    .execute(&pool)
+                    .await?;
                 }
+                Seed::Postgres { pool, table, row }
             }
             Server::MySql => {
                 let pool = sqlx::mysql::MySqlPoolOptions::new()
                     .max_connections(8)
                     .connect(url)
                     .await?;
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "CREATE TABLE {table} (`key` VARBINARY(512) PRIMARY KEY, \
-                     token BINARY(16) NOT NULL, state VARCHAR(16) NOT NULL, result BLOB, \
-                     created_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) \
-                     ENGINE = InnoDB"
-                )))
-                .execute(&pool)
-                .await?;
-                Seed::MySql {
-                    pool,
-                    table: table.to_string(),
+                if row == Row::Seed {
+                    sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "CREATE TABLE {table} (`key` VARBINARY(512) PRIMARY KEY, \
+                         token BINARY(16) NOT NULL, state VARCHAR(16) NOT NULL, result BLOB, \
+                         created_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) \
+                         ENGINE = InnoDB"
+                    )))
+                    .execute(&pool)
+                    .await?;
                 }
+                Seed::MySql { pool, table, row }
             }
+        })
+    }
+
+    /// The same hand-written batch on `table` through another connection string (the
+    /// round-trip counter's).
+    async fn through(&self, url: &str) -> Result<Seed, BoxError> {
+        Ok(match self {
+            Seed::Postgres { table, row, .. } => Seed::Postgres {
+                pool: sqlx::PgPool::connect(url).await?,
+                table: table.clone(),
+                row: *row,
+            },
+            Seed::MySql { table, row, .. } => Seed::MySql {
+                pool: sqlx::MySqlPool::connect(url).await?,
+                table: table.clone(),
+                row: *row,
+            },
+            Seed::Redis { .. } => return Err("the Redis seed has no connection string".into()),
         })
     }
 
@@ -362,11 +435,13 @@ impl Seed {
                 let done: Vec<i64> = completions.query_async(&mut conn).await?;
                 (taken.len(), done.iter().filter(|&&n| n == 1).count())
             }
-            Seed::Postgres { pool, table } => {
+            Seed::Postgres { pool, table, row } => {
+                let (key, columns, values, set) = row.sql(Server::Postgres);
                 let taken: Vec<Vec<u8>> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                    "INSERT INTO {table} (key, token, state) \
-                     SELECT k, t, 'in_progress' FROM unnest($1::bytea[], $2::bytea[]) AS i(k, t) \
-                     ON CONFLICT DO NOTHING RETURNING key"
+                    "INSERT INTO {table} ({key}, token, state{columns}) \
+                     SELECT k, t, 'in_progress'{values} \
+                     FROM unnest($1::bytea[], $2::bytea[]) AS i(k, t) \
+                     ON CONFLICT DO NOTHING RETURNING {key}"
                 )))
                 .bind(&keys)
                 .bind(&tokens)
@@ -379,9 +454,9 @@ impl Seed {
                     .filter(|(key, _)| taken.contains(*key))
                     .unzip();
                 let done = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "UPDATE {table} SET state = 'completed' \
+                    "UPDATE {table} SET state = 'completed'{set} \
                      FROM unnest($1::bytea[], $2::bytea[]) AS i(k, t) \
-                     WHERE {table}.key = i.k AND {table}.token = i.t"
+                     WHERE {table}.{key} = i.k AND {table}.token = i.t"
                 )))
                 .bind(&keys)
                 .bind(&tokens)
@@ -390,10 +465,11 @@ impl Seed {
                 .rows_affected();
                 (taken.len(), usize::try_from(done)?)
             }
-            Seed::MySql { pool, table } => {
-                let rows = vec!["(?, ?, 'in_progress')"; keys.len()].join(", ");
+            Seed::MySql { pool, table, row } => {
+                let (key, columns, values, set) = row.sql(Server::MySql);
+                let rows = vec![format!("(?, ?, 'in_progress'{values})"); keys.len()].join(", ");
                 let mut insert = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "INSERT IGNORE INTO {table} (`key`, token, state) VALUES {rows}"
+                    "INSERT IGNORE INTO {table} ({key}, token, state{columns}) VALUES {rows}"
                 )));
                 for (key, token) in keys.iter().zip(&tokens) {
                     insert = insert.bind(key).bind(token);
@@ -401,7 +477,7 @@ impl Seed {
                 insert.execute(pool).await?;
                 let marks = vec!["?"; keys.len()].join(", ");
                 let mut read = sqlx::query_as::<_, (Vec<u8>, Vec<u8>)>(sqlx::AssertSqlSafe(
-                    format!("SELECT `key`, token FROM {table} WHERE `key` IN ({marks})"),
+                    format!("SELECT {key}, token FROM {table} WHERE {key} IN ({marks})"),
                 ));
                 for key in &keys {
                     read = read.bind(key);
@@ -422,8 +498,8 @@ impl Seed {
                     .collect::<Vec<_>>()
                     .join(" UNION ALL ");
                 let mut update = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "UPDATE {table} AS r JOIN ({select}) AS i ON r.`key` = i.k AND r.token = i.t \
-                     SET r.state = 'completed'"
+                    "UPDATE {table} AS r JOIN ({select}) AS i ON r.{key} = i.k AND r.token = i.t \
+                     SET r.state = 'completed'{set}"
                 )));
                 for &i in &taken {
                     update = update.bind(&keys[i]).bind(&tokens[i]);
@@ -441,6 +517,56 @@ impl Seed {
             .into()),
         }
     }
+}
+
+/// Batches of 100 each SQL side writes before it is measured or counted (see [`prefill`]).
+const PREFILL_BATCHES: usize = 50;
+
+/// Fills the store's table and each hand-written batch's with [`PREFILL_BATCHES`] batches
+/// of completed records, every side through its own statements, then has the database
+/// analyze the `tables`: the statements measured then run on the plans a deployment's table
+/// has once autovacuum (PostgreSQL) or InnoDB's statistics have seen it. A new table has no
+/// statistics, and PostgreSQL's generic plan for a statement that joins a batch to it can be
+/// a sequential scan, which costs more on every batch as the table grows until an
+/// autoanalyze in the middle of a run replans it: before this prefill, 3 M of the
+/// hand-written batch's 8.4 M server instructions a batch (`scripts/pg-bench-backend-instructions`).
+async fn prefill(store: SharedStore, seeds: &[&Seed], tables: &[&str]) -> Result<(), BoxError> {
+    let side = Side {
+        guard: Idempotency::new(Duration::from_secs(3600)).store(store),
+        run: tag(),
+        next: AtomicUsize::new(0),
+    };
+    let seed_run = tag();
+    for pass in 0..PREFILL_BATCHES {
+        side.batch().await?;
+        for seed in seeds {
+            seed.batch(seed_keys(&seed_run, pass)?).await?;
+        }
+    }
+    let Some(seed) = seeds.first() else {
+        return Ok(());
+    };
+    for table in tables {
+        match seed {
+            Seed::Postgres { pool, .. } => {
+                sqlx::query(sqlx::AssertSqlSafe(format!("ANALYZE {table}")))
+                    .execute(pool)
+                    .await?;
+            }
+            Seed::MySql { pool, .. } => {
+                // `ANALYZE TABLE` answers with a result set, errors included.
+                let rows: Vec<(String, String, String, String)> =
+                    sqlx::query_as(sqlx::AssertSqlSafe(format!("ANALYZE TABLE {table}")))
+                        .fetch_all(pool)
+                        .await?;
+                if let Some((_, _, _, text)) = rows.iter().find(|row| row.2 == "error") {
+                    return Err(format!("ANALYZE TABLE {table}: {text}").into());
+                }
+            }
+            Seed::Redis { .. } => return Err("no tables to analyze on Redis".into()),
+        }
+    }
+    Ok(())
 }
 
 /// The database server's CPU seconds so far: Redis's from `INFO` (`redis`: its connection),
@@ -506,22 +632,36 @@ fn seed_keys(run: &str, pass: usize) -> Result<Vec<Vec<u8>>, BoxError> {
         .collect()
 }
 
+/// The hand-written batches of a run.
+struct Seeds<'a> {
+    /// The seed's design.
+    seed: &'a Seed,
+    /// The same through the round-trip counter.
+    counted: &'a Seed,
+    /// The seed's design on the store's row ([`Row::Store`]), on the SQL stores.
+    on_store_row: Option<&'a Seed>,
+}
+
 async fn measure(
     name: &str,
     direct: SharedStore,
     counted: SharedStore,
     counter: &Counter,
-    seed: &Seed,
-    seed_counted: &Seed,
+    seeds: Seeds<'_>,
     server: Option<(redis::aio::ConnectionManager, &str)>,
 ) -> Result<(), BoxError> {
+    let Seeds {
+        seed,
+        counted: seed_counted,
+        on_store_row,
+    } = seeds;
     // Redis: a connection for `INFO`, and the server's address for the counted runs' probe.
     let (mut server, scripts_url) = match server {
         Some((conn, url)) => (Some(conn), Some(url)),
         None => (None, None),
     };
-    // `IDEMPOTENT_BENCH_ONLY=<db>_batch` or `<db>_seed`: a warm-up batch and `batches`
-    // batches of that side alone: what callgrind counts.
+    // `IDEMPOTENT_BENCH_ONLY=<db>_batch`, `<db>_seed` or `<db>_seed_on_store_row`: a warm-up
+    // batch and `batches` batches of that side alone: what callgrind counts.
     if let Some((only, batches)) = instructions::only(INSTRUCTION_BATCHES)? {
         let seed_run = tag();
         if only == format!("{name}_batch") {
@@ -536,6 +676,12 @@ async fn measure(
         } else if only == format!("{name}_seed") {
             for pass in 0..=batches {
                 seed.batch(seed_keys(&seed_run, pass)?).await?;
+            }
+        } else if let (true, Some(on_store_row)) =
+            (only == format!("{name}_seed_on_store_row"), on_store_row)
+        {
+            for pass in 0..=batches {
+                on_store_row.batch(seed_keys(&seed_run, pass)?).await?;
             }
         } else {
             return Err(format!("no side {only}: {name}_batch or {name}_seed").into());
@@ -562,23 +708,34 @@ async fn measure(
     fast.batch().await?;
     fast.singles().await?;
     seed.batch(seed_keys(&seed_run, seed_pass)?).await?;
+    if let Some(on_store_row) = on_store_row {
+        on_store_row.batch(seed_keys(&seed_run, seed_pass)?).await?;
+    }
     seed_pass += 1;
     let passes = 20;
     let (mut batches, mut seeds, mut singles) = (Vec::new(), Vec::new(), Vec::new());
+    let mut on_row = Vec::new();
     let (mut batch_allocs, mut seed_allocs) = (Vec::new(), Vec::new());
     // CPU microseconds per message: this process's, and the server's where it says (Redis).
     let (mut batch_client, mut seed_client) = (Vec::new(), Vec::new());
     let (mut batch_server, mut seed_server) = (Vec::new(), Vec::new());
+    let mut on_row_server = Vec::new();
     let per_item = |since: u64| (allocations::so_far() - since) as f64 / (passes * BATCH) as f64;
     let us_per_item = |seconds: f64| seconds * 1e6 / (passes * BATCH) as f64;
-    // Each side goes first, second and third equally often.
-    for round in 0..6 {
-        for turn in 0..3 {
+    // Each side goes in each place equally often: 6 rounds of 3 sides, or 8 rounds of 4 when
+    // the hand-written batch also runs on the store's row.
+    let (sides, rounds) = if on_store_row.is_some() {
+        (4, 8)
+    } else {
+        (3, 6)
+    };
+    for round in 0..rounds {
+        for turn in 0..sides {
             let server_before = server_seconds(name, server.as_mut()).await?;
             let client_before = redis_info::client_cpu();
             let start = Instant::now();
             let allocated = allocations::so_far();
-            let side = (round + turn) % 3;
+            let side = (round + turn) % sides;
             match side {
                 0 => {
                     for _ in 0..passes {
@@ -595,19 +752,31 @@ async fn measure(
                     seeds.push(per_s(passes * BATCH, start.elapsed()));
                     seed_allocs.push(per_item(allocated));
                 }
-                _ => {
+                2 => {
                     for _ in 0..passes {
                         fast.singles().await?;
                     }
                     singles.push(per_s(passes * BATCH, start.elapsed()));
                 }
+                _ => {
+                    if let Some(on_store_row) = on_store_row {
+                        for _ in 0..passes {
+                            on_store_row.batch(seed_keys(&seed_run, seed_pass)?).await?;
+                            seed_pass += 1;
+                        }
+                    }
+                    on_row.push(per_s(passes * BATCH, start.elapsed()));
+                }
             }
             let (client, server_cpu) = match side {
-                0 => (&mut batch_client, &mut batch_server),
-                1 => (&mut seed_client, &mut seed_server),
+                0 => (Some(&mut batch_client), &mut batch_server),
+                1 => (Some(&mut seed_client), &mut seed_server),
+                3 => (None, &mut on_row_server),
                 _ => continue,
             };
-            if let (Some(before), Some(after)) = (client_before, redis_info::client_cpu()) {
+            if let (Some(client), Some(before), Some(after)) =
+                (client, client_before, redis_info::client_cpu())
+            {
                 client.push(us_per_item(after - before));
             }
             let server_after = server_seconds(name, server.as_mut()).await?;
@@ -617,6 +786,24 @@ async fn measure(
         }
     }
     let (batch, seed_rate, single) = (median(&batches), median(&seeds), median(&singles));
+    // The sides of a round ran next to each other: the ratios within each round, whose median
+    // the machine's noise moves less than the ratio of the sides' medians.
+    let per_round = |ours: &[f64], theirs: &[f64]| {
+        let ratios: Vec<f64> = ours.iter().zip(theirs).map(|(a, b)| a / b).collect();
+        median(&ratios)
+    };
+    let mut summary = format!(
+        "{name} medians of per-round ratios: batch/seed {:.3}",
+        per_round(&batches, &seeds)
+    );
+    if !on_row.is_empty() {
+        summary += &format!(
+            ", seed on store row/seed {:.3}, batch/seed on store row {:.3}",
+            per_round(&on_row, &seeds),
+            per_round(&batches, &on_row)
+        );
+    }
+    println!("{summary}");
     figure(
         &format!("{name}_seed_batch_round_trips_per_100"),
         seed_trips,
@@ -647,6 +834,31 @@ async fn measure(
         median(&seed_allocs),
         1,
     );
+    if !on_row.is_empty() {
+        let on_row = median(&on_row);
+        figure(
+            &format!("{name}_seed_on_store_row_batch_msgs_per_s"),
+            on_row,
+            0,
+        );
+        figure(
+            &format!("{name}_seed_on_store_row_ratio"),
+            on_row / seed_rate,
+            3,
+        );
+        figure(
+            &format!("{name}_batch_ratio_vs_seed_on_store_row"),
+            batch / on_row,
+            3,
+        );
+        if !on_row_server.is_empty() {
+            figure(
+                &format!("{name}_seed_on_store_row_server_cpu_us_per_item"),
+                median(&on_row_server),
+                2,
+            );
+        }
+    }
     let sides = [
         ("batch", &batch_client, &batch_server),
         ("seed_batch", &seed_client, &seed_server),
@@ -728,8 +940,11 @@ async fn redis() -> Result<(), BoxError> {
         direct,
         counted,
         &counter,
-        &seed,
-        &seed_counted,
+        Seeds {
+            seed: &seed,
+            counted: &seed_counted,
+            on_store_row: None,
+        },
         server,
     )
     .await?;
@@ -823,19 +1038,31 @@ async fn sql<DB: Dialect>(name: &str, server: Server) -> Result<(), BoxError> {
         _ => None,
     };
     let seed_table = Scratch::table(server);
-    let seed = Seed::sql(server, seed_table.url(), seed_table.name()).await?;
-    let seed_counted = match &seed {
-        Seed::Postgres { table, .. } => Seed::Postgres {
-            pool: sqlx::PgPool::connect(&through(seed_table.url(), counter.addr)).await?,
-            table: table.clone(),
-        },
-        Seed::MySql { table, .. } => Seed::MySql {
-            pool: sqlx::MySqlPool::connect(&through(seed_table.url(), counter.addr)).await?,
-            table: table.clone(),
-        },
-        Seed::Redis { .. } => return Err("a Redis seed for an SQL run".into()),
+    let seed = Seed::sql(server, seed_table.url(), seed_table.name(), Row::Seed).await?;
+    let seed_counted = seed
+        .through(&through(seed_table.url(), counter.addr))
+        .await?;
+    // The store's migration makes the table the hand-written batch on the store's row writes.
+    let row_table = Scratch::table(server);
+    SqlStore::<DB>::builder(row_table.url())
+        .table(row_table.name().to_string())
+        .max_connections(1)
+        .build()
+        .await
+        .map(drop)?;
+    let on_store_row = Seed::sql(server, row_table.url(), row_table.name(), Row::Store).await?;
+    prefill(
+        direct.clone(),
+        &[&seed, &on_store_row],
+        &[table.name(), seed_table.name(), row_table.name()],
+    )
+    .await?;
+    let seeds = Seeds {
+        seed: &seed,
+        counted: &seed_counted,
+        on_store_row: Some(&on_store_row),
     };
-    measure(name, direct, counted, &counter, &seed, &seed_counted, None).await?;
+    measure(name, direct, counted, &counter, seeds, None).await?;
     if let Some((batch, single)) = statements {
         figure(&format!("{name}_batch_statements_per_100"), batch, 1);
         figure(&format!("{name}_single_statements_per_100"), single, 1);
