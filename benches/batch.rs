@@ -47,7 +47,9 @@
 //!   costs: the highest `<db>_batch_ratio_vs_seed_design` these statements could reach on
 //!   this row); `<db>_batch_ratio_vs_seed_on_store_row`, the framework's batch over it (what
 //!   the store's statements and the client cost on the same row);
-//!   `<db>_seed_on_store_row_server_cpu_us_per_item`, the server's CPU time per message;
+//!   `<db>_seed_on_store_row_server_cpu_us_per_item`, the server's CPU time per message.
+//!   With `IDEMPOTENT_BENCH_STORE_ROW_EXPIRY_INDEX=0` that table has no `expires_at` index:
+//!   what the index costs, apart from the rest of the row;
 //! - `<db>_single_round_trips_per_100`: bursts of 100 single calls;
 //! - `postgres_` and `mysql_batch_round_trips_per_100_unchecked_pool`, `..._single_...`:
 //!   the same through a pool that does not ping connections;
@@ -366,6 +368,30 @@ impl Seed {
                 Seed::MySql { pool, table, row }
             }
         })
+    }
+
+    /// Drops the `expires_at` index of a [`Row::Store`] table
+    /// (`IDEMPOTENT_BENCH_STORE_ROW_EXPIRY_INDEX=0`): what the index costs, apart from the
+    /// rest of the row.
+    async fn drop_expiry_index(&self) -> Result<(), BoxError> {
+        match self {
+            Seed::Postgres { pool, table, .. } => {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP INDEX {table}_expires_at"
+                )))
+                .execute(pool)
+                .await?;
+            }
+            Seed::MySql { pool, table, .. } => {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP INDEX {table}_expires_at ON {table}"
+                )))
+                .execute(pool)
+                .await?;
+            }
+            Seed::Redis { .. } => return Err("the Redis seed has no table".into()),
+        }
+        Ok(())
     }
 
     /// The same hand-written batch on `table` through another connection string (the
@@ -1051,6 +1077,9 @@ async fn sql<DB: Dialect>(name: &str, server: Server) -> Result<(), BoxError> {
         .await
         .map(drop)?;
     let on_store_row = Seed::sql(server, row_table.url(), row_table.name(), Row::Store).await?;
+    if std::env::var("IDEMPOTENT_BENCH_STORE_ROW_EXPIRY_INDEX").is_ok_and(|v| v == "0") {
+        on_store_row.drop_expiry_index().await?;
+    }
     prefill(
         direct.clone(),
         &[&seed, &on_store_row],
