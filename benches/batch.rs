@@ -710,7 +710,10 @@ async fn measure(
                 on_store_row.batch(seed_keys(&seed_run, pass)?).await?;
             }
         } else {
-            return Err(format!("no side {only}: {name}_batch or {name}_seed").into());
+            return Err(format!(
+                "no side {only}: {name}_batch, {name}_seed or {name}_seed_on_store_row"
+            )
+            .into());
         }
         return Ok(());
     }
