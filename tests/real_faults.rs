@@ -589,6 +589,147 @@ async fn lost_mariadb_batch_replies(plain: bool, more: Vec<(&'static str, Vec<u8
     lost_batch_replies(Server::MySql, store, direct, &proxy, more).await;
 }
 
+/// A batch of fresh keys and keys that have a row, on PostgreSQL and MariaDB: the
+/// insert-only claim acquires the fresh keys, and the full claim follows for the others (a
+/// released record, another owner's live claim, a completed record). The full claim takes
+/// over the released record and commits, and its reply is lost. The fresh items run as
+/// claimed; each item of the second statement is read back by its token: the released
+/// record is found to be this batch's claim (its handler runs once, with the next fence),
+/// the live claim stays the other owner's (`InProgress`, nothing runs), the completed record
+/// replays its result. A redelivery of the whole batch runs nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_reply_to_the_second_batch_claim_statement_is_read_back() {
+    let postgres = Scratch::table(Server::Postgres);
+    let url = postgres.url().to_string();
+    let server = server_of(&url);
+    let pg_proxy = Proxy::start(addr(server)).await;
+    let proxied_url = url.replacen(server, &pg_proxy.addr().to_string(), 1);
+    let proxied = PostgresStore::builder(&proxied_url)
+        .table(postgres.name().to_string())
+        .build()
+        .await
+        .unwrap();
+    let direct = PostgresStore::builder(&url)
+        .table(postgres.name().to_string())
+        .build()
+        .await
+        .unwrap();
+    second_batch_claim_loses_its_reply(
+        Server::Postgres,
+        &pg_proxy,
+        Arc::new(proxied),
+        Arc::new(direct),
+    )
+    .await;
+    let (_mariadb, proxy, proxied, direct) = proxied_mariadb(false).await;
+    second_batch_claim_loses_its_reply(Server::MySql, &proxy, proxied, direct).await;
+}
+
+async fn second_batch_claim_loses_its_reply(
+    server: Server,
+    proxy: &Proxy,
+    proxied: SharedStore,
+    direct: SharedStore,
+) {
+    use idempotency::store::{Claim, ClaimRequest, Token};
+    let name = format!("second-batch-{}-{server:?}", std::process::id());
+    let key = |part: &str| Key::new("lost-second-batch", 1, &[&name, &part]).unwrap();
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+    let executions = AtomicUsize::new(0);
+    let handler = |id: u32| {
+        let executions = &executions;
+        async move {
+            executions.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Error>(900_000_000 + id)
+        }
+    };
+
+    // A released record (the marker: its key is a parameter of both statements and of
+    // nothing else this batch sends), another owner's live claim, a completed record.
+    let released = ClaimRequest::new(key("released"), Token::generate(), lease, ttl);
+    let Ok(Claim::Acquired { fence }) = direct.claim(&released).await else {
+        panic!("{server:?}: the earlier claim was not acquired");
+    };
+    assert!(direct
+        .release(&released.key, &released.token)
+        .await
+        .unwrap());
+    let held = ClaimRequest::new(key("held"), Token::generate(), lease, ttl);
+    assert!(matches!(
+        direct.claim(&held).await,
+        Ok(Claim::Acquired { .. })
+    ));
+    let earlier = Idempotency::new(ttl).store(direct.clone());
+    let done: Result<u32, Error> = earlier
+        .operation(key("done"))
+        .replay()
+        .run(async { Ok(900_000_102) })
+        .await;
+    assert_eq!(done.unwrap(), 900_000_102);
+
+    let mut items: Vec<(Key, u32)> = (0..8).map(|id| (key(&format!("fresh-{id}")), id)).collect();
+    items.extend([
+        (key("released"), 100),
+        (key("held"), 101),
+        (key("done"), 102),
+    ]);
+    let guard = Idempotency::new(ttl).lease(lease).store(proxied);
+    proxy.lose_reply_to_nth(released.key.as_bytes(), 2);
+    let lost = proxy.lost();
+    let out: Vec<Result<u32, Error>> = guard.batch().replay().run(items.clone(), handler).await;
+    assert_eq!(proxy.lost(), lost + 1, "{server:?}: no reply was lost");
+    for (id, out) in (0..8).zip(&out) {
+        assert_eq!(
+            out.as_ref().unwrap(),
+            &(900_000_000 + id),
+            "{server:?} {id}"
+        );
+    }
+    assert_eq!(
+        out[8].as_ref().unwrap(),
+        &900_000_100,
+        "{server:?} released"
+    );
+    assert!(
+        matches!(out[9], Err(Error::InProgress { .. })),
+        "{server:?} held: {:?}",
+        out[9]
+    );
+    assert_eq!(out[10].as_ref().unwrap(), &900_000_102, "{server:?} done");
+    // The eight fresh items and the released record, once each.
+    assert_eq!(executions.load(Ordering::SeqCst), 9, "{server:?}");
+    let record = direct.read(&released.key).await.unwrap().unwrap();
+    assert_eq!(
+        (record.state, record.fence),
+        (RecordState::Completed, fence + 1),
+        "{server:?}"
+    );
+    let record = direct.read(&held.key).await.unwrap().unwrap();
+    assert!(
+        matches!(record.state, RecordState::InProgress { .. }),
+        "{server:?}: {record:?}"
+    );
+    assert_eq!(record.token, held.token, "{server:?}");
+
+    let again: Vec<Result<u32, Error>> = guard.batch().replay().run(items, handler).await;
+    assert_eq!(executions.load(Ordering::SeqCst), 9, "{server:?}");
+    let replayed: Vec<u32> = again
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != 9)
+        .map(|(_, out)| *out.as_ref().unwrap())
+        .collect();
+    let expected: Vec<u32> = (0..8)
+        .chain([100, 102])
+        .map(|id| 900_000_000 + id)
+        .collect();
+    assert_eq!(replayed, expected, "{server:?}");
+    assert!(
+        matches!(again[9], Err(Error::InProgress { .. })),
+        "{server:?}"
+    );
+}
+
 /// A completion sent on a pooled PostgreSQL connection that goes silent (the proxy never
 /// forwards it and never answers: no reply, no error) must neither hang its caller nor let the
 /// lease lapse. The call is bounded (half the lease), resolved by reading the record back on
