@@ -594,12 +594,13 @@ async fn proxied_redis() -> (proxy::Proxy, idempotency::SharedStore) {
         .unwrap();
     let proxy = proxy::Proxy::start(upstream).await;
     // Without the wider clock error, a loaded machine's claim could go to the script, without
-    // the marker the proxy waits for. 5 ms, for the layer's 10 s lease.
+    // the marker the proxy waits for. 10 ms, the most the layer's 10 s lease allows (a fast
+    // claim's lease is at least a thousand times the clock's error).
     let store: idempotency::SharedStore = Arc::new(
         redis_server::connect_with_clock_error(
             &proxy.url(),
             true,
-            Some(std::time::Duration::from_millis(5)),
+            Some(std::time::Duration::from_millis(10)),
         )
         .await,
     );
