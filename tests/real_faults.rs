@@ -644,8 +644,8 @@ async fn second_batch_claim_loses_its_reply(
         }
     };
 
-    // A released record (the marker: its key is a parameter of both statements and of
-    // nothing else this batch sends), another owner's live claim, a completed record.
+    // A released record (the marker: its key is a parameter of both claim statements, the
+    // first two requests that carry it), another owner's live claim, a completed record.
     let released = ClaimRequest::new(key("released"), Token::generate(), lease, ttl);
     let Ok(Claim::Acquired { fence }) = direct.claim(&released).await else {
         panic!("{server:?}: the earlier claim was not acquired");
