@@ -539,8 +539,9 @@ async fn lost_batch_replies(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lost_replies_to_batch_statements_on_postgres_are_resolved_item_by_item() {
+/// A PostgreSQL store through a new proxy, and a store of the same table without it: the
+/// table (dropped with it), the proxy and the two stores.
+async fn proxied_postgres() -> (Scratch, Proxy, SharedStore, SharedStore) {
     let records = Scratch::table(Server::Postgres);
     let url = records.url().to_string();
     let server = server_of(&url);
@@ -556,14 +557,13 @@ async fn lost_replies_to_batch_statements_on_postgres_are_resolved_item_by_item(
         .build()
         .await
         .unwrap();
-    lost_batch_replies(
-        Server::Postgres,
-        Arc::new(store),
-        Arc::new(direct),
-        &proxy,
-        Vec::new(),
-    )
-    .await;
+    (records, proxy, Arc::new(store), Arc::new(direct))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_replies_to_batch_statements_on_postgres_are_resolved_item_by_item() {
+    let (_records, proxy, store, direct) = proxied_postgres().await;
+    lost_batch_replies(Server::Postgres, store, direct, &proxy, Vec::new()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -599,28 +599,8 @@ async fn lost_mariadb_batch_replies(plain: bool, more: Vec<(&'static str, Vec<u8
 /// replays its result. A redelivery of the whole batch runs nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_reply_to_the_second_batch_claim_statement_is_read_back() {
-    let postgres = Scratch::table(Server::Postgres);
-    let url = postgres.url().to_string();
-    let server = server_of(&url);
-    let pg_proxy = Proxy::start(addr(server)).await;
-    let proxied_url = url.replacen(server, &pg_proxy.addr().to_string(), 1);
-    let proxied = PostgresStore::builder(&proxied_url)
-        .table(postgres.name().to_string())
-        .build()
-        .await
-        .unwrap();
-    let direct = PostgresStore::builder(&url)
-        .table(postgres.name().to_string())
-        .build()
-        .await
-        .unwrap();
-    second_batch_claim_loses_its_reply(
-        Server::Postgres,
-        &pg_proxy,
-        Arc::new(proxied),
-        Arc::new(direct),
-    )
-    .await;
+    let (_postgres, proxy, proxied, direct) = proxied_postgres().await;
+    second_batch_claim_loses_its_reply(Server::Postgres, &proxy, proxied, direct).await;
     let (_mariadb, proxy, proxied, direct) = proxied_mariadb(false).await;
     second_batch_claim_loses_its_reply(Server::MySql, &proxy, proxied, direct).await;
 }
