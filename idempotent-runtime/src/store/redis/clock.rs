@@ -19,6 +19,12 @@ use std::time::{Duration, Instant};
 /// How old a reading may be before it is refreshed (in the background; claims meanwhile use
 /// the script once the reading is past [`MAX_AGE`]).
 const REFRESH_AFTER: Duration = Duration::from_millis(500);
+/// How soon the clock is read again after a reading that left no estimate precise enough for
+/// the fast claim (a slow reply on a loaded machine, often the very first one): doubled after
+/// each such reading in a row, up to [`REFRESH_AFTER`]. One slow reply then costs a few
+/// milliseconds of scripted claims instead of half a second, and a link that is always too
+/// slow is read at the usual pace after a few tries.
+const RETRY_AFTER: Duration = Duration::from_millis(5);
 /// How old a reading may be and still be used.
 const MAX_AGE: Duration = Duration::from_secs(2);
 /// The largest uncertainty the fast claim accepts unless configured otherwise
@@ -65,6 +71,21 @@ struct Slot {
     reading: Option<Reading>,
     /// When the last `TIME` reply came, kept or not: refreshes are paced by it.
     last_read: Option<Instant>,
+    /// How many readings in a row left no estimate precise enough for the fast claim.
+    misses: u32,
+}
+
+impl Slot {
+    /// How long after the last reply the clock is read again: [`REFRESH_AFTER`], or sooner
+    /// while the readings are too imprecise to use (see [`RETRY_AFTER`]).
+    fn refresh_after(&self) -> Duration {
+        match self.misses {
+            0 => REFRESH_AFTER,
+            misses => RETRY_AFTER
+                .saturating_mul(1 << (misses - 1).min(16))
+                .min(REFRESH_AFTER),
+        }
+    }
 }
 
 /// The server's clock, estimated from the most precise recent `TIME` reading.
@@ -151,6 +172,15 @@ impl ServerClock {
             if !keep_old {
                 slot.reading = Some(reading);
             }
+            let precise = slot
+                .reading
+                .and_then(|kept| kept.at(received))
+                .is_some_and(|(_, error_us)| error_us <= self.max_error_us);
+            slot.misses = if precise {
+                0
+            } else {
+                slot.misses.saturating_add(1)
+            };
         }
     }
 
@@ -179,13 +209,14 @@ impl ServerClock {
         })
     }
 
-    /// Whether a refresh should start now: the reading is missing or getting old, and no
-    /// refresh is running. The caller that gets `true` must call [`done`](Self::done).
+    /// Whether a refresh should start now: the reading is missing, getting old, or too
+    /// imprecise to use (see [`RETRY_AFTER`]), and no refresh is running. The caller that gets
+    /// `true` must call [`done`](Self::done).
     pub(super) fn should_refresh(&self, now: Instant) -> bool {
         let stale = match self.slot.lock() {
             Ok(slot) => slot
                 .last_read
-                .is_none_or(|at| now.saturating_duration_since(at) >= REFRESH_AFTER),
+                .is_none_or(|at| now.saturating_duration_since(at) >= slot.refresh_after()),
             Err(_) => false,
         };
         stale
@@ -258,6 +289,47 @@ mod tests {
             fast + Duration::from_micros(900),
         );
         assert_eq!(clock.estimate(fast).unwrap().error_us, 51);
+    }
+
+    #[test]
+    fn an_imprecise_reading_is_read_again_soon_then_less_and_less_often() {
+        // The store's first reading, taken while it is built, came late (a loaded machine):
+        // the clock is read again after 5 ms, not 500, then after twice as long each time a
+        // reading is still too imprecise, up to the usual 500 ms.
+        let clock = ServerClock::default();
+        let mut at = Instant::now();
+        let mut waits = Vec::new();
+        for _ in 0..9 {
+            let received = at + Duration::from_millis(3);
+            clock.record(1_700_000_000, 0, at, received);
+            assert_eq!(
+                clock.estimate(received),
+                None,
+                "1.5 ms of error is over 1 ms"
+            );
+            let mut wait = Duration::ZERO;
+            while !clock.should_refresh(received + wait) {
+                wait += Duration::from_millis(1);
+            }
+            clock.done();
+            waits.push(wait.as_millis());
+            at = received + wait;
+        }
+        assert_eq!(waits, [5, 10, 20, 40, 80, 160, 320, 500, 500]);
+
+        // A precise reading: the usual pace again, and the next imprecise one starts over.
+        let received = at + Duration::from_micros(200);
+        clock.record(1_700_000_000, 0, at, received);
+        assert!(clock.estimate(received).is_some());
+        assert!(!clock.should_refresh(received + Duration::from_millis(499)));
+        assert!(clock.should_refresh(received + Duration::from_millis(500)));
+        clock.done();
+        let late = received + Duration::from_secs(3);
+        let answered = late + Duration::from_millis(3);
+        clock.record(1_700_000_003, 0, late, answered);
+        assert!(!clock.should_refresh(answered + Duration::from_millis(4)));
+        assert!(clock.should_refresh(answered + Duration::from_millis(5)));
+        clock.done();
     }
 
     #[test]
