@@ -445,6 +445,79 @@ async fn a_primary_back_while_its_failovers_leader_is_unreachable_is_not_written
     all_on(&store, replica, acquired, claim(i)).await;
 }
 
+/// A lookup's answer from the primary can come late: the primary stalled (SIGSTOP) after the
+/// sentinels named it, and answers `INFO` once it resumes. If a replica was promoted
+/// meanwhile, the two are primaries at once, and what the old one takes is lost when it is
+/// demoted. The store asks the replicas after the primary answered, so the promoted replica
+/// vetoes it: no claim is reported acquired until the replica follows the primary again.
+///
+/// The promotion here is made by hand (`REPLICAOF NO ONE`) within the sentinels' 1 s
+/// down-after period, so that they never see the primary down: a failover whose leader
+/// cannot be heard, at the exact moment the lookup waits on the primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_that_answers_a_lookup_late_is_not_confirmed_over_a_replica_promoted_meanwhile() {
+    let group = SentinelGroup::start(1, &[]);
+    let old = group.primary_port().unwrap();
+    let replica = group.servers[1].port();
+    let mut proxies = Vec::new();
+    for s in &group.sentinels {
+        proxies.push(proxy::Proxy::start(([127, 0, 0, 1], s.port()).into()).await);
+    }
+    let hosts: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
+    let url = format!("redis+sentinel://{}/{}", hosts.join(","), group.name);
+    let store = Arc::new(quick(&url).await);
+    let claim = |i: usize| minute_claim(&format!("late-primary-{i}"));
+    assert!(matches!(
+        store.claim(&claim(0)).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+
+    let asked: Vec<usize> = proxies.iter().map(|p| p.requests()).collect();
+    group.server(old).pause();
+    // A claim on the stalled primary times out (300 ms): the store suspects it and looks the
+    // primary up; the sentinels name it, and its `INFO` waits for it to resume.
+    let stalled = tokio::spawn({
+        let store = store.clone();
+        async move { store.claim(&claim(1)).await }
+    });
+    let deadline = std::time::Instant::now() + NO_HANG;
+    while proxies.iter().zip(&asked).any(|(p, &n)| p.requests() == n) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the store never asked the sentinels"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Time for the replicas' answers, had they been asked with the primary.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(redis_cli(replica, &["replicaof", "no", "one"]).contains("OK"));
+    group.server(old).resume();
+    assert!(stalled.await.unwrap().is_err(), "the stalled claim failed");
+
+    // Two primaries: no claim is acquired, on either.
+    for i in 2..12 {
+        let outcome = store.claim(&claim(i)).await;
+        assert!(
+            outcome.is_err(),
+            "claim {i} was {outcome:?} while a promoted replica answers as a primary"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The replica follows the primary again: claims are served.
+    assert!(redis_cli(replica, &["replicaof", "127.0.0.1", &old.to_string()]).contains("OK"));
+    until_served_claim(&store, &claim(12)).await;
+}
+
+/// Claims `req` until the store acquires it.
+async fn until_served_claim(store: &RedisStore, req: &ClaimRequest) {
+    let until = std::time::Instant::now() + NO_HANG;
+    while !matches!(store.claim(req).await, Ok(Claim::Acquired { .. })) {
+        assert!(std::time::Instant::now() < until, "no claim was served");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn no_reachable_sentinel_is_a_typed_error() {
     let url = format!(

@@ -10,9 +10,11 @@
 //! one is confirmed: the sentinels that have not heard of the failover yet name the old
 //! primary, which, if it stalled and came back, answers as a master until it is demoted, and
 //! loses what it took then. The leader of the failover may not answer; the replicas are asked
-//! too, at once with the primary, and a replica promoted by a failover under way vetoes it
-//! ([`succession`]). The store never moves to a primary of an older epoch than the one it
-//! uses.
+//! too, and a replica promoted by a failover under way vetoes it ([`succession`]). The
+//! replicas and the sentinels are asked (again) after the primary answered, so that a
+//! primary that answers late (it stalled, and resumed while a replica was promoted) is not
+//! confirmed on answers older than its own. The store never moves to a primary of an older
+//! epoch than the one it uses.
 //!
 //! **Following it.** Commands go to that primary through one auto-reconnecting connection,
 //! as to a standalone server. `READONLY` (a demoted primary) or a refused connection (the
@@ -170,8 +172,80 @@ impl Primary {
 
 impl Finder {
     /// Asks every sentinel, and returns the primary of the highest epoch among those no
-    /// sentinel doubts, checked to answer as a master and vetoed by none of its replicas.
+    /// sentinel doubts, checked to answer as a master, then named again by the sentinels and
+    /// vetoed by none of its replicas.
+    ///
+    /// The sentinels and the replicas are asked again after the primary answered, not with
+    /// it: the primary's answer can come late (a stalled primary answers once it resumes),
+    /// and a failover may have promoted a replica meanwhile. Every answer the confirmation
+    /// rests on is then at least as recent as the primary's own.
     async fn find(&self, name: &str) -> Result<(Named, Client), StoreError> {
+        let service = &self.target.service;
+        let unavailable = |why: String| StoreError::new(StoreErrorKind::Unavailable, why);
+        let (named, lists) = self.named(name).await?;
+        let client = succession::client(&named.addr, &self.node).map_err(|err| {
+            unavailable(format!("cannot address the primary of `{service}`")).with_source(err)
+        })?;
+        let (host, port) = (&named.addr.0, named.addr.1);
+        let primary = tokio::time::timeout(self.lookup_timeout, self.replication(&client)).await;
+        let primary = match primary {
+            Ok(Ok(info)) => match succession::Replication::parse(&info) {
+                Some(primary) if primary.master => primary,
+                Some(_) => {
+                    return Err(unavailable(format!(
+                        "the node {host}:{port} the sentinels name for `{service}` is not a writable primary (it answers as a replica)"
+                    )))
+                }
+                None => {
+                    return Err(unavailable(format!(
+                        "the node {host}:{port} the sentinels name for `{service}` answered INFO replication without its role or history: {info:?}"
+                    )))
+                }
+            },
+            Ok(Err(err)) => {
+                return Err(unavailable(format!(
+                    "the primary {host}:{port} of `{service}` does not answer"
+                ))
+                .with_source(err))
+            }
+            Err(_) => {
+                return Err(unavailable(format!(
+                    "the primary {host}:{port} of `{service}` did not answer within {:?}",
+                    self.lookup_timeout
+                )))
+            }
+        };
+        // The sentinels again, and every replica a sentinel reaches (see `succession`), at
+        // once, now that the primary answered.
+        let replicas = succession::to_ask(lists.iter().map(Vec::as_slice), &named.addr);
+        let asked_replicas = futures_util::future::join_all(replicas.iter().map(|addr| async {
+            let client = succession::client(addr, &self.node).ok()?;
+            let info = tokio::time::timeout(self.lookup_timeout, self.replication(&client));
+            succession::Replication::parse(&info.await.ok()?.ok()?)
+        }));
+        let (again, answered) = futures_util::future::join(self.named(name), asked_replicas).await;
+        let (again, _) = again?;
+        if again.addr != named.addr || again.epoch != named.epoch {
+            return Err(unavailable(format!(
+                "the sentinels of {name} named {host}:{port} the primary of `{service}` (epoch {}), then {}:{} (epoch {}) while it was checked; \
+                 no primary is confirmed until they agree",
+                named.epoch, again.addr.0, again.addr.1, again.epoch
+            )));
+        }
+        let answered: Vec<_> = replicas.into_iter().zip(answered).collect();
+        if let Some(why) = succession::veto(&primary, &answered) {
+            return Err(unavailable(format!(
+                "the sentinels of {name} name {host}:{port} the primary of `{service}`, but {why}; \
+                 no primary is confirmed until the sentinels name the new one"
+            )));
+        }
+        Ok((named, client))
+    }
+
+    /// Asks every sentinel: the primary of the highest epoch among those no sentinel doubts,
+    /// when no sentinel sees a failover of that epoch or a later one under way, and every
+    /// answering sentinel's list of replicas.
+    async fn named(&self, name: &str) -> Result<(Named, Vec<Vec<Listed>>), StoreError> {
         let service = &self.target.service;
         let unavailable = |why: String| StoreError::new(StoreErrorKind::Unavailable, why);
         let asked = futures_util::future::join_all(
@@ -234,54 +308,7 @@ impl Finder {
                  no primary is confirmed until it ends"
             )));
         }
-        let client = succession::client(&named.addr, &self.node).map_err(|err| {
-            unavailable(format!("cannot address the primary of `{service}`")).with_source(err)
-        })?;
-        // The primary and every replica a sentinel reaches, asked at once (see `succession`).
-        let replicas = succession::to_ask(lists.iter().map(Vec::as_slice), &named.addr);
-        let asked_replicas = futures_util::future::join_all(replicas.iter().map(|addr| async {
-            let client = succession::client(addr, &self.node).ok()?;
-            let info = tokio::time::timeout(self.lookup_timeout, self.replication(&client));
-            succession::Replication::parse(&info.await.ok()?.ok()?)
-        }));
-        let primary = tokio::time::timeout(self.lookup_timeout, self.replication(&client));
-        let (primary, answered) = futures_util::future::join(primary, asked_replicas).await;
-        let (host, port) = (&named.addr.0, named.addr.1);
-        let primary = match primary {
-            Ok(Ok(info)) => match succession::Replication::parse(&info) {
-                Some(primary) if primary.master => primary,
-                Some(_) => {
-                    return Err(unavailable(format!(
-                        "the node {host}:{port} the sentinels name for `{service}` is not a writable primary (it answers as a replica)"
-                    )))
-                }
-                None => {
-                    return Err(unavailable(format!(
-                        "the node {host}:{port} the sentinels name for `{service}` answered INFO replication without its role or history: {info:?}"
-                    )))
-                }
-            },
-            Ok(Err(err)) => {
-                return Err(unavailable(format!(
-                    "the primary {host}:{port} of `{service}` does not answer"
-                ))
-                .with_source(err))
-            }
-            Err(_) => {
-                return Err(unavailable(format!(
-                    "the primary {host}:{port} of `{service}` did not answer within {:?}",
-                    self.lookup_timeout
-                )))
-            }
-        };
-        let answered: Vec<_> = replicas.into_iter().zip(answered).collect();
-        if let Some(why) = succession::veto(&primary, &answered) {
-            return Err(unavailable(format!(
-                "the sentinels of {name} name {host}:{port} the primary of `{service}`, but {why}; \
-                 no primary is confirmed until the sentinels name the new one"
-            )));
-        }
-        Ok((named, client))
+        Ok((named, lists))
     }
 
     /// The `INFO replication` text of the node `client` addresses.

@@ -6,8 +6,8 @@
 //! (its connection refused, its reply late). The replicas tell it too: the one the leader
 //! promoted answers `role:master`, and its previous replication history
 //! (`master_replid2`) is the old primary's current one (`master_replid`). So before a primary
-//! is confirmed, every replica the sentinels list is asked (`INFO replication`, at once with
-//! the primary):
+//! is confirmed, every replica the sentinels list is asked (`INFO replication`, once the
+//! primary has answered, so that no replica's answer is older than the primary's):
 //!
 //! - a replica that answers as a master vetoes the primary, unless the primary's previous
 //!   history is that replica's current one (the primary took over from it: the replica is
