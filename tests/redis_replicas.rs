@@ -267,6 +267,18 @@ async fn a_paused_primary_is_left_and_demoted_when_it_resumes() {
 }
 
 /// No sentinel answers: a typed error at build time, not a hang.
+/// A proxy in front of each of the group's sentinels, and a [`quick`] store that reaches the
+/// sentinels through them only.
+async fn behind_proxies(group: &SentinelGroup) -> (Vec<proxy::Proxy>, RedisStore) {
+    let mut proxies = Vec::new();
+    for s in &group.sentinels {
+        proxies.push(proxy::Proxy::start(([127, 0, 0, 1], s.port()).into()).await);
+    }
+    let hosts: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
+    let url = format!("redis+sentinel://{}/{}", hosts.join(","), group.name);
+    (proxies, quick(&url).await)
+}
+
 /// A store whose commands time out after 300 ms: a stalled primary is suspected quickly.
 async fn quick(url: &str) -> RedisStore {
     RedisStore::builder(url)
@@ -283,18 +295,20 @@ fn minute_claim(name: &str) -> ClaimRequest {
     ClaimRequest::new(key(name), Token::generate(), minute, minute)
 }
 
+/// Claims `req` until the store acquires it; fails with `never` after [`NO_HANG`].
+async fn until_acquired(store: &RedisStore, req: &ClaimRequest, never: &str) {
+    let until = std::time::Instant::now() + NO_HANG;
+    while !matches!(store.claim(req).await, Ok(Claim::Acquired { .. })) {
+        assert!(std::time::Instant::now() < until, "{never}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Claims `last` until the store acquires it (it reached the primary on `port`), then checks
 /// that every claim in `acquired` and `last` are on that primary: a claim the old primary
 /// took in a failover's window would be lost with its data.
 async fn all_on(store: &RedisStore, port: u16, mut acquired: Vec<Key>, last: ClaimRequest) {
-    let until = std::time::Instant::now() + NO_HANG;
-    while !matches!(store.claim(&last).await, Ok(Claim::Acquired { .. })) {
-        assert!(
-            std::time::Instant::now() < until,
-            "the store never reached the new primary"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_acquired(store, &last, "the store never reached the new primary").await;
     acquired.push(last.key);
     let direct = build(&format!("redis://127.0.0.1:{port}")).await;
     let mut lost = Vec::new();
@@ -380,13 +394,7 @@ async fn a_primary_back_while_its_failovers_leader_is_unreachable_is_not_written
     let group = SentinelGroup::start(1, &[]);
     let old = group.primary_port().unwrap();
     let replica = group.servers[1].port();
-    let mut proxies = Vec::new();
-    for s in &group.sentinels {
-        proxies.push(proxy::Proxy::start(([127, 0, 0, 1], s.port()).into()).await);
-    }
-    let hosts: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
-    let url = format!("redis+sentinel://{}/{}", hosts.join(","), group.name);
-    let store = quick(&url).await;
+    let (proxies, store) = behind_proxies(&group).await;
     let claim = |i: usize| minute_claim(&format!("back-leader-unreachable-{i}"));
     assert!(matches!(
         store.claim(&claim(0)).await.unwrap(),
@@ -459,13 +467,8 @@ async fn a_primary_that_answers_a_lookup_late_is_not_confirmed_over_a_replica_pr
     let group = SentinelGroup::start(1, &[]);
     let old = group.primary_port().unwrap();
     let replica = group.servers[1].port();
-    let mut proxies = Vec::new();
-    for s in &group.sentinels {
-        proxies.push(proxy::Proxy::start(([127, 0, 0, 1], s.port()).into()).await);
-    }
-    let hosts: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
-    let url = format!("redis+sentinel://{}/{}", hosts.join(","), group.name);
-    let store = Arc::new(quick(&url).await);
+    let (proxies, store) = behind_proxies(&group).await;
+    let store = Arc::new(store);
     let claim = |i: usize| minute_claim(&format!("late-primary-{i}"));
     assert!(matches!(
         store.claim(&claim(0)).await.unwrap(),
@@ -506,16 +509,7 @@ async fn a_primary_that_answers_a_lookup_late_is_not_confirmed_over_a_replica_pr
 
     // The replica follows the primary again: claims are served.
     assert!(redis_cli(replica, &["replicaof", "127.0.0.1", &old.to_string()]).contains("OK"));
-    until_served_claim(&store, &claim(12)).await;
-}
-
-/// Claims `req` until the store acquires it.
-async fn until_served_claim(store: &RedisStore, req: &ClaimRequest) {
-    let until = std::time::Instant::now() + NO_HANG;
-    while !matches!(store.claim(req).await, Ok(Claim::Acquired { .. })) {
-        assert!(std::time::Instant::now() < until, "no claim was served");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_acquired(&store, &claim(12), "no claim was served").await;
 }
 
 #[tokio::test]

@@ -356,8 +356,7 @@ impl RedisStoreBuilder {
     }
 
     async fn sentinel(&self, target: SentinelTarget) -> Result<Conn, StoreError> {
-        // The sentinels are asked at once, then the primary they name is checked (`INFO
-        // replication`), then the sentinels and the replicas are asked again.
+        // The sentinels, then the primary they name, then the sentinels and replicas again.
         let probe = self.connection_timeout.max(self.response_timeout);
         let lookup = 2 * (self.connection_timeout + self.response_timeout);
         let primary =
