@@ -1113,7 +1113,7 @@ async fn a_larger_clock_error_bound_keeps_claims_fast_over_a_slow_link() {
 /// The store reads the server's clock when it is built. On a loaded machine that first reply
 /// can come late, too late for the fast claim's bound: the clock is then read again on a
 /// claim after 5 ms (doubling while readings stay imprecise), not after the usual 500 ms, so
-/// claims go back to one `SET` within milliseconds. (A private server: its `TIME` count is
+/// claims go back to one `SET` within milliseconds. (A private server: its script count is
 /// this test's alone.)
 #[tokio::test]
 async fn a_late_first_clock_reading_is_taken_again_on_the_next_claim() {
