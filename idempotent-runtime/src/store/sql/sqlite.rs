@@ -9,7 +9,7 @@ use sqlx::sqlite::{Sqlite, SqliteConnectOptions, SqliteConnection};
 use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
-use crate::store::sql::bind::{bind_claims, bind_endings, statement_fns};
+use crate::store::sql::bind::{bind_claims, bind_endings, bind_keys, statement_fns};
 use crate::store::sql::by_key::{claim_keys, ended_in_order, in_request_order};
 use crate::store::sql::dialect::{ticks, Arg, DialectImpl, Statements, Templates, HEADROOM};
 use crate::store::sql::record::{RecordRow, Step};
@@ -411,7 +411,7 @@ impl DialectImpl for Sqlite {
         Box::pin(async move {
             let rows = vec!["(?, ?, ?, ?, ?, ?)"; reqs.len()].join(", ");
             let claim = sql.claim_many.replace("{rows}", &rows);
-            let query = bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, Self::TICK);
+            let query = bind_claims::<Sqlite>(AssertSqlSafe(claim), reqs, Self::TICK)?;
             let mut seen = claim_keys(reqs);
             for row in &query.fetch_all(&mut *conn).await? {
                 let (key, step) = RecordRow::decode_keyed(row)?;
@@ -421,10 +421,7 @@ impl DialectImpl for Sqlite {
             if !rest.is_empty() {
                 let keys = vec!["?"; rest.len()].join(", ");
                 let read = sql.seen_many.replace("{keys}", &keys);
-                let mut query = sqlx::query(AssertSqlSafe(read));
-                for key in &rest {
-                    query = query.bind(*key);
-                }
+                let query = bind_keys::<Sqlite>(AssertSqlSafe(read), rest.iter().copied())?;
                 for row in &query.fetch_all(&mut *conn).await? {
                     let (key, step) = RecordRow::decode_keyed(row)?;
                     seen.insert(&key, step);
@@ -444,7 +441,7 @@ impl DialectImpl for Sqlite {
         Box::pin(async move {
             let rows = vec!["(?, ?, ?, ?, ?)"; items.len()].join(", ");
             let end = sql.complete_many.replace("{rows}", &rows);
-            let query = bind_endings(sqlx::query(AssertSqlSafe(end)), items, Self::TICK);
+            let query = bind_endings::<Sqlite>(AssertSqlSafe(end), items, Self::TICK)?;
             let mut ended = Vec::with_capacity(items.len());
             for row in query.fetch_all(&mut *conn).await? {
                 ended.push(row.try_get::<Vec<u8>, _>(0)?);

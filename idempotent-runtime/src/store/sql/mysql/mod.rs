@@ -13,7 +13,7 @@ use sqlx::query::Query;
 use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
-use crate::store::sql::bind::{bind_claims, bind_endings, statement_fns};
+use crate::store::sql::bind::{bind_claims, bind_endings, bind_keys, statement_fns};
 use crate::store::sql::by_key::{claim_keys, in_request_order, ByKey};
 use crate::store::sql::dialect::{Arg, DialectImpl, Statements, Templates, HEADROOM};
 use crate::store::sql::record::{RecordRow, Step, Stored};
@@ -105,13 +105,9 @@ impl DialectImpl for MySql {
             } else {
                 &sql.claim
             };
-            let done = bind_claims(
-                sqlx::query(AssertSqlSafe(first.clone())),
-                &[req],
-                Self::TICK,
-            )
-            .execute(&mut *conn)
-            .await?;
+            let done = bind_claims::<MySql>(AssertSqlSafe(first.clone()), &[req], Self::TICK)?
+                .execute(&mut *conn)
+                .await?;
             if done.last_insert_id() > 0 {
                 return Ok(Step::Acquired(done.last_insert_id()));
             }
@@ -137,22 +133,22 @@ impl DialectImpl for MySql {
         Box::pin(async move {
             let mut seen = claim_keys(reqs);
             if !sql.claim_many_reporting.is_empty() {
-                let query = multi_row_claim(&sql.claim_many_reporting, reqs);
+                let query = multi_row_claim(&sql.claim_many_reporting, reqs)?;
                 for row in &query.fetch_all(&mut *conn).await? {
                     let (key, step) = RecordRow::decode_keyed(row)?;
                     seen.insert(&key, step);
                 }
                 return Ok(in_request_order(seen));
             }
-            multi_row_claim(&sql.claim_many, reqs)
+            multi_row_claim(&sql.claim_many, reqs)?
                 .execute(&mut *conn)
                 .await?;
             let keys = vec!["?"; reqs.len()].join(", ");
             let read = sql.seen_many.replace("{keys}", &keys);
-            let mut query = sqlx::query(AssertSqlSafe(read));
-            for req in reqs {
-                query = query.bind(req.key.as_bytes());
-            }
+            let query = bind_keys::<MySql>(
+                AssertSqlSafe(read),
+                reqs.iter().map(|req| req.key.as_bytes()),
+            )?;
             for row in &query.fetch_all(&mut *conn).await? {
                 let (key, step) = RecordRow::decode_keyed(row)?;
                 seen.insert(&key, step);
@@ -169,7 +165,7 @@ impl DialectImpl for MySql {
         reqs: &'c [&'c ClaimRequest],
     ) -> BoxFuture<'c, Result<Vec<Option<Step>>, sqlx::Error>> {
         Box::pin(async move {
-            let query = multi_row_claim(&sql.claim_many_fresh, reqs);
+            let query = multi_row_claim(&sql.claim_many_fresh, reqs)?;
             let mut found = ByKey::new(reqs.iter().map(|req| req.key.as_bytes()));
             for row in &query.fetch_all(&mut *conn).await? {
                 let key: Vec<u8> = row.try_get(0)?;
@@ -223,17 +219,17 @@ impl DialectImpl for MySql {
                 });
             }
             let end = sql.complete_many.replace("{rows}", &rows);
-            let query = bind_endings(sqlx::query(AssertSqlSafe(end)), items, Self::TICK);
+            let query = bind_endings::<MySql>(AssertSqlSafe(end), items, Self::TICK)?;
             let changed = query.execute(&mut *conn).await?.rows_affected();
             if changed == items.len() as u64 {
                 return Ok(vec![true; items.len()]);
             }
             let keys = vec!["?"; items.len()].join(", ");
             let read = sql.seen_many.replace("{keys}", &keys);
-            let mut query = sqlx::query(AssertSqlSafe(read));
-            for item in items {
-                query = query.bind(item.key.as_bytes());
-            }
+            let query = bind_keys::<MySql>(
+                AssertSqlSafe(read),
+                items.iter().map(|item| item.key.as_bytes()),
+            )?;
             let mut records = ByKey::new(items.iter().map(|item| item.key.as_bytes()));
             for row in &query.fetch_all(&mut *conn).await? {
                 // A record that is not readable was left alone: the item is answered as
@@ -281,8 +277,8 @@ async fn claim_reporting(
     sql: &Statements,
     req: &ClaimRequest,
 ) -> Result<Step, sqlx::Error> {
-    let query = sqlx::query(AssertSqlSafe(sql.claim_reporting.clone()));
-    let row = bind_claims(query, &[req], MySql::TICK)
+    let query = AssertSqlSafe(sql.claim_reporting.clone());
+    let row = bind_claims::<MySql>(query, &[req], MySql::TICK)?
         .fetch_optional(&mut *conn)
         .await?;
     Ok(Step::Seen(row.as_ref().map(RecordRow::decode).transpose()?))
@@ -307,10 +303,10 @@ fn returns_from_insert(version: &str) -> bool {
 /// `reqs`.
 fn multi_row_claim<'q>(
     template: &str,
-    reqs: &[&'q ClaimRequest],
-) -> Query<'q, MySql, MySqlArguments> {
+    reqs: &[&ClaimRequest],
+) -> Result<Query<'q, MySql, MySqlArguments>, sqlx::Error> {
     let claim = template.replace("{rows}", &vec![CLAIM_ROW; reqs.len()].join(", "));
-    bind_claims(sqlx::query(AssertSqlSafe(claim)), reqs, MySql::TICK)
+    bind_claims(AssertSqlSafe(claim), reqs, MySql::TICK)
 }
 
 #[cfg(test)]
