@@ -166,13 +166,15 @@ impl DialectImpl for MySql {
     ) -> BoxFuture<'c, Result<Vec<Option<Step>>, sqlx::Error>> {
         Box::pin(async move {
             let query = multi_row_claim(&sql.claim_many_fresh, reqs)?;
+            let rows = query.fetch_all(&mut *conn).await?;
             let mut found = ByKey::new(reqs.iter().map(|req| req.key.as_bytes()));
-            for row in &query.fetch_all(&mut *conn).await? {
-                let key: Vec<u8> = row.try_get(0)?;
-                let token: Vec<u8> = row.try_get(1)?;
+            // Read in place: the key and the token are compared, never kept.
+            for row in &rows {
+                let key: &[u8] = row.try_get(0)?;
+                let token: &[u8] = row.try_get(1)?;
                 let fence: i64 = row.try_get(2)?;
                 let inserted: u64 = row.try_get(3)?;
-                found.insert(&key, (token, fence, inserted));
+                found.insert(key, (token, fence, inserted));
             }
             Ok(found
                 .into_found()
