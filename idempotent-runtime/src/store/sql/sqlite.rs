@@ -9,7 +9,7 @@ use sqlx::sqlite::{Sqlite, SqliteConnectOptions, SqliteConnection};
 use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
-use crate::store::sql::bind::{bind_claims, bind_endings, bind_keys, statement_fns};
+use crate::store::sql::bind::{bind_claims, bind_endings, bind_keys, statement_fns, with_rows};
 use crate::store::sql::by_key::{claim_keys, ended_in_order, in_request_order};
 use crate::store::sql::dialect::{ticks, Arg, DialectImpl, Statements, Templates, HEADROOM};
 use crate::store::sql::record::{RecordRow, Step};
@@ -409,8 +409,8 @@ impl DialectImpl for Sqlite {
         reqs: &'c [&'c ClaimRequest],
     ) -> BoxFuture<'c, Result<Vec<Step>, sqlx::Error>> {
         Box::pin(async move {
-            let rows = vec!["(?, ?, ?, ?, ?, ?)"; reqs.len()].join(", ");
-            let claim = sql.claim_many.replace("{rows}", &rows);
+            let row = "(?, ?, ?, ?, ?, ?)";
+            let claim = with_rows(&sql.claim_many, "{rows}", reqs.len(), (row, ", ", row));
             let query = bind_claims::<Sqlite>(AssertSqlSafe(claim), reqs, Self::TICK)?;
             let mut seen = claim_keys(reqs);
             for row in &query.fetch_all(&mut *conn).await? {
@@ -419,8 +419,7 @@ impl DialectImpl for Sqlite {
             }
             let rest: Vec<&[u8]> = seen.missing().collect();
             if !rest.is_empty() {
-                let keys = vec!["?"; rest.len()].join(", ");
-                let read = sql.seen_many.replace("{keys}", &keys);
+                let read = with_rows(&sql.seen_many, "{keys}", rest.len(), ("?", ", ", "?"));
                 let query = bind_keys::<Sqlite>(AssertSqlSafe(read), rest.iter().copied())?;
                 for row in &query.fetch_all(&mut *conn).await? {
                     let (key, step) = RecordRow::decode_keyed(row)?;
@@ -439,8 +438,8 @@ impl DialectImpl for Sqlite {
         items: &'c [&'c Ending],
     ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
         Box::pin(async move {
-            let rows = vec!["(?, ?, ?, ?, ?)"; items.len()].join(", ");
-            let end = sql.complete_many.replace("{rows}", &rows);
+            let row = "(?, ?, ?, ?, ?)";
+            let end = with_rows(&sql.complete_many, "{rows}", items.len(), (row, ", ", row));
             let query = bind_endings::<Sqlite>(AssertSqlSafe(end), items, Self::TICK)?;
             let mut ended = Vec::with_capacity(items.len());
             for row in query.fetch_all(&mut *conn).await? {

@@ -13,7 +13,7 @@ use sqlx::query::Query;
 use sqlx::{AssertSqlSafe, Pool, Row};
 
 use crate::database::SqlDatabase;
-use crate::store::sql::bind::{bind_claims, bind_endings, bind_keys, statement_fns};
+use crate::store::sql::bind::{bind_claims, bind_endings, bind_keys, statement_fns, with_rows};
 use crate::store::sql::by_key::{claim_keys, in_request_order, ByKey};
 use crate::store::sql::dialect::{Arg, DialectImpl, Statements, Templates, HEADROOM};
 use crate::store::sql::record::{RecordRow, Step, Stored};
@@ -143,8 +143,7 @@ impl DialectImpl for MySql {
             multi_row_claim(&sql.claim_many, reqs)?
                 .execute(&mut *conn)
                 .await?;
-            let keys = vec!["?"; reqs.len()].join(", ");
-            let read = sql.seen_many.replace("{keys}", &keys);
+            let read = with_rows(&sql.seen_many, "{keys}", reqs.len(), ("?", ", ", "?"));
             let query = bind_keys::<MySql>(
                 AssertSqlSafe(read),
                 reqs.iter().map(|req| req.key.as_bytes()),
@@ -211,23 +210,18 @@ impl DialectImpl for MySql {
         items: &'c [&'c Ending],
     ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
         Box::pin(async move {
-            let first = "SELECT ? AS k, ? AS t, ? AS res, ? AS ttl, ? AS c";
-            let mut rows = String::with_capacity(items.len() * 40);
-            for i in 0..items.len() {
-                rows.push_str(if i == 0 {
-                    first
-                } else {
-                    " UNION ALL SELECT ?, ?, ?, ?, ?"
-                });
-            }
-            let end = sql.complete_many.replace("{rows}", &rows);
+            let rows = (
+                "SELECT ? AS k, ? AS t, ? AS res, ? AS ttl, ? AS c",
+                " UNION ALL ",
+                "SELECT ?, ?, ?, ?, ?",
+            );
+            let end = with_rows(&sql.complete_many, "{rows}", items.len(), rows);
             let query = bind_endings::<MySql>(AssertSqlSafe(end), items, Self::TICK)?;
             let changed = query.execute(&mut *conn).await?.rows_affected();
             if changed == items.len() as u64 {
                 return Ok(vec![true; items.len()]);
             }
-            let keys = vec!["?"; items.len()].join(", ");
-            let read = sql.seen_many.replace("{keys}", &keys);
+            let read = with_rows(&sql.seen_many, "{keys}", items.len(), ("?", ", ", "?"));
             let query = bind_keys::<MySql>(
                 AssertSqlSafe(read),
                 items.iter().map(|item| item.key.as_bytes()),
@@ -307,7 +301,7 @@ fn multi_row_claim<'q>(
     template: &str,
     reqs: &[&ClaimRequest],
 ) -> Result<Query<'q, MySql, MySqlArguments>, sqlx::Error> {
-    let claim = template.replace("{rows}", &vec![CLAIM_ROW; reqs.len()].join(", "));
+    let claim = with_rows(template, "{rows}", reqs.len(), (CLAIM_ROW, ", ", CLAIM_ROW));
     bind_claims(AssertSqlSafe(claim), reqs, MySql::TICK)
 }
 
