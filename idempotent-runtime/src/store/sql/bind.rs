@@ -1,6 +1,7 @@
 //! Binding values to the SQL store's statements, the same for every database: a batch's
-//! claims and endings, a statement's [`Arg`]s, and the statement functions every dialect
-//! shares (`statement_fns!`). The SQL texts themselves are in `dialect.rs`.
+//! claims, endings and keys, a statement's [`Arg`]s, the rows of placeholders of a batch
+//! statement's text, and the statement functions every dialect shares (`statement_fns!`). The
+//! SQL texts themselves are in `dialect.rs`.
 
 use std::time::Duration;
 
@@ -24,10 +25,11 @@ pub(crate) fn ending_args(item: &Ending, tick: Duration) -> (Option<&[u8]>, i64,
     }
 }
 
-/// `template` with its `slot` replaced by `count` items: `first`, then `sep` and `item` for
-/// each one after it (the rows of placeholders of a batch statement, one per item). Written
-/// in one pass into a string of the final size: a batch of 100 claims is some 20 kB of text.
-/// A template without the slot is returned as it is.
+/// `template` with its slot (the first `slot`: each statement has one) replaced by `count`
+/// items: `first`, then `sep` and `item` for each one after it (the rows of placeholders of a
+/// batch statement, one per item). Written in one pass into a string of the final size: a
+/// batch of 100 claims is some 20 kB of text. A template without the slot is returned as it
+/// is.
 #[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
 pub(crate) fn with_rows(
     template: &str,
