@@ -266,7 +266,6 @@ async fn a_paused_primary_is_left_and_demoted_when_it_resumes() {
     assert!(on_server(new, "resumed"));
 }
 
-/// No sentinel answers: a typed error at build time, not a hang.
 /// A proxy in front of each of the group's sentinels, and a [`quick`] store that reaches the
 /// sentinels through them only.
 async fn behind_proxies(group: &SentinelGroup) -> (Vec<proxy::Proxy>, RedisStore) {
@@ -512,6 +511,7 @@ async fn a_primary_that_answers_a_lookup_late_is_not_confirmed_over_a_replica_pr
     until_acquired(&store, &claim(12), "no claim was served").await;
 }
 
+/// No sentinel answers: a typed error at build time, not a hang.
 #[tokio::test]
 async fn no_reachable_sentinel_is_a_typed_error() {
     let url = format!(
